@@ -1,0 +1,51 @@
+"""Linear projection per modality with symmetric InfoNCE (the CLIP-style head).
+
+The simplest post-hoc aligner and the pipeline's first method: two linear maps
+g_v(x) = P_v x, g_l(y) = P_l y on the frozen POOLED features, trained with the
+symmetric InfoNCE of CLIP (Radford et al., 2021):
+
+    L = 1/(2B) sum_i [ -log softmax_j(h_v,i . h_l,j / tau)_i - log softmax_j(h_l,i . h_v,j / tau)_i ]
+
+Symbols -> variables: P_v -> self.P_v, P_l -> self.P_l, h -> h_v / h_l, tau -> self.tau.
+
+Deviations / choices:
+1. Fixed temperature tau = 0.05 (STRUCTURE's value), not learned: fewer moving parts.
+2. Output dim K = 512, as Linear_RS in STRUCTURE.
+3. dense_image applies P_v to every patch token (the MaskCLIP trick).
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def info_nce(h_v, h_l, tau):
+    """Symmetric InfoNCE over a batch of L2-normalised pairs (B, K), (B, K)."""
+    logits = h_v @ h_l.T / tau                      # (B, B) cosine similarity as logits
+    target = torch.arange(len(h_v), device=h_v.device)
+    return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
+
+
+class Linear(nn.Module):
+    defaults = dict(lr=1e-3, epochs=20, batch_size=256, weight_decay=1e-4, optimizer="adamw")
+
+    def __init__(self, d_image, d_text, K=512, tau=0.05):  # K, tau: STRUCTURE §4
+        super().__init__()
+        self.P_v = nn.Linear(d_image, K, bias=False)
+        self.P_l = nn.Linear(d_text, K, bias=False)
+        self.tau = tau
+
+    def embed_image(self, img):
+        return F.normalize(self.P_v(img.pooled), dim=-1)   # (B, K)
+
+    def embed_text(self, txt):
+        return F.normalize(self.P_l(txt.pooled), dim=-1)   # (B, K)
+
+    def score(self, img_emb, txt_emb):
+        return img_emb @ txt_emb.T                         # (N_img, N_txt) cosine
+
+    def dense_image(self, img):
+        return F.normalize(self.P_v(img.patches()), dim=-1)  # (B, H*W, K)
+
+    def loss(self, img, txt):
+        loss = info_nce(self.embed_image(img), self.embed_text(txt), self.tau)
+        return loss, {"nce": loss.item()}

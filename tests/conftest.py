@@ -1,0 +1,26 @@
+"""Shared test setup: CPU only, one thread (small ops run faster so on 2 shared cores), no network."""
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def random_features(B, T, D, grid=None, lengths=None, seed=0):
+    """Random Features for tests. lengths: per-row real-token counts (text padding)."""
+    from encoders import Features
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randn(B, T, D, generator=g)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    if lengths is not None:
+        for b, n in enumerate(lengths):
+            mask[b, n:] = False
+            tokens[b, n:] = 0
+    pooled = (tokens * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+    return Features(tokens=tokens, mask=mask, pooled=pooled, grid=grid)
