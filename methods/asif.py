@@ -1,0 +1,72 @@
+"""ASIF: training-free relative representations over a set of anchor pairs.
+
+Norelli et al., "ASIF: Coupled Data Turns Unimodal Models to Multimodal Without
+Training" (NeurIPS 2023), as a baseline of the weight-recycling paper (§4: g maps an
+image to its similarities with the image side of D_imgtxt, g_bar likewise for text).
+
+Anchors: N_a training pairs (a_v,j, a_l,j). A sample is represented by its cosine
+similarities to the anchors of its own modality; since anchor j is the same pair on
+both sides, the two representations share coordinates:
+
+    r_v(x) = [cos(x, a_v,j)]_j,  r_l(y) = [cos(y, a_l,j)]_j    (B, N_a)
+    keep the k largest entries of each row, set the rest to 0   (sparsify)
+    r <- r^p, then L2-normalise                                 (sharpen)
+    s(x, y) = r_v(x) . r_l(y)
+
+Symbols -> variables: a_v, a_l -> self.anchors_v, self.anchors_l; k -> self.k;
+p -> self.p; N_a -> n_anchors (cap).
+
+Deviations / choices:
+1. Negative similarities are clamped to 0 before the power: with an even p a
+   strongly dissimilar anchor would otherwise count as a strong match (it matters
+   only when k approaches the anchor count, e.g. small anchor sets).
+2. n_anchors=None keeps every training pair; an int keeps a fixed random subset
+   (seed 0), to bound the (B, N_a) embeddings on large sets.
+3. Embeddings are dense (B, N_a) tensors with at most k non-zeros per row.
+4. The anchors are buffers created by fit(), so a saved state_dict holds them; load
+   it into a method fitted on the same number of anchors.
+5. dense_image represents every patch token against the (pooled) image anchors (the
+   MaskCLIP trick).
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class ASIF(nn.Module):
+    defaults = dict(epochs=0)  # training-free: fit() only stores the anchors
+
+    def __init__(self, d_image, d_text, k=800, p=8, n_anchors=None):  # k, p: ASIF §3 (as in REFERENCE)
+        super().__init__()
+        self.k, self.p, self.n_anchors = k, p, n_anchors
+        self.register_buffer("anchors_v", torch.zeros(0, d_image))
+        self.register_buffer("anchors_l", torch.zeros(0, d_text))
+
+    @torch.no_grad()
+    def fit(self, img, txt):
+        idx = torch.arange(len(img))
+        if self.n_anchors is not None and self.n_anchors < len(img):
+            idx = torch.randperm(len(img), generator=torch.Generator().manual_seed(0))[:self.n_anchors]
+        self.anchors_v = F.normalize(img.pooled[idx].float(), dim=-1)     # (N_a, D_v)
+        self.anchors_l = F.normalize(txt.pooled[idx].float(), dim=-1)     # (N_a, D_l)
+        return self
+
+    def relative(self, x, anchors):
+        """Sparse, sharpened relative representation of x (..., D) against anchors (N_a, D)."""
+        r = F.normalize(x, dim=-1) @ anchors.T                            # (..., N_a) cosine similarities
+        k = min(self.k, anchors.shape[0])
+        top = r.topk(k, dim=-1)                                           # k largest per row
+        r = torch.zeros_like(r).scatter(-1, top.indices, top.values)      # (..., N_a), k non-zeros
+        return F.normalize(r.clamp_min(0) ** self.p, dim=-1)              # (..., N_a)
+
+    def embed_image(self, img):
+        return self.relative(img.pooled, self.anchors_v)                  # (B, N_a)
+
+    def embed_text(self, txt):
+        return self.relative(txt.pooled, self.anchors_l)                  # (B, N_a)
+
+    def score(self, img_emb, txt_emb):
+        return img_emb @ txt_emb.T                                        # (N_img, N_txt)
+
+    def dense_image(self, img):
+        return self.relative(img.patches(), self.anchors_v)               # (B, H*W, N_a)

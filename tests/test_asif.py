@@ -1,0 +1,72 @@
+"""ASIF (methods/asif.py): relative representations against a per-sample Python loop."""
+import math
+
+import torch
+import torch.nn.functional as F
+
+from conftest import random_features
+from encoders import Features
+from methods.asif import ASIF
+
+
+def naive_relative(x, anchors, k, p):
+    """One sample at a time: cosines, keep the k largest, clamp, power p, L2-normalise."""
+    sims = [float(x @ a) / (x.norm().item() * a.norm().item()) for a in anchors]
+    keep = sorted(range(len(sims)), key=lambda j: -sims[j])[:k]
+    r = [max(sims[j], 0.0) ** p if j in keep else 0.0 for j in range(len(sims))]
+    norm = math.sqrt(sum(v * v for v in r))
+    return torch.tensor([v / norm for v in r])
+
+
+def test_relative_representation_matches_loop():
+    img, txt = random_features(30, 1, 6, seed=0), random_features(30, 1, 5, seed=1)
+    asif = ASIF(6, 5, k=7, p=3).fit(img, txt)
+    q = random_features(4, 1, 6, seed=2)
+    emb = asif.embed_image(q)
+    assert emb.shape == (4, 30)
+    for b in range(4):
+        assert torch.allclose(emb[b], naive_relative(q.pooled[b], img.pooled, 7, 3), atol=1e-5)
+    assert ((emb > 0).sum(1) <= 7).all()
+    emb_l = asif.embed_text(txt[:3])
+    for b in range(3):
+        assert torch.allclose(emb_l[b], naive_relative(txt.pooled[b], txt.pooled, 7, 3), atol=1e-5)
+
+
+def test_k_capped_by_anchor_count_and_n_anchors():
+    img, txt = random_features(10, 1, 4, seed=3), random_features(10, 1, 4, seed=4)
+    asif = ASIF(4, 4).fit(img, txt)                        # k = 800 > 10 anchors
+    e = asif.embed_image(img)
+    assert e.shape == (10, 10) and torch.isfinite(e).all() and (e >= 0).all()
+    capped = ASIF(4, 4, n_anchors=6).fit(img, txt)
+    assert capped.anchors_v.shape == (6, 4) and capped.anchors_l.shape == (6, 4)
+    # the same pairs on both sides: anchor j of each modality comes from one training pair
+    j = (F.normalize(img.pooled, dim=1) @ capped.anchors_v.T).argmax(0)
+    assert torch.equal(j, (F.normalize(txt.pooled, dim=1) @ capped.anchors_l.T).argmax(0))
+
+
+def test_retrieval_on_paired_clusters_and_permutation():
+    # 20 concepts; each modality sees the concept through its own random map + noise
+    g = torch.Generator().manual_seed(5)
+    c = torch.randn(20, 8, generator=g)
+    M_v, M_l = torch.randn(8, 12, generator=g), torch.randn(8, 9, generator=g)
+    lab = torch.arange(200) % 20
+    noisy = lambda M: (c[lab] + 0.3 * torch.randn(200, 8, generator=g)) @ M
+    img, txt = Features.from_vectors(noisy(M_v)), Features.from_vectors(noisy(M_l))
+    asif = ASIF(12, 9, k=50, p=8).fit(img[:150], txt[:150])
+    S = asif.score(asif.embed_image(img[150:]), asif.embed_text(txt[150:]))     # (50, 50)
+    same = lab[150:, None] == lab[None, 150:]
+    # the best caption of every held-out image is of its concept (chance 1/20)
+    assert same[torch.arange(50), S.argmax(1)].float().mean() > 0.8
+    perm = torch.randperm(50)
+    S_p = asif.score(asif.embed_image(img[150:][perm]), asif.embed_text(txt[150:]))
+    assert torch.allclose(S_p, S[perm])
+
+
+def test_dense_image_matches_pooled_representation():
+    img = random_features(5, 1 + 4, 6, grid=(2, 2), seed=6)
+    txt = random_features(5, 2, 3, seed=7)
+    asif = ASIF(6, 3, k=3).fit(img, txt)
+    img.tokens[:, 2] = img.pooled
+    dense = asif.dense_image(img)
+    assert dense.shape == (5, 4, 5)
+    assert torch.allclose(dense[:, 1], asif.embed_image(img), atol=1e-6)
