@@ -1,0 +1,310 @@
+"""Supervised classification heads as semantic prototypes: data + analyses.
+
+Read next to "Supervised Classification Heads as Semantic Prototypes: Unlocking
+Vision-Language Alignment via Weight Recycling" (papers/weight_recycling.txt).
+A supervised image encoder f_I was trained with a linear head W f_I(x) + b
+(Eq. 1); this module recycles the head rows w_i as alignment data and
+reproduces the paper's analyses of them:
+
+    weight_pairs / augment     §4.1 D_weights, Eq. (3) D_aug = D_imgtxt ∪ D_weights
+    neural_collapse_check      Table 1 (linear vs cosine classifier on w_i)
+    mutual_knn, cka            Fig. 1 metric (Huh et al. 2024); CKA for layer selection
+    prototype_alignment        Fig. 1 (head rows vs class means of n images, to text)
+    modality_gap               Appendix I (centroid distance + permutation null, separability)
+    few_shot                   Table 2 / Table 11 (NCC, KNN, weight-aligned MLP)
+    run_analyses               all of the above on one encoder's head and features
+
+Symbols -> variables: W (C, D) -> W, b (C,) -> b, w_i -> W[i], f_I(x) (N, D) ->
+feats, f_T(t_i) (class-name text embedding) -> class_text / class_text_vecs,
+C classes, N images, n images per class -> n, k neighbours -> k.
+
+Deviations / choices (the paper is silent on these):
+1. Fig. 1 class means average the RAW features of n random images of a class
+   (as the reference code does), then compare by cosine; several random draws
+   (`repeats`) are averaged, and only classes that have images take part.
+2. Appendix I: the image side is one class-mean feature per class (as in the
+   paper, "averaged image representations"); p-value = (1 + #null >= gap) /
+   (1 + n_perm). "cohens_d" = (gap - null_mean) / null_std, the paper's number.
+   Separability: a logistic regression (the paper's "single-layer MLP") on a
+   stratified 80/20 split, balanced accuracy in percent.
+3. few_shot: per run and per class, a random order; the first max(shots) images
+   are the support pool (the n-shot support is its first n, so supports are
+   nested), the remaining images are the test set, the same for every method
+   and shot count of a run (the paper's controlled comparison). KNN uses
+   k = shots (so 1-shot KNN = NCC, as in Table 2), cosine, majority vote, ties
+   broken by the nearest neighbour. Features are L2-normalised first.
+4. finetune_mlp_classifier: Adam, cosine annealing to 0 (the reference code's
+   optimiser), full-batch steps: with <= 512 support pairs one step is one of
+   the paper's 200 fine-tuning epochs at batch 512.
+"""
+import copy
+
+import torch
+import torch.nn.functional as F
+
+from encoders import Features
+
+
+# ---------------------------------------------------------------- alignment data (§4)
+
+def weight_pairs(W, class_text):
+    """§4.1: D_weights = {(w_i / ||w_i||, f_T(class name i))}, bias dropped.
+
+    W: (C, D) head rows; class_text: Features of the C raw class names (full
+    token rows kept, so token-level methods can use them). Returns (img, txt)
+    Features; the image side is a one-token sequence per class."""
+    assert len(W) == len(class_text), "one class name per head row"
+    w_hat = F.normalize(W.float(), dim=-1)                   # (C, D) unit rows
+    return Features.from_vectors(w_hat), class_text
+
+
+def augment(pairs_img, pairs_txt, w_img, w_txt):
+    """Eq. (3): D_aug = D_imgtxt ∪ D_weights, as one (img, txt) Features pair."""
+    return Features.cat([pairs_img, w_img]), Features.cat([pairs_txt, w_txt])
+
+
+# ---------------------------------------------------------------- Table 1
+
+def neural_collapse_check(W, b, feats, labels):
+    """Table 1: top-1 (%) of the linear head W f + b, the cosine classifier
+    cos(w_i, f) (Eq. 4) and the bias-free head W f, on held-out images."""
+    W, b, feats = W.float(), b.float(), feats.float()
+    acc = lambda logits: 100.0 * (logits.argmax(1) == labels).float().mean().item()
+    cos = F.normalize(feats, dim=-1) @ F.normalize(W, dim=-1).T   # (N, C)
+    return {"linear_top1": acc(feats @ W.T + b),                  # Eq. (1)
+            "cosine_top1": acc(cos),                              # Eq. (4)
+            "nobias_top1": acc(feats @ W.T)}
+
+
+# ---------------------------------------------------------------- representation similarity
+
+def knn_indices(X, k):
+    """(N, k) indices of each row's k nearest rows by cosine, self excluded."""
+    Xn = F.normalize(X.float(), dim=-1)
+    sim = Xn @ Xn.T                                          # (N, N) cosine
+    sim.fill_diagonal_(float("-inf"))                        # a row is not its own neighbour
+    return sim.topk(k, dim=1).indices
+
+
+def mutual_knn(X, Y, k):
+    """Mutual k-NN alignment m_NN (Huh et al. 2024; the paper's Fig. 1 metric):
+    X (N, Dx), Y (N, Dy) paired rows; mean over i of |kNN_X(i) ∩ kNN_Y(i)| / k."""
+    N = len(X)
+    assert len(Y) == N and 0 < k < N
+    in_X = torch.zeros(N, N, dtype=torch.bool).scatter_(1, knn_indices(X, k), True)
+    in_Y = torch.zeros(N, N, dtype=torch.bool).scatter_(1, knn_indices(Y, k), True)
+    return ((in_X & in_Y).sum(1).float() / k).mean().item()
+
+
+def cka(X, Y):
+    """Linear CKA: HSIC(K, L) = tr(K H L H) with K = X X^T, L = Y Y^T, H = I - 11^T/N;
+    CKA = HSIC_KL / sqrt(HSIC_KK HSIC_LL). Uses tr(K H L H) = ||Xc^T Yc||_F^2
+    with column-centred Xc = H X, Yc = H Y, so no N x N matrix is formed."""
+    Xc = X.double() - X.double().mean(0)                     # (N, Dx) = H X
+    Yc = Y.double() - Y.double().mean(0)                     # (N, Dy) = H Y
+    hsic = lambda A, B: (A.T @ B).pow(2).sum()
+    return (hsic(Xc, Yc) / (hsic(Xc, Xc) * hsic(Yc, Yc)).sqrt()).item()
+
+
+# ---------------------------------------------------------------- Fig. 1
+
+def class_means(feats, labels, classes, n=None, generator=None):
+    """(len(classes), D) mean of n random images per class (all images if n is None)."""
+    rows = []
+    for c in classes:
+        idx = (labels == c).nonzero().squeeze(1)
+        if n is not None:
+            idx = idx[torch.randperm(len(idx), generator=generator)[:n]]
+        rows.append(feats[idx].float().mean(0))
+    return torch.stack(rows)
+
+
+def prototype_alignment(W, feats, labels, class_text_vecs, counts=(1, 2, 5, 10, 20),
+                        k=(3, 5, 10),  # Fig. 1 tests k in {3, 5, 10}
+                        repeats=5, seed=0):
+    """Fig. 1: m_NN of the class-name text embeddings with (a) the head rows w_i
+    ("head_k{k}") and (b) class means of n random images per class
+    ("mean{n}_k{k}", averaged over `repeats` draws; "meanall_k{k}" uses every
+    image). Counts above the smallest class size and k >= #classes are skipped."""
+    classes = labels.unique()                                # classes that have images
+    sizes = torch.stack([(labels == c).sum() for c in classes])
+    T = class_text_vecs[classes].float()                     # (C', D_t)
+    ks = [k] if isinstance(k, int) else list(k)
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for kk in [kk for kk in ks if kk < len(classes)]:
+        out[f"head_k{kk}"] = mutual_knn(W[classes], T, kk)   # (a) head rows
+        for n in [n for n in counts if n <= sizes.min()]:    # (b) n-image class means
+            draws = [mutual_knn(class_means(feats, labels, classes, n, g), T, kk) for _ in range(repeats)]
+            out[f"mean{n}_k{kk}"] = sum(draws) / repeats
+        out[f"meanall_k{kk}"] = mutual_knn(class_means(feats, labels, classes), T, kk)
+    return out
+
+
+# ---------------------------------------------------------------- Appendix I
+
+def logistic_separability(A, B, steps=300, lr=0.05, seed=0):
+    """Held-out balanced accuracy (%) of a logistic regression telling rows of A
+    from rows of B, trained on a stratified random 80/20 split (Appendix I)."""
+    g = torch.Generator().manual_seed(seed)
+    split = lambda n: torch.randperm(n, generator=g).split([n - max(1, n // 5), max(1, n // 5)])
+    (trA, teA), (trB, teB) = split(len(A)), split(len(B))
+    X_tr = torch.cat([A[trA], B[trB]])
+    y_tr = torch.cat([torch.ones(len(trA)), torch.zeros(len(trB))])
+    mu, sd = X_tr.mean(0), X_tr.std(0) + 1e-6                # standardise with train statistics
+    w = torch.zeros(A.shape[1], requires_grad=True)
+    c = torch.zeros(1, requires_grad=True)
+    pos_weight = torch.tensor(len(trB) / len(trA))           # balance the two groups
+    opt = torch.optim.Adam([w, c], lr=lr)
+    for _ in range(steps):
+        logit = (X_tr - mu) / sd @ w + c
+        loss = F.binary_cross_entropy_with_logits(logit, y_tr, pos_weight=pos_weight)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        hit_A = (((A[teA] - mu) / sd @ w + c) > 0).float().mean()
+        hit_B = (((B[teB] - mu) / sd @ w + c) <= 0).float().mean()
+    return 50.0 * (hit_A + hit_B).item()
+
+
+def modality_gap(W, feats, n_perm=1000, seed=0):
+    """Appendix I: gap = ||mean_i w_i/||w_i|| - mean_j f_j/||f_j|| ||, against a
+    permutation null (shuffle the head/image labels of the pooled rows and
+    recompute); "separability" = held-out accuracy (%) of a linear head-vs-image
+    classifier. Paper (BEiT, IN-1K): gap 0.1723, null 0.0446 +- 0.0014, p < 0.001."""
+    A = F.normalize(W.float(), dim=-1)                       # (C, D) head rows
+    B = F.normalize(feats.float(), dim=-1)                   # (N, D) image features
+    gap = (A.mean(0) - B.mean(0)).norm().item()
+    Z = torch.cat([A, B])                                    # (C + N, D) pooled set
+    M, nA = len(Z), len(A)
+    g = torch.Generator().manual_seed(seed)
+    null = []
+    for chunk in torch.arange(n_perm).split(256):
+        order = torch.rand(len(chunk), M, generator=g).argsort(1)          # one permutation per row
+        in_A = torch.zeros(len(chunk), M).scatter_(1, order[:, :nA], 1.0)  # (P, M) relabelled "head"
+        sum_A = in_A @ Z                                                     # (P, D)
+        mean_A, mean_B = sum_A / nA, (Z.sum(0) - sum_A) / (M - nA)
+        null.append((mean_A - mean_B).norm(dim=1))
+    null = torch.cat(null)                                   # (n_perm,)
+    return {"gap": gap, "null_mean": null.mean().item(), "null_std": null.std().item(),
+            "p_value": (1 + (null >= gap).sum().item()) / (1 + n_perm),
+            "cohens_d": (gap - null.mean().item()) / (null.std().item() + 1e-12),
+            "separability": logistic_separability(A, B, seed=seed)}
+
+
+# ---------------------------------------------------------------- Table 2
+
+def finetune_mlp_classifier(mlp_method, class_text, support_feats, support_labels,
+                            steps=200,  # §4.2 / App. H: 200 fine-tuning epochs
+                            lr=5e-3):   # App. E: MLP-alignment learning rate
+    """Table 2 "Ours": copy an already weight-aligned MLP (methods/mlp.py, trained on
+    D_weights), fine-tune the copy on (support image, its class-name text) pairs
+    with the method's own loss, and classify by cosine between the aligned image
+    and the class-name text embeddings. Returns logits_fn(feats (N, D)) -> (N, C)."""
+    mlp = copy.deepcopy(mlp_method)                          # the caller's aligner stays as it was
+    img = Features.from_vectors(support_feats.float())
+    txt = class_text[support_labels]                         # the class-name text of each shot
+    opt = torch.optim.Adam(mlp.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
+    mlp.train()
+    for _ in range(steps):
+        loss, _ = mlp.loss(img, txt)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+    mlp.eval()
+    with torch.no_grad():
+        t = F.normalize(mlp.embed_text(class_text), dim=-1)  # (C, K) class prototypes
+
+    def logits_fn(feats):
+        with torch.no_grad():
+            v = F.normalize(mlp.embed_image(Features.from_vectors(feats.float())), dim=-1)
+            return v @ t.T                                   # (N, C) cosine
+    return logits_fn
+
+
+def ncc_predict(support, support_labels, query, C):
+    """Nearest class centroid by cosine (inputs L2-normalised)."""
+    centroids = torch.zeros(C, support.shape[1]).index_add_(0, support_labels, support)  # (C, D)
+    sim = query @ F.normalize(centroids, dim=-1).T           # (N, C) cosine to each centroid
+    sim[:, torch.bincount(support_labels, minlength=C) == 0] = float("-inf")  # classes without shots
+    return sim.argmax(1)
+
+
+def knn_predict(support, support_labels, query, C, k):
+    """k-NN by cosine, majority vote; ties go to the class with the nearest neighbour."""
+    sim, idx = (query @ support.T).topk(k, dim=1)            # (N, k)
+    votes = F.one_hot(support_labels[idx], C).sum(1).float() # (N, C)
+    nearest = torch.zeros_like(votes).scatter_reduce(1, support_labels[idx], sim, "amax", include_self=False)
+    return (votes + nearest / 4).argmax(1)                   # |sim|/4 < 1/2 only breaks ties
+
+
+def few_shot(feats, labels, support_shots=(1, 2, 4), runs=5, seed=0, aligned_classifier=None):
+    """Table 2 / Table 11: few-shot top-1 (%) of NCC and KNN on frozen features and,
+    if `aligned_classifier(support_feats, support_labels) -> logits_fn` is given,
+    of the weight-aligned MLP fine-tuned on the shots ("mlp_<n>shot"). Mean and
+    std over `runs` random draws, evaluated on the images outside the support pool."""
+    feats = F.normalize(feats.float(), dim=-1)
+    C, S = int(labels.max()) + 1, max(support_shots)
+    classes = labels.unique()
+    g = torch.Generator().manual_seed(seed)
+    scores = {}
+    for _ in range(runs):
+        orders = []                                          # per class, its images in random order
+        for c in classes:
+            idx = (labels == c).nonzero().squeeze(1)
+            assert len(idx) > S, f"class {int(c)} has {len(idx)} images, needs > {S}"
+            orders.append(idx[torch.randperm(len(idx), generator=g)])
+        test = torch.cat([o[S:] for o in orders])           # same test set for every n and method
+        for n in support_shots:
+            sup = torch.cat([o[:n] for o in orders])
+            preds = {"ncc": ncc_predict(feats[sup], labels[sup], feats[test], C),
+                     "knn": knn_predict(feats[sup], labels[sup], feats[test], C, k=n)}
+            if aligned_classifier is not None:
+                preds["mlp"] = aligned_classifier(feats[sup], labels[sup])(feats[test]).argmax(1)
+            for name, p in preds.items():
+                scores.setdefault(f"{name}_{n}shot", []).append(100.0 * (p == labels[test]).float().mean().item())
+    out = {}
+    for key, v in scores.items():
+        v = torch.tensor(v)
+        out[key], out[key + "_std"] = v.mean().item(), (v.std().item() if len(v) > 1 else 0.0)
+    return out
+
+
+# ---------------------------------------------------------------- all together
+
+def run_analyses(W, b, class_names, feats_train, labels_train, feats_test, labels_test,
+                 class_text_vecs, aligned_classifier=None, n_perm=1000, seed=0):
+    """Every analysis of the paper on one head: Table 1 on the held-out images,
+    Fig. 1 on the held-out images (the paper uses the IN-1K validation set),
+    Appendix I with one train-set class mean per class, Table 2 on the held-out pool."""
+    classes = labels_train.unique()
+    return {
+        "neural_collapse": neural_collapse_check(W, b, feats_test, labels_test),
+        "prototype_alignment": prototype_alignment(W, feats_test, labels_test, class_text_vecs, seed=seed),
+        "modality_gap": modality_gap(W[classes], class_means(feats_train, labels_train, classes),
+                                     n_perm=n_perm, seed=seed),
+        "few_shot": few_shot(feats_test, labels_test, seed=seed, aligned_classifier=aligned_classifier),
+        "n_classes": len(class_names),
+    }
+
+
+def analyses_table(d):
+    """The nested dict of run_analyses as aligned text, one section per paper table/figure."""
+    titles = {"neural_collapse": "Table 1: head as classifier (top-1 %)",
+              "prototype_alignment": "Fig. 1: mutual kNN to class-name text",
+              "modality_gap": "Appendix I: head rows vs image class means",
+              "few_shot": "Table 2: few-shot top-1 % (mean +- std over runs)"}
+    lines = []
+    for section, title in titles.items():
+        if section not in d:
+            continue
+        lines.append(title)
+        for key, v in d[section].items():
+            if key.endswith("_std"):
+                continue
+            std = d[section].get(key + "_std")
+            lines.append(f"  {key:<16}{v:10.4f}" + (f" +- {std:.4f}" if std is not None else ""))
+    return "\n".join(lines)

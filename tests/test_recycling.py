@@ -1,0 +1,238 @@
+"""recycling.py against constructed data with known answers and naive loops."""
+from collections import Counter
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import recycling as R
+from encoders import Features
+from conftest import random_features
+
+
+def orthogonal(D, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.linalg.qr(torch.randn(D, D, generator=g, dtype=torch.float64))[0].float()
+
+
+# ---------------------------------------------------------------- alignment data
+
+def test_weight_pairs_normalises_rows_and_keeps_text_tokens():
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(6, 10, generator=g) * torch.arange(1, 7)[:, None]     # rows of different norms
+    class_text = random_features(6, 4, 7, lengths=[1, 2, 3, 4, 2, 1])
+    img, txt = R.weight_pairs(W, class_text)
+    assert img.tokens.shape == (6, 1, 10) and img.mask.all()
+    assert torch.allclose(img.pooled.norm(dim=1), torch.ones(6))
+    assert torch.allclose(img.pooled * W.norm(dim=1, keepdim=True), W, atol=1e-5)   # same directions
+    assert torch.equal(txt.tokens, class_text.tokens) and torch.equal(txt.mask, class_text.mask)
+
+
+def test_augment_is_the_union():
+    pairs_img, pairs_txt = random_features(5, 9, 10, grid=(2, 4)), random_features(5, 6, 7, lengths=[6] * 5)
+    w_img, w_txt = R.weight_pairs(torch.randn(3, 10), random_features(3, 2, 7, seed=1))
+    img, txt = R.augment(pairs_img, pairs_txt, w_img, w_txt)
+    assert len(img) == len(txt) == 8
+    assert torch.equal(img.pooled[5:], w_img.pooled) and torch.equal(txt.pooled[:5], pairs_txt.pooled)
+    assert img.mask[5:, 0].all() and not img.mask[5:, 1:].any()            # head rows: one real token
+
+
+# ---------------------------------------------------------------- Table 1
+
+def test_neural_collapse_exact_collapse_gives_100():
+    # orthogonal rows of different norms; every feature of class i a positive multiple of w_i, b = 0
+    W = orthogonal(8)[:5] * torch.tensor([1.0, 3.0, 0.5, 2.0, 7.0])[:, None]
+    labels = torch.arange(5).repeat(4)
+    feats = W[labels] * torch.rand(20, 1, generator=torch.Generator().manual_seed(0)).add(0.1)
+    d = R.neural_collapse_check(W, torch.zeros(5), feats, labels)
+    assert d == {"linear_top1": 100.0, "cosine_top1": 100.0, "nobias_top1": 100.0}
+
+
+def test_neural_collapse_bias_and_norm_change_the_answer():
+    W = torch.eye(2)
+    feats, labels = torch.tensor([[1.0, 0.9]]), torch.tensor([0])
+    d = R.neural_collapse_check(W, torch.tensor([0.0, 0.5]), feats, labels)  # 0.9 + 0.5 > 1: bias flips it
+    assert d == {"linear_top1": 0.0, "cosine_top1": 100.0, "nobias_top1": 100.0}
+    W = torch.tensor([[10.0, 0.0], [0.0, 1.0]])                             # now the norm decides
+    d = R.neural_collapse_check(W, torch.zeros(2), torch.tensor([[0.2, 1.0]]), labels)
+    assert d == {"linear_top1": 100.0, "cosine_top1": 0.0, "nobias_top1": 100.0}
+
+
+# ---------------------------------------------------------------- mutual kNN, CKA
+
+def naive_mutual_knn(X, Y, k):
+    def neighbours(Z, i):
+        cos = [(F.cosine_similarity(Z[i], Z[j], dim=0).item(), j) for j in range(len(Z)) if j != i]
+        return {j for _, j in sorted(cos, reverse=True)[:k]}
+    return sum(len(neighbours(X, i) & neighbours(Y, i)) / k for i in range(len(X))) / len(X)
+
+
+def test_mutual_knn_matches_naive_loop():
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(25, 5, generator=g)
+    Y = torch.cat([X, torch.zeros(25, 2)], 1) + 0.7 * torch.randn(25, 7, generator=g)
+    for k in (1, 3, 7):
+        assert abs(R.mutual_knn(X, Y, k) - naive_mutual_knn(X, Y, k)) < 1e-6
+
+
+def test_mutual_knn_identical_and_independent():
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(400, 16, generator=g)
+    assert R.mutual_knn(X, X, 10) == 1.0
+    assert R.mutual_knn(X, 3 * X @ orthogonal(16), 10) == 1.0             # cosine kNN is rotation/scale invariant
+    Y = torch.randn(400, 12, generator=g)
+    assert abs(R.mutual_knn(X, Y, 10) - 10 / 399) < 0.01                   # chance: k / (N - 1)
+
+
+def test_cka_against_naive_formula_and_invariances():
+    g = torch.Generator().manual_seed(0)
+    X, Y = torch.randn(40, 6, generator=g), torch.randn(40, 9, generator=g)
+    Y[:, :6] += X
+    N = 40
+    H = torch.eye(N, dtype=torch.float64) - 1.0 / N
+    K, L = X.double() @ X.double().T, Y.double() @ Y.double().T
+    hsic = lambda A, B: torch.trace(A @ H @ B @ H)
+    naive = hsic(K, L) / (hsic(K, K) * hsic(L, L)).sqrt()
+    assert abs(R.cka(X, Y) - naive.item()) < 1e-10
+    assert abs(R.cka(X, 2.5 * X @ orthogonal(6)) - 1.0) < 1e-6
+    assert abs(R.cka(X, X + 4.0) - 1.0) < 1e-10                            # centring removes offsets
+
+
+# ---------------------------------------------------------------- Fig. 1
+
+def test_prototype_alignment_head_rows_vs_noisy_means():
+    g = torch.Generator().manual_seed(0)
+    C, D = 20, 12
+    T = torch.randn(C, 10, generator=g)
+    W = torch.cat([T, torch.zeros(C, 2)], 1) @ orthogonal(D)               # a rotated copy of the text space
+    labels = torch.arange(C).repeat_interleave(6)
+    feats = W[labels] * 3 + 2.0 * torch.randn(len(labels), D, generator=g)
+    d = R.prototype_alignment(W, feats, labels, T, counts=(1, 2, 5, 10), k=(3, 5), repeats=2)
+    assert set(d) == {f"{s}_k{k}" for k in (3, 5) for s in ("head", "mean1", "mean2", "mean5", "meanall")}
+    assert d["head_k3"] == d["head_k5"] == 1.0                             # the head IS the text geometry
+    assert d["mean1_k5"] < d["mean5_k5"] < 1.0                             # averaging more images helps
+
+
+# ---------------------------------------------------------------- Appendix I
+
+def test_modality_gap_planted_shift_is_significant_and_separable():
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(300, 16, generator=g)
+    W = torch.randn(150, 16, generator=g) + 3.0 * torch.ones(16)           # head rows shifted far off
+    d = R.modality_gap(W, feats, n_perm=300)
+    assert d["p_value"] < 0.01 and d["gap"] > d["null_mean"] + 10 * d["null_std"]
+    assert d["separability"] > 98
+
+
+def test_modality_gap_no_shift_and_null_matches_closed_form():
+    g = torch.Generator().manual_seed(1)
+    feats, W = torch.randn(300, 16, generator=g), torch.randn(150, 16, generator=g)
+    d = R.modality_gap(W, feats, n_perm=1000)
+    assert d["p_value"] > 0.01 and abs(d["gap"] - d["null_mean"]) < 3 * d["null_std"]
+    assert d["separability"] < 75
+    # a random split of M rows into nA + nB: E||mean_A - mean_B||^2 = M^2 tr(Sigma) / (nA nB (M - 1))
+    Z = F.normalize(torch.cat([W, feats]), dim=1)
+    M, nA, nB = 450, 150, 300
+    expected = M ** 2 * Z.var(0, unbiased=False).sum() / (nA * nB * (M - 1))
+    assert abs(d["null_mean"] ** 2 + d["null_std"] ** 2 - expected) / expected < 0.1
+
+
+# ---------------------------------------------------------------- Table 2
+
+def clusters(C=4, per_class=10, D=16, noise=0.05, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    centres = orthogonal(D, seed)[:C] * 5
+    labels = torch.arange(C).repeat_interleave(per_class)
+    return centres[labels] + noise * torch.randn(len(labels), D, generator=g), labels
+
+
+def test_few_shot_separated_clusters_are_solved():
+    feats, labels = clusters()
+    d = R.few_shot(feats, labels, runs=3)
+    for n in (1, 2, 4):
+        assert d[f"ncc_{n}shot"] == 100.0 and d[f"knn_{n}shot"] == 100.0 and d[f"ncc_{n}shot_std"] == 0.0
+
+
+def test_few_shot_one_shot_knn_is_ncc_and_supports_are_disjoint_from_test():
+    g = torch.Generator().manual_seed(0)
+    feats, labels = torch.randn(60, 8, generator=g), torch.arange(6).repeat(10)
+    seen = []
+
+    def spy(support_feats, support_labels):                   # records what it is given and asked
+        def logits_fn(query):
+            nearest = (F.normalize(query, dim=1) @ F.normalize(support_feats, dim=1).T).max(1).values
+            seen.append((len(support_feats), len(query), nearest.max().item()))
+            return F.one_hot(torch.zeros(len(query), dtype=torch.long), 6).float()  # always class 0
+        return logits_fn
+    d = R.few_shot(feats, labels, support_shots=(1, 3), runs=2, aligned_classifier=spy)
+    assert d["knn_1shot"] == d["ncc_1shot"]
+    assert [s[:2] for s in seen] == [(6, 60 - 18), (18, 60 - 18)] * 2    # test = all but the 3-shot pool
+    assert all(s[2] < 1 - 1e-4 for s in seen)                             # no support image is tested
+    assert abs(d["mlp_3shot"] - 100 / 6) < 1e-4                           # always class 0: 7 of 42 right
+
+
+def naive_knn(support, support_labels, query, k):
+    preds = []
+    for q in query:
+        sims = sorted(((F.cosine_similarity(q, s, dim=0).item(), int(y)) for s, y in zip(support, support_labels)),
+                      reverse=True)[:k]
+        votes = Counter(y for _, y in sims)
+        top = max(votes.values())
+        preds.append(next(y for _, y in sims if votes[y] == top))        # tie: the nearest tied class
+    return torch.tensor(preds)
+
+
+def test_knn_predict_matches_naive_vote():
+    g = torch.Generator().manual_seed(0)
+    support = F.normalize(torch.randn(24, 5, generator=g), dim=1)
+    support_labels, query = torch.arange(6).repeat(4), F.normalize(torch.randn(30, 5, generator=g), dim=1)
+    for k in (1, 2, 3, 4):
+        assert torch.equal(R.knn_predict(support, support_labels, query, 6, k),
+                           naive_knn(support, support_labels, query, k))
+
+
+class StandInMLP(nn.Module):
+    """The methods/mlp.py contract in miniature: text -> image space, loss 1 - cos."""
+
+    def __init__(self, d_image, d_text):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d_text, 32), nn.GELU(), nn.Linear(32, d_image))
+
+    def embed_image(self, img):
+        return F.normalize(img.pooled, dim=-1)
+
+    def embed_text(self, txt):
+        return F.normalize(self.net(txt.pooled), dim=-1)
+
+    def loss(self, img, txt):
+        loss = (1 - (self.embed_image(img) * self.embed_text(txt)).sum(-1)).mean()
+        return loss, {"cos_loss": loss.item()}
+
+
+def test_finetune_mlp_classifier_learns_the_shots_and_leaves_the_original():
+    torch.manual_seed(0)
+    feats, labels = clusters(C=5, per_class=8, D=12, noise=0.3)
+    class_text = random_features(5, 3, 7, seed=3)
+    mlp = StandInMLP(12, 7)
+    before = {k: v.clone() for k, v in mlp.state_dict().items()}
+    support = torch.cat([(labels == c).nonzero()[:2, 0] for c in range(5)])
+    logits_fn = R.finetune_mlp_classifier(mlp, class_text, feats[support], labels[support], steps=100, lr=5e-3)
+    assert logits_fn(feats).shape == (40, 5)
+    assert (logits_fn(feats).argmax(1) == labels).float().mean() == 1.0
+    assert all(torch.equal(before[k], v) for k, v in mlp.state_dict().items())
+
+
+# ---------------------------------------------------------------- all together
+
+def test_run_analyses_and_table():
+    g = torch.Generator().manual_seed(0)
+    C, D = 8, 16
+    W = torch.randn(C, D, generator=g)
+    make = lambda n: (W.repeat(n, 1) + 0.5 * torch.randn(C * n, D, generator=g), torch.arange(C).repeat(n))
+    (f_tr, y_tr), (f_te, y_te) = make(10), make(8)
+    d = R.run_analyses(W, torch.zeros(C), [f"c{i}" for i in range(C)], f_tr, y_tr, f_te, y_te,
+                       torch.randn(C, 6, generator=g), n_perm=50)
+    assert set(d) >= {"neural_collapse", "prototype_alignment", "modality_gap", "few_shot"}
+    assert d["neural_collapse"]["cosine_top1"] > 90 and "head_k3" in d["prototype_alignment"]
+    table = R.analyses_table(d)
+    assert "Table 1" in table and "Appendix I" in table and "ncc_4shot" in table
