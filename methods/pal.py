@@ -1,0 +1,229 @@
+"""PAL: "Learning Relative Representations for Fine-Grained Multimodal Alignment
+with Limited Data" (projection-free anchor learning, papers/pal_relative_anchors.txt).
+
+Each modality m in {v, l} gets K learnable anchors A_m (K, D_m), the ONLY trainable
+parameters. A token z is described by its cosines to the anchors of its own modality
+(a relative representation); cross-attention pooling (CAP) lets every anchor pick
+the tokens most similar to it; the pooled K-vectors of image and text are then
+compared directly, with no projection head:
+
+    R[t, k]  = cos(z_t, a_k)                                   Eq. (3)-(4)
+    alpha[t, k] = softmax_t(R[t, k] / tau_p)   (padding masked) Eq. (5)
+    p[k]     = sum_t alpha[t, k] R[t, k]                        Eq. (6)
+    h        = p / ||p||                                        Eq. (7)
+    L        = symmetric InfoNCE of h_v . h_l / tau             Eq. (8)
+
+Symbols -> variables: A_v, A_l -> self.A_v, self.A_l; Z -> Z (tokens); R -> R;
+alpha -> alpha; p -> p; h -> h_v / h_l; tau_p -> self.tau_p; tau -> self.tau;
+K -> K. Anchor analysis: Table 4 (anchor_overlap), Fig. 3 (draw_anchor_figure).
+
+Deviations / choices:
+1. tau = 0.05, fixed (the paper does not give it): the anchors stay the only
+   trainable tensors, and 0.05 is STRUCTURE's value, so PAL and the Linear head
+   share one temperature.
+2. CAP reads ALL real tokens: for images the global token, the patches and any
+   registers; for text every non-padding token including CLS/BOS/EOS.
+3. pooling (Table 5 ablation): "cap" = Eqs. (5)-(6); "mean" = masked mean of R
+   over tokens ("+ full tokens"); "global" = the relative representation of one
+   vector ("global only": image token 0, the text's pooled vector).
+4. Anchor init (the paper does not say): init="gaussian" (default) draws
+   N(0, I) anchors; init="tokens" copies K random real tokens of the FIRST
+   training batch. The constructor sees no data, so the copy happens lazily in
+   the first call of loss(), guarded by the buffer `initialised` (saved in the
+   state_dict, so a loaded model is never re-initialised). Token anchors are
+   rescaled to norm sqrt(D_m), the norm of a N(0, I) vector: only an anchor's
+   direction enters the cosine, but Adam's step is per coordinate, so equal
+   norms give the same angular step (and the same good lr) for both inits.
+   On planted data whose tokens share a common mean direction (as real encoder
+   features do), token anchors all start near that direction and training sat
+   on a plateau for ~60 steps; Gaussian anchors learned at once, hence the default.
+5. The anchors need a LARGE learning rate (REFERENCE.md: 1e-2..1e-1 with AdamW
+   on real features); default 3e-2, no weight decay (it only shrinks norms).
+6. Anchor analysis, "Dice": with two top-5 SETS, 2|A∩B|/(|A|+|B|) equals the
+   hard overlap |A∩B|/5 exactly, yet the paper reports different numbers, so
+   its Dice must weigh anchors. We use the weighted Dice of the top-5
+   activations (each set's p values, clamped >= 0, normalised to sum 1):
+   sum_k min(u_k, w_k), which reduces to the set Dice for equal weights.
+7. dense_image returns each patch's r_t (Eq. 4), L2-normalised, for segmentation.
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ---------------------------------------------------------------- helpers
+
+
+def info_nce(h_v, h_l, tau):
+    """Symmetric InfoNCE over a batch of L2-normalised pairs (B, K), (B, K).  Eq. (8)"""
+    logits = h_v @ h_l.T / tau                      # (B, B) cosine similarity as logits
+    target = torch.arange(len(h_v), device=h_v.device)
+    return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
+
+
+def relative(Z, A):
+    """Token-to-anchor cosines R[b, t, k] = cos(z_bt, a_k).  Eq. (3)-(4), (B, T, K)"""
+    return F.normalize(Z, dim=-1) @ F.normalize(A, dim=-1).T
+
+
+def cap(R, mask, tau_p):
+    """Cross-attention pooling: each anchor attends over the real tokens.  Eq. (5)-(6)"""
+    R = R.masked_fill(~mask[..., None], 0.0)                                   # padding -> 0
+    logits = (R / tau_p).masked_fill(~mask[..., None], float("-inf"))
+    alpha = logits.softmax(dim=1)                    # Eq. (5), (B, T, K), sums to 1 over t
+    p = (alpha * R).sum(dim=1)                       # Eq. (6), (B, K)
+    return p, alpha
+
+
+def masked_mean(R, mask):
+    """Uniform pooling over the real tokens (Table 5, '+ full tokens'), (B, K)."""
+    m = mask[..., None].to(R.dtype)                  # (B, T, 1)
+    return (R * m).sum(dim=1) / m.sum(dim=1)
+
+
+def anchor_overlap(p_v, p_l, top=5, seed=0):
+    """Table 4: overlap of the top-`top` anchors of p_v[i] and p_l[j], (N, K) each.
+
+    Matched pairs (i, i); mismatched pairs (i, j) with j != i drawn with a fixed seed.
+    hard = |A∩B| / top; dice = weighted Dice sum_k min(u_k, w_k) (choice 6)."""
+    def top_weights(p):
+        val, idx = p.topk(top, dim=1)                                          # (N, top)
+        onehot = torch.zeros_like(p).scatter(1, idx, 1.0)                      # set indicator
+        w = torch.zeros_like(p).scatter(1, idx, val.clamp_min(1e-8))
+        return onehot, w / w.sum(dim=1, keepdim=True)                          # (N, K) each
+
+    (a, u), (b, w) = top_weights(p_v), top_weights(p_l)
+    N = len(p_v)
+    g = torch.Generator().manual_seed(seed)
+    j = (torch.arange(N) + torch.randint(1, max(N, 2), (N,), generator=g)) % N  # j != i
+    out = {}
+    for name, jj in (("matched", torch.arange(N)), ("mismatched", j)):
+        out[f"anchor_overlap_{name}"] = ((a * b[jj]).sum(1) / top).mean().item()
+        out[f"anchor_dice_{name}"] = torch.minimum(u, w[jj]).sum(1).mean().item()
+    return out
+
+
+def heat_colours(x):
+    """A 'hot' colour map, values in [0, 1] -> (3, ...) RGB in [0, 1]."""
+    return torch.stack([(3 * x).clamp(0, 1), (3 * x - 1).clamp(0, 1), (3 * x - 2).clamp(0, 1)])
+
+
+def draw_anchor_figure(image, heatmaps, anchor_ids, word_lists, caption, path, size=160):
+    """Fig. 3, one row: the image, then per anchor its patch attention blended over
+    the image with the caption words it attends to (alpha > 0.5) written under it.
+    image: uint8 (3, S, S); heatmaps: list of (H, W) in [0, 1]."""
+    from PIL import Image, ImageDraw
+    x = F.interpolate(image[None].float() / 255, size=(size, size), mode="bilinear",
+                      align_corners=False)[0].clamp(0, 1)                      # (3, size, size)
+    tiles = [x]
+    for hm in heatmaps:
+        a = F.interpolate(hm[None, None], size=(size, size), mode="bilinear", align_corners=False)[0, 0]
+        tiles.append(0.4 * x + 0.6 * heat_colours(a.clamp(0, 1)))
+    pad, text_h = 8, 44
+    canvas = Image.new("RGB", (pad + len(tiles) * (size + pad), 2 * text_h + size), "white")
+    draw = ImageDraw.Draw(canvas)
+    draw.text((pad, 6), caption[:110], fill="black")
+    for n, tile in enumerate(tiles):
+        left = pad + n * (size + pad)
+        canvas.paste(Image.fromarray((tile * 255).byte().permute(1, 2, 0).numpy()), (left, text_h))
+        label = "image" if n == 0 else f"anchor {anchor_ids[n - 1]}"
+        draw.text((left, text_h - 14), label, fill="black")
+        if n > 0:
+            words = ", ".join(word_lists[n - 1]) or "-"
+            for line in range(2):                                              # crude wrap, 26 chars
+                draw.text((left, text_h + size + 4 + 14 * line), words[26 * line:26 * (line + 1)], fill="black")
+    canvas.save(path)
+
+
+# ---------------------------------------------------------------- the method
+
+
+class PAL(nn.Module):
+    defaults = dict(lr=3e-2, epochs=20, batch_size=256, weight_decay=0.0, optimizer="adamw")  # choice 5
+
+    def __init__(self, d_image, d_text,
+                 K=512,            # PAL §5.1
+                 tau_p=0.03,       # PAL §5.1, Table 7
+                 tau=0.05,         # not in the paper: choice 1
+                 pooling="cap",    # PAL §4.2; "mean" / "global": Table 5 ablation
+                 init="gaussian"):  # choice 4; or "tokens"
+        super().__init__()
+        assert pooling in ("cap", "mean", "global"), pooling
+        assert init in ("tokens", "gaussian"), init
+        self.A_v = nn.Parameter(torch.randn(K, d_image))   # Eq. (2), (K, D_v)
+        self.A_l = nn.Parameter(torch.randn(K, d_text))    # Eq. (2), (K, D_l)
+        self.K, self.tau_p, self.tau, self.pooling, self.init = K, tau_p, tau, pooling, init
+        self.register_buffer("initialised", torch.tensor(init == "gaussian"))
+
+    def tokens(self, x, modality):
+        """The token sequence the pooling reads: Z (B, T, D) and its mask (B, T)."""
+        if self.pooling == "global":                       # one vector per sample (choice 3)
+            g = x.tokens[:, 0] if modality == "image" else x.pooled
+            return g[:, None], torch.ones(len(g), 1, dtype=torch.bool, device=g.device)
+        return x.tokens, x.mask
+
+    def pool(self, x, modality):
+        """p (B, K): the pooled relative representation (before Eq. 7's normalisation)."""
+        Z, mask = self.tokens(x, modality)
+        R = relative(Z, self.A_v if modality == "image" else self.A_l)     # Eq. (4), (B, T, K)
+        if self.pooling == "cap":
+            return cap(R, mask, self.tau_p)[0]                             # Eq. (5)-(6)
+        return masked_mean(R, mask)                        # "mean"; "global" has T = 1
+
+    @torch.no_grad()
+    def init_from_tokens(self, img, txt):
+        """Choice 4: anchors <- K random real tokens of this batch, rescaled to norm sqrt(D)."""
+        for A, x, modality in ((self.A_v, img, "image"), (self.A_l, txt, "text")):
+            Z, mask = self.tokens(x, modality)
+            z = Z[mask]                                                        # (N_real, D)
+            K, D = A.shape
+            # without replacement when there are enough tokens; tiny noise breaks ties
+            idx = torch.randperm(len(z))[:K] if len(z) >= K else torch.randint(len(z), (K,))
+            a = F.normalize(z[idx].float(), dim=-1)
+            a = a + 1e-2 * torch.randn_like(a) / D ** 0.5
+            A.copy_(F.normalize(a, dim=-1) * D ** 0.5)
+        self.initialised.fill_(True)
+
+    def embed_image(self, img):
+        return F.normalize(self.pool(img, "image"), dim=-1)   # Eq. (7), (B, K)
+
+    def embed_text(self, txt):
+        return F.normalize(self.pool(txt, "text"), dim=-1)    # Eq. (7), (B, K)
+
+    def score(self, img_emb, txt_emb):
+        return img_emb @ txt_emb.T                            # (N_img, N_txt) cosine
+
+    def dense_image(self, img):
+        return F.normalize(relative(img.patches(), self.A_v), dim=-1)  # Eq. (4) per patch, (B, H*W, K)
+
+    def loss(self, img, txt):
+        if not self.initialised:                              # first batch only (choice 4)
+            self.init_from_tokens(img, txt)
+        loss = info_nce(self.embed_image(img), self.embed_text(txt), self.tau)  # Eq. (8)
+        return loss, {"nce": loss.item()}
+
+    @torch.no_grad()
+    def analyse(self, img, txt, images, words, out_dir, n_figures=4, n_anchors=3):
+        """Table 4 anchor overlap on all pairs, and Fig. 3 for the first n_figures pairs:
+        the n_anchors anchors contributing most to the pair's score h_v[k] h_l[k]."""
+        p_v, p_l = self.pool(img, "image"), self.pool(txt, "text")             # (N, K)
+        metrics = anchor_overlap(p_v, p_l)
+        if img.grid is None:                                # no patch grid to draw on
+            return metrics
+        H, W = img.grid
+        n = min(n_figures, len(img))
+        # CAP attention over all tokens (drawn whatever `pooling` is), (n, T, K)
+        alpha_v = cap(relative(img.tokens[:n], self.A_v), img.mask[:n], self.tau_p)[1]
+        alpha_l = cap(relative(txt.tokens[:n], self.A_l), txt.mask[:n], self.tau_p)[1]
+        contribution = F.normalize(p_v[:n], dim=-1) * F.normalize(p_l[:n], dim=-1)  # (n, K)
+        for i in range(n):
+            ks = contribution[i].topk(n_anchors).indices.tolist()
+            heatmaps, word_lists = [], []
+            for k in ks:
+                a = alpha_v[i, 1:1 + H * W, k].reshape(H, W)                   # patches only
+                heatmaps.append(a / a.max().clamp_min(1e-12))
+                word_lists.append([words[i][t] for t in range(alpha_l.shape[1])
+                                   if txt.mask[i, t] and alpha_l[i, t, k] > 0.5])
+            caption = " ".join(w for w, m in zip(words[i], txt.mask[i].tolist()) if m)
+            draw_anchor_figure(images[i], heatmaps, ks, word_lists, caption,
+                               out_dir / f"pal_anchors_{i}.png")
+        return metrics

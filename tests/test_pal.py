@@ -1,0 +1,220 @@
+"""PAL (methods/pal.py): CAP and the ablation poolings against naive loops, invariances,
+gradient flow to the anchors only, the lazy token init, the Table 4 anchor overlap on a
+planted case, a tiny training run on planted data, and analyse() figures."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import random_features
+
+from encoders import Features
+from methods.pal import PAL, anchor_overlap, cap, relative
+
+
+def naive_cos(u, v):
+    dot = sum(a * b for a, b in zip(u, v))
+    return dot / (math.sqrt(sum(a * a for a in u)) * math.sqrt(sum(b * b for b in v)))
+
+
+def naive_p(tokens, mask, A, tau_p, pooling):
+    """p (K,) of one sample by explicit loops over anchors k and real tokens t."""
+    Z = [tokens[t].tolist() for t in range(len(mask)) if mask[t]]
+    p = []
+    for a in A.tolist():
+        r = [naive_cos(z, a) for z in Z]                              # Eq. (3)-(4)
+        if pooling == "cap":
+            e = [math.exp(x / tau_p) for x in r]
+            p.append(sum(ei / sum(e) * x for ei, x in zip(e, r)))      # Eq. (5)-(6)
+        else:
+            p.append(sum(r) / len(r))                                  # mean
+    return torch.tensor(p)
+
+
+def text_and_image(B=3, seed=0):
+    img = random_features(B, 1 + 6, 5, grid=(2, 3), seed=seed)
+    txt = random_features(B, 6, 4, lengths=[6, 3, 1][:B] + [4] * max(0, B - 3), seed=seed + 1)
+    return img, txt
+
+
+@pytest.mark.parametrize("pooling", ["cap", "mean"])
+def test_pooling_matches_naive_loop(pooling):
+    img, txt = text_and_image()
+    m = PAL(5, 4, K=7, tau_p=0.3, pooling=pooling)
+    with torch.no_grad():
+        p_v, p_l = m.pool(img, "image"), m.pool(txt, "text")
+        h_l = m.embed_text(txt)
+    for b in range(len(img)):
+        assert torch.allclose(p_v[b], naive_p(img.tokens[b], img.mask[b], m.A_v, 0.3, pooling), atol=1e-5)
+        ref = naive_p(txt.tokens[b], txt.mask[b], m.A_l, 0.3, pooling)
+        assert torch.allclose(p_l[b], ref, atol=1e-5)
+        assert torch.allclose(h_l[b], ref / ref.norm(), atol=1e-5)                  # Eq. (7)
+
+
+def test_cap_at_default_tau_p_matches_naive_loop():
+    img, txt = text_and_image()
+    m = PAL(5, 4, K=5)                                      # tau_p = 0.03: sharp attention
+    with torch.no_grad():
+        p_l = m.pool(txt, "text")
+    for b in range(len(txt)):
+        assert torch.allclose(p_l[b], naive_p(txt.tokens[b], txt.mask[b], m.A_l, 0.03, "cap"), atol=1e-5)
+
+
+def test_global_pooling_is_relative_representation_of_one_vector():
+    img, txt = text_and_image()
+    m = PAL(5, 4, K=6, pooling="global")
+    with torch.no_grad():
+        p_v, p_l = m.pool(img, "image"), m.pool(txt, "text")
+    for b in range(len(img)):
+        ref_v = torch.tensor([naive_cos(img.tokens[b, 0].tolist(), a) for a in m.A_v.tolist()])
+        ref_l = torch.tensor([naive_cos(txt.pooled[b].tolist(), a) for a in m.A_l.tolist()])
+        assert torch.allclose(p_v[b], ref_v, atol=1e-5) and torch.allclose(p_l[b], ref_l, atol=1e-5)
+
+
+@pytest.mark.parametrize("pooling", ["cap", "mean"])
+def test_padding_does_not_change_h(pooling):
+    _, txt = text_and_image()
+    m = PAL(5, 4, K=8, pooling=pooling)
+    garbage = 100 * torch.randn(len(txt), 3, 4)              # padded tokens with large garbage
+    padded = Features(tokens=torch.cat([txt.tokens, garbage], 1),
+                      mask=torch.cat([txt.mask, torch.zeros(len(txt), 3, dtype=torch.bool)], 1),
+                      pooled=txt.pooled)
+    with torch.no_grad():
+        assert torch.allclose(m.embed_text(txt), m.embed_text(padded), atol=1e-6)
+
+
+def test_permuting_the_batch_permutes_the_scores():
+    img, txt = text_and_image(B=5)
+    m = PAL(5, 4, K=8)
+    pi, pt = torch.randperm(5), torch.randperm(5)
+    with torch.no_grad():
+        S = m.score(m.embed_image(img), m.embed_text(txt))
+        S_perm = m.score(m.embed_image(img[pi]), m.embed_text(txt[pt]))
+    assert torch.allclose(S_perm, S[pi][:, pt], atol=1e-6)
+    assert S.abs().max() <= 1 + 1e-6                                                # cosine
+
+
+def test_gradients_reach_the_anchors_and_only_them():
+    img, txt = text_and_image(B=4)
+    m = PAL(5, 4, K=8)
+    assert [n for n, _ in m.named_parameters()] == ["A_v", "A_l"]
+    loss, logs = m.loss(img, txt)
+    loss.backward()
+    for A in (m.A_v, m.A_l):
+        assert A.grad is not None and torch.isfinite(A.grad).all() and A.grad.abs().sum() > 0
+    for t in (img.tokens, txt.tokens, img.pooled, txt.pooled, m.initialised):
+        assert not t.requires_grad and t.grad is None
+    assert logs["nce"] == pytest.approx(loss.item())
+
+
+def test_anchor_gradient_matches_finite_differences_with_padding():
+    _, txt = text_and_image()
+    txt = txt.to("cpu", torch.float64)
+    A = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    h = lambda A: F.normalize(cap(relative(txt.tokens, A), txt.mask, 0.03)[0], dim=-1)  # Eq. (3)-(7)
+    assert torch.autograd.gradcheck(h, (A,))
+
+
+def test_token_init_happens_once_in_the_first_loss_call():
+    img, txt = text_and_image(B=4)
+    m = PAL(5, 4, K=6, init="tokens")
+    assert not m.initialised and "initialised" in m.state_dict()
+    m.loss(img, txt)
+    assert m.initialised
+    for A, x in ((m.A_v, img), (m.A_l, txt)):
+        z = F.normalize(x.tokens[x.mask], dim=-1)                 # real tokens only
+        best = (F.normalize(A.detach(), dim=-1) @ z.T).max(dim=1).values
+        assert (best > 0.999).all()                               # every anchor is a real token
+        assert torch.allclose(A.detach().norm(dim=1), torch.full((6,), A.shape[1] ** 0.5))
+    before = m.A_v.detach().clone()
+    m.loss(img[torch.tensor([3, 2, 1, 0])], txt)                   # second call: no re-init
+    assert torch.equal(before, m.A_v.detach())
+    fresh = PAL(5, 4, K=6, init="tokens")
+    fresh.load_state_dict(m.state_dict())
+    assert fresh.initialised                                       # a loaded model is not re-initialised
+
+
+def test_anchor_overlap_on_planted_top5_sets():
+    N, K = 3, 40
+    p_v, p_l = torch.full((N, K), -1.0), torch.full((N, K), -1.0)
+    for i in range(N):                     # pair i lives on anchors 10i..10i+9: mismatched overlap 0
+        p_v[i, 10 * i + torch.arange(5)] = torch.tensor([5.0, 4, 3, 2, 1])        # weights 5..1 / 15
+        p_l[i, 10 * i + torch.tensor([2, 3, 4, 5, 6])] = 1.0                      # 3 shared: 2, 3, 4
+    out = anchor_overlap(p_v, p_l)
+    assert out["anchor_overlap_matched"] == pytest.approx(3 / 5)
+    assert out["anchor_overlap_mismatched"] == 0
+    # weighted Dice: min(3/15, 1/5) + min(2/15, 1/5) + min(1/15, 1/5) = 6/15
+    assert out["anchor_dice_matched"] == pytest.approx(6 / 15)
+    assert out["anchor_dice_mismatched"] == 0
+    # equal weights: Dice reduces to the set Dice 2|A∩B|/(|A|+|B|)
+    p_v[p_v > 0] = 1.0
+    assert anchor_overlap(p_v, p_l)["anchor_dice_matched"] == pytest.approx(3 / 5)
+    # two pairs: the mismatched partner of 0 must be 1 and vice versa
+    two = anchor_overlap(torch.eye(2, 7) + torch.arange(7.0) / 100,
+                         torch.eye(2, 7).flip(0) + torch.arange(7.0) / 100, top=1)
+    assert two["anchor_overlap_matched"] == 0 and two["anchor_overlap_mismatched"] == 1
+
+
+def planted_pairs(N=256, seed=0, Dv=24, Dl=32, C=16):
+    """Images: 16 patches (4x4), 3 of them concept vectors, the rest noise around a shared
+    background direction. Captions: CLS + the 3 concepts + 2 fillers, all mapped by one fixed
+    random linear map with noise, variable length and padded."""
+    g = torch.Generator().manual_seed(seed)
+    concepts, M, bg = torch.randn(C, Dv, generator=g), torch.randn(Dl, Dv, generator=g), torch.randn(Dv, generator=g)
+    c = torch.stack([torch.randperm(C, generator=g)[:3] for _ in range(N)])          # (N, 3)
+    pos = torch.stack([torch.randperm(16, generator=g)[:3] for _ in range(N)])
+    patches = bg + 0.8 * torch.randn(N, 16, Dv, generator=g)
+    for j in range(3):
+        patches[torch.arange(N), pos[:, j]] = concepts[c[:, j]] + 0.3 * torch.randn(N, Dv, generator=g)
+    tokens = torch.cat([patches.mean(1, keepdim=True), patches], 1)                  # global + patches
+    img = Features(tokens, torch.ones(N, 17, dtype=torch.bool), tokens[:, 0], (4, 4))
+    words = torch.cat([bg.expand(N, 1, Dv), concepts[c], bg + 0.8 * torch.randn(N, 2, Dv, generator=g)], 1)
+    t_tok = words @ M.T + 0.1 * torch.randn(N, 6, Dl, generator=g)
+    mask = torch.arange(8)[None] < torch.randint(4, 7, (N,), generator=g)[:, None]   # (N, 8)
+    t_tok = torch.cat([t_tok, torch.zeros(N, 2, Dl)], 1) * mask[..., None]
+    return img, Features(t_tok, mask, t_tok.sum(1) / mask.sum(1, keepdim=True))
+
+
+def test_tiny_training_run_on_planted_pairs():
+    torch.manual_seed(0)
+    img, txt = planted_pairs()
+    m = PAL(24, 32, K=64)
+    opt = torch.optim.AdamW(m.parameters(), lr=PAL.defaults["lr"], weight_decay=PAL.defaults["weight_decay"])
+    losses = []
+    for step in range(100):                                        # full batch of 256 pairs
+        loss, _ = m.loss(img, txt)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[0] > 5.0 and losses[-1] < 0.5 * losses[0]        # chance level is log 256 = 5.5
+    with torch.no_grad():
+        S = m.score(m.embed_image(img), m.embed_text(txt))
+    r1 = (S.argmax(1) == torch.arange(256)).float().mean().item()
+    assert r1 > 0.3                                                 # chance: 1/256
+
+
+def test_dense_image_is_normalised_per_patch_relative_representation():
+    img, _ = text_and_image()
+    m = PAL(5, 4, K=7)
+    with torch.no_grad():
+        d = m.dense_image(img)
+    assert d.shape == (3, 6, 7)
+    r = torch.tensor([naive_cos(img.tokens[1, 1 + 4].tolist(), a) for a in m.A_v.tolist()])   # patch 4
+    assert torch.allclose(d[1, 4], r / r.norm(), atol=1e-5)
+
+
+def test_analyse_writes_figures_and_returns_overlaps(tmp_path):
+    from PIL import Image
+    img, txt = planted_pairs(N=6)
+    words = [[f"w{t}" for t in range(int(txt.mask[i].sum()))] for i in range(6)]
+    images = torch.randint(0, 256, (6, 3, 32, 32), dtype=torch.uint8)
+    m = PAL(24, 32, K=16)
+    out = m.analyse(img, txt, images, words, tmp_path)
+    assert set(out) == {"anchor_overlap_matched", "anchor_overlap_mismatched",
+                        "anchor_dice_matched", "anchor_dice_mismatched"}
+    assert all(0 <= v <= 1 for v in out.values())
+    pngs = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert pngs == [f"pal_anchors_{i}.png" for i in range(4)]
+    w, h = Image.open(tmp_path / "pal_anchors_0.png").size
+    assert w > 4 * 160 and h > 160
