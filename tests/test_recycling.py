@@ -236,3 +236,34 @@ def test_run_analyses_and_table():
     assert d["neural_collapse"]["cosine_top1"] > 90 and "head_k3" in d["prototype_alignment"]
     table = R.analyses_table(d)
     assert "Table 1" in table and "Appendix I" in table and "ncc_4shot" in table
+
+
+def test_weight_only_alignment_then_few_shot_with_the_real_mlp():
+    """§4.1 then §4.2 few-shot, end to end: align methods/mlp.py on D_weights only,
+    then fine-tune copies of it on the shots (planted world: head rows = a linear
+    image of the class-name text, images = head rows + noise)."""
+    import pytest
+    mlp_module = pytest.importorskip("methods.mlp")
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    C, d_i, d_t = 12, 16, 10
+    T = torch.randn(C, d_t, generator=g)
+    W = T @ torch.randn(d_t, d_i, generator=g)                             # (C, d_i) head rows
+    labels = torch.arange(C).repeat(8)
+    feats = F.normalize(W, dim=1)[labels] + 0.1 * torch.randn(len(labels), d_i, generator=g)
+    class_text = Features.from_vectors(T)
+    w_img, w_txt = R.weight_pairs(W, class_text)
+    mlp = mlp_module.MLP(d_i, d_t)
+    opt = torch.optim.Adam(mlp.parameters(), lr=5e-3)
+    for _ in range(300):                                                   # D_weights only: no image-text pair
+        loss, _ = mlp.loss(w_img, w_txt)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    mlp.eval()
+    with torch.no_grad():
+        zero_shot = mlp.embed_image(Features.from_vectors(feats)) @ mlp.embed_text(class_text).T
+    assert (zero_shot.argmax(1) == labels).float().mean() > 0.9
+    aligned = lambda sf, sl: R.finetune_mlp_classifier(mlp, class_text, sf, sl, steps=30)
+    d = R.few_shot(feats, labels, support_shots=(1, 2), runs=2, aligned_classifier=aligned)
+    assert d["mlp_1shot"] > 90 and d["mlp_2shot"] > 90
