@@ -1,0 +1,340 @@
+"""evaluate.py against hand-made cases with known answers and naive per-query loops."""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from conftest import random_features
+from encoders import Features
+import evaluate as ev
+
+
+# ----------------------------------------------------------------------------- stand-in methods
+
+class Cosine(nn.Module):
+    """Pooled features as embeddings, cosine score; records the block sizes score() sees."""
+    def __init__(self, p_drop=0.0):
+        super().__init__()
+        self.drop = nn.Dropout(p_drop)
+        self.calls = []
+
+    def embed_image(self, img):
+        return F.normalize(self.drop(img.pooled), dim=-1)
+
+    def embed_text(self, txt):
+        return F.normalize(self.drop(txt.pooled), dim=-1)
+
+    def dense_image(self, img):
+        return F.normalize(img.patches(), dim=-1)
+
+    def score(self, a, b):
+        self.calls.append((len(a), len(b)))
+        return a @ b.T
+
+
+class TokenLevel(Cosine):
+    """Token-level stand-in: score = sum over text words of the max over image tokens (zero rows = padding)."""
+    def embed_image(self, img):
+        return F.normalize(img.tokens, dim=-1)                           # (B, T, K)
+
+    def embed_text(self, txt):
+        return F.normalize(txt.tokens, dim=-1) * txt.mask[..., None]     # (B, L, K), padding exactly 0
+
+    def score(self, a, b):
+        sim = torch.einsum("iqk,jlk->ijql", a, b)                        # (N_img, N_txt, Q, L)
+        return sim.max(2).values.sum(-1)
+
+
+def naive_token_score(a, b):
+    """One (image, text) pair at a time: sum over words of max over regions."""
+    return sum(max(float(q @ w) for q in a) for w in b if w.abs().sum() > 0)
+
+
+# ----------------------------------------------------------------------------- naive retrieval references
+
+def naive_retrieval(S, txt_to_img):
+    """Per-query loops over a full argsort (valid without ties)."""
+    N_img, N_txt = S.shape
+    i2t_rank, ap, p1, p5 = [], [], [], []
+    for i in range(N_img):
+        order = torch.argsort(S[i], descending=True).tolist()
+        rel = [int(txt_to_img[j]) == i for j in order]
+        i2t_rank.append(rel.index(True))
+        hits, total = 0, 0.0
+        for k, r in enumerate(rel, start=1):
+            if r:
+                hits += 1
+                total += hits / k                       # P(k) at each relevant rank
+        ap.append(total / sum(rel))
+        p1.append(float(rel[0]))
+        p5.append(sum(rel[:5]) / 5)
+    t2i_rank = []
+    for j in range(N_txt):
+        order = torch.argsort(S[:, j], descending=True).tolist()
+        t2i_rank.append(order.index(int(txt_to_img[j])))
+    out = {}
+    for name, rank in (("i2t", i2t_rank), ("t2i", t2i_rank)):
+        for K in (1, 5, 10):
+            out[f"{name}_r{K}"] = 100 * sum(r < K for r in rank) / len(rank)
+    out["rsum"] = sum(out.values())
+    out.update(i2t_map=sum(ap) / N_img, i2t_p1=sum(p1) / N_img, i2t_p5=sum(p5) / N_img,
+               t2i_p1=sum(r == 0 for r in t2i_rank) / N_txt)
+    return out
+
+
+def uneven_captions(N_img, seed=0):
+    """Most images with 5 captions, some with 1, 3 or 7, shuffled."""
+    counts = [5] * N_img
+    counts[0], counts[1], counts[2] = 1, 3, 7
+    txt_to_img = torch.cat([torch.full((c,), i) for i, c in enumerate(counts)])
+    return txt_to_img[torch.randperm(len(txt_to_img), generator=torch.Generator().manual_seed(seed))]
+
+
+# ----------------------------------------------------------------------------- retrieval
+
+def test_recalls_on_hand_made_matrix_with_known_ranks():
+    txt_to_img = torch.tensor([0, 0, 1, 1, 2, 2])
+    S = torch.tensor([
+        # caption: 0     1     2     3     4     5
+        [0.90, 0.10, 0.80, 0.20, 0.30, 0.40],    # image 0: best own caption 0.90 is first -> rank 0
+        [0.50, 0.60, 0.70, 0.75, 0.95, 0.20],    # image 1: best own 0.75, one other above -> rank 1
+        [0.90, 0.80, 0.85, 0.70, 0.10, 0.20],    # image 2: best own 0.20, four others above -> rank 4
+    ])
+    # t2i ranks, column by column: cap0 1 (tie with image 2 counts against), cap1 2, cap2 2,
+    # cap3 0, cap4 2, cap5 2 (0.40 above, 0.20 tie)
+    m = ev.retrieval_metrics(S, txt_to_img)
+    assert m["i2t_r1"] == pytest.approx(100 / 3)
+    assert m["i2t_r5"] == pytest.approx(100) and m["i2t_r10"] == pytest.approx(100)
+    assert m["t2i_r1"] == pytest.approx(100 / 6)
+    assert m["t2i_r5"] == pytest.approx(100)
+    assert m["rsum"] == pytest.approx(100 / 3 + 200 + 100 / 6 + 200)
+    assert m["i2t_p1"] == pytest.approx(1 / 3) and m["t2i_p1"] == pytest.approx(1 / 6)
+    # image 2's own captions sit at positions 5 and 6 of its list: AP = (1/5 + 2/6) / 2
+    # image 1: positions 2 and 3 -> (1/2 + 2/3) / 2; image 0: positions 1 and 6 -> (1 + 2/6) / 2
+    ap = [(1 + 2 / 6) / 2, (1 / 2 + 2 / 3) / 2, (1 / 5 + 2 / 6) / 2]
+    assert m["i2t_map"] == pytest.approx(sum(ap) / 3)
+    assert m["i2t_p5"] == pytest.approx((1 / 5 + 2 / 5 + 1 / 5) / 3)
+
+
+def test_constant_scores_count_ties_against_the_ground_truth():
+    txt_to_img = torch.tensor([0, 0, 1, 1])
+    m = ev.retrieval_metrics(torch.zeros(2, 4), txt_to_img)
+    # i2t rank 2 (both other captions first), t2i rank 1: R@1 = 0 both ways, R@5 = R@10 = 100
+    assert m["i2t_r1"] == 0 and m["t2i_r1"] == 0 and m["rsum"] == 400
+    assert m["i2t_p1"] == 0 and m["t2i_p1"] == 0
+    # own captions after the 2 others: positions 3 and 4
+    assert m["i2t_map"] == pytest.approx((1 / 3 + 2 / 4) / 2)
+    # NaN scores count as -inf: a NaN ground truth is never ranked first
+    S = torch.eye(2).repeat_interleave(2, dim=1)
+    S[0, 0] = S[0, 1] = float("nan")
+    assert ev.retrieval_metrics(S, txt_to_img)["i2t_r1"] == pytest.approx(50)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_retrieval_metrics_match_naive_loops(seed):
+    txt_to_img = uneven_captions(30, seed)
+    S = torch.randn(30, len(txt_to_img), generator=torch.Generator().manual_seed(seed))
+    m = ev.retrieval_metrics(S, txt_to_img, chunk=16)   # small chunk: exercise the chunking
+    ref = naive_retrieval(S, txt_to_img)
+    assert m.keys() == ref.keys()
+    for k in ref:
+        assert m[k] == pytest.approx(ref[k], abs=1e-5), k
+    assert 0 < m["i2t_r1"] < 100 and 0 < m["i2t_map"] < 1   # not a degenerate case
+
+
+def test_retrieval_metrics_invariant_to_consistent_permutation():
+    txt_to_img = uneven_captions(12)
+    S = torch.randn(12, len(txt_to_img), generator=torch.Generator().manual_seed(3))
+    pi, pt = torch.randperm(12), torch.randperm(len(txt_to_img))
+    inv_pi = torch.argsort(pi)                 # new index of each old image
+    m = ev.retrieval_metrics(S, txt_to_img)
+    m2 = ev.retrieval_metrics(S[pi][:, pt], inv_pi[txt_to_img[pt]])
+    for k in m:
+        assert m2[k] == pytest.approx(m[k], abs=1e-5), k
+
+
+def test_score_matrix_chunked_equals_full():
+    a, b = torch.randn(37, 8), torch.randn(53, 8)
+    method = Cosine()
+    S = ev.score_matrix(method, a, b, chunk=10)
+    torch.testing.assert_close(S, a @ b.T)
+    assert max(max(c) for c in method.calls) <= 10 and len(method.calls) == 4 * 6
+    # token-level too
+    tok = TokenLevel()
+    A, B = torch.randn(5, 3, 4), torch.randn(7, 2, 4)
+    torch.testing.assert_close(ev.score_matrix(tok, A, B, chunk=2), tok.score(A, B))
+
+
+def test_retrieval_end_to_end_is_perfect_for_near_copies_and_uses_eval_mode():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(20, 16, generator=g)
+    txt_to_img = torch.arange(20).repeat_interleave(5)
+    y = x[txt_to_img] + 0.01 * torch.randn(100, 16, generator=g)
+    method = Cosine(p_drop=0.9)               # in training mode the dropout would scramble everything
+    method.train()
+    m = ev.retrieval(method, Features.from_vectors(x), Features.from_vectors(y), txt_to_img, batch_size=7)
+    assert m["rsum"] == pytest.approx(600)
+    assert m["i2t_map"] == pytest.approx(1) and m["i2t_p5"] == pytest.approx(1) and m["t2i_p1"] == 1
+    assert method.training                     # flag restored
+
+
+# ----------------------------------------------------------------------------- embed
+
+def test_embed_zero_pads_token_level_batches():
+    txt = random_features(4, 6, 3, lengths=[2, 2, 5, 3])
+    out = ev.embed(lambda f: f.tokens * 2, txt, batch_size=2)
+    assert out.shape == (4, 5, 3)               # first batch trimmed to 2 tokens, second to 5
+    torch.testing.assert_close(out, 2 * txt.tokens[:, :5])
+    assert (out[0, 2:] == 0).all() and (out[3, 3:] == 0).all()
+    lin = nn.Linear(3, 2)
+    g = ev.embed(lambda f: lin(f.pooled), txt, batch_size=3)
+    torch.testing.assert_close(g, lin(txt.pooled).detach())
+    assert not g.requires_grad
+
+
+def test_embed_reads_fp16_features():
+    f = random_features(5, 1, 4)
+    half = Features(tokens=f.tokens.half(), mask=f.mask, pooled=f.pooled.half())
+    out = ev.embed(lambda b: b.pooled, half, batch_size=2)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, f.pooled.half().float())
+
+
+# ----------------------------------------------------------------------------- classification
+
+def test_template_average_matches_naive():
+    C, n, K = 3, 4, 5
+    t = torch.randn(C * n, K)
+    w = ev.template_average(t, n)
+    for c in range(C):
+        acc = torch.zeros(K)
+        for r in range(n):
+            v = t[c * n + r]
+            acc += v / math.sqrt(float(v @ v))
+        acc /= n
+        torch.testing.assert_close(w[c], acc / math.sqrt(float(acc @ acc)))
+
+
+def test_token_level_class_logits_average_scores_over_templates():
+    C, n = 2, 3
+    img = torch.randn(4, 3, 5)
+    txt = torch.randn(C * n, 2, 5)
+    txt[1, 1] = 0                                # one padded word
+    logits = ev.class_logits(TokenLevel(), img, ev.template_average(txt, n), n)
+    assert logits.shape == (4, C)
+    for i in range(4):
+        for c in range(C):
+            ref = sum(naive_token_score(img[i], txt[c * n + r]) for r in range(n)) / n
+            assert float(logits[i, c]) == pytest.approx(ref, abs=1e-5)
+
+
+def test_classification_with_class_mean_prompts_is_perfect():
+    g = torch.Generator().manual_seed(0)
+    C, n, D = 5, 3, 12
+    means = torch.randn(C, D, generator=g)
+    labels = torch.randint(0, C, (40,), generator=g)
+    x = means[labels] + 0.05 * torch.randn(40, D, generator=g)
+    # each template: the class mean at a different scale (normalisation removes it)
+    prompts = means.repeat_interleave(n, dim=0) * torch.tensor([1.0, 2.0, 0.5]).repeat(C)[:, None]
+    img, cls = Features.from_vectors(x), Features.from_vectors(prompts)
+    assert ev.classification(Cosine(), img, labels, cls, n, batch_size=16)["top1"] == pytest.approx(100)
+    wrong = labels.clone()
+    wrong[:10] = (wrong[:10] + 1) % C
+    assert ev.classification(Cosine(), img, wrong, cls, n)["top1"] == pytest.approx(75)
+
+
+# ----------------------------------------------------------------------------- segmentation
+
+def test_miou_hand_made_and_ignore_pixels_excluded():
+    gt = torch.tensor([[0, 0, 1],
+                       [1, 255, 255]])
+    pred = torch.tensor([[0, 1, 1],
+                         [1, 0, 1]])
+    # class 0: I = 1, U = 2 (pred 1 + gt 2 - 1); class 1: I = 2, U = 3 (pred 3 + gt 2 - 2) -> (1/2 + 2/3) / 2
+    assert ev.miou_from_predictions(pred, gt, 2) == pytest.approx(100 * (1 / 2 + 2 / 3) / 2)
+    pred2 = pred.clone()
+    pred2[1, 1:] = torch.tensor([1, 0])           # only ignored pixels changed
+    assert ev.miou_from_predictions(pred2, gt, 2) == ev.miou_from_predictions(pred, gt, 2)
+    # a class predicted but absent from gt counts with IoU 0; a class absent from both does not count
+    assert ev.miou_from_predictions(torch.tensor([0, 2]), torch.tensor([0, 0]), 4) == pytest.approx(100 * (1 / 2 + 0) / 2)
+    with pytest.raises(ValueError):
+        ev.miou_from_predictions(torch.tensor([0]), torch.tensor([7]), 2)
+
+
+def test_miou_accumulates_over_the_set_not_per_image():
+    gt1, pred1 = torch.zeros(2, 2, dtype=torch.long), torch.zeros(2, 2, dtype=torch.long)   # 4 px class 0, right
+    gt2 = torch.tensor([[0, 1], [1, 1]])
+    pred2 = torch.ones(2, 2, dtype=torch.long)                                                # all class 1
+    per_image = (ev.miou_from_predictions(pred1, gt1, 2) + ev.miou_from_predictions(pred2, gt2, 2)) / 2
+    pooled = ev.miou_from_predictions(torch.stack([pred1, pred2]), torch.stack([gt1, gt2]), 2)
+    assert per_image == pytest.approx((100 + 100 * (0 + 3 / 4) / 2) / 2)    # 68.75
+    assert pooled == pytest.approx(100 * (4 / 5 + 3 / 4) / 2)                # 77.5
+
+
+def one_hot_world(N=6, C=3, H=4, W=4, up=2, seed=0):
+    """Images whose patch tokens are one-hot class vectors; masks = the class map upsampled, some pixels ignored."""
+    g = torch.Generator().manual_seed(seed)
+    cls_map = torch.randint(0, C, (N, H, W), generator=g)
+    patches = F.one_hot(cls_map.flatten(1), C).float()                       # (N, H*W, C)
+    tokens = torch.cat([patches.mean(1, keepdim=True), patches], dim=1)       # global token first
+    img = Features(tokens=tokens, mask=torch.ones(N, 1 + H * W, dtype=torch.bool), pooled=tokens[:, 0], grid=(H, W))
+    masks = cls_map.repeat_interleave(up, 1).repeat_interleave(up, 2)        # (N, H*up, W*up)
+    masks[:, 0, :] = 255
+    return img, masks
+
+
+def test_segmentation_one_hot_dense_is_perfect_and_matches_known_swap():
+    C, n = 3, 2
+    img, masks = one_hot_world(C=C)
+    prompts = Features.from_vectors(torch.eye(C).repeat_interleave(n, dim=0))   # class-major templates
+    assert ev.segmentation(Cosine(), img, masks, prompts, n, batch_size=4)["miou_fg"] == pytest.approx(100)
+    swapped = masks.clone()                            # ground truth with classes 0 and 1 exchanged
+    swapped[masks == 0], swapped[masks == 1] = 1, 0
+    assert ev.segmentation(Cosine(), img, swapped, prompts, n)["miou_fg"] == pytest.approx(100 / 3)
+
+
+def test_segmentation_with_token_level_method_runs_per_patch():
+    # dense_image of a token-level method: one (1, K) "image" per patch
+    class Dense(TokenLevel):
+        def dense_image(self, img):
+            return F.normalize(img.patches(), dim=-1)[:, :, None]           # (B, H*W, 1, K)
+    C = 3
+    img, masks = one_hot_world(C=C)
+    prompts = Features(tokens=torch.eye(C)[:, None], mask=torch.ones(C, 1, dtype=torch.bool), pooled=torch.eye(C))
+    assert ev.segmentation(Dense(), img, masks, prompts, 1)["miou_fg"] == pytest.approx(100)
+
+
+# ----------------------------------------------------------------------------- binding
+
+def test_binding_on_constructed_case():
+    e = torch.eye(4, 6)
+    true = Features.from_vectors(e)
+    attr = Features.from_vectors(e + 0.5 * torch.eye(4, 6).roll(1, 1))         # always a lower cosine
+    rel = e.clone()
+    rel[3] = torch.eye(6)[5]                                                   # only image 3's distractor differs
+    m = ev.binding(Cosine(), Features.from_vectors(e), true, {"attribute": attr, "relation": Features.from_vectors(rel)},
+                   batch_size=3)
+    assert m["binding_attribute"] == pytest.approx(100)
+    assert m["binding_relation"] == pytest.approx(25)                          # ties (identical caption) fail
+    assert m["binding_acc"] == pytest.approx(62.5)
+
+
+def test_paired_scores_are_the_diagonal():
+    a, b = torch.randn(11, 4), torch.randn(11, 4)
+    torch.testing.assert_close(ev.paired_scores(Cosine(), a, b, chunk=4), (a * b).sum(1))
+
+
+# ----------------------------------------------------------------------------- printing
+
+def test_results_table_one_line_per_group():
+    metrics = {"retrieval": {"i2t_r1": 56.3, "rsum": 395.1234, "i2t_p1": 0.5371},
+               "classification": {"shapes": {"top1": 95.3}, "cifar": {"top1": 48.8}},
+               "train": {"epochs": 20}}
+    lines = ev.results_table(metrics).splitlines()
+    assert len(lines) == 4
+    assert lines[0].startswith("retrieval") and "i2t_r1 56.30" in lines[0] and "i2t_p1 0.5371" in lines[0]
+    assert lines[1].startswith("classification/shapes") and "top1 95.30" in lines[1]
+    assert "epochs 20" in lines[3]
+    assert len({line.index(line.split()[1]) for line in lines}) == 1           # values start in one column
