@@ -1,0 +1,79 @@
+"""SAIL: star-MLP alignment heads trained with the sigmoid (SigLIP) loss.
+
+Zhang et al., "Assessing and Learning Alignment of Unimodal Vision and Language
+Models" (CVPR 2025), a baseline of the weight-recycling paper. Each modality gets
+a head on its frozen pooled feature:
+
+    g(x) = W_g (ReLU6(W_1 x_n) * W_2 x_n),   x_n = LayerNorm(x)         (star MLP, * elementwise)
+    h_v = normalise(g_v(x)),  h_l = normalise(g_l(y))                    (B, K)
+    logits_ij = t h_v,i . h_l,j + b,   z_ij = +1 if i = j else -1
+    L = -1/B sum_ij log sigmoid(z_ij logits_ij)                          (SigLIP, Zhai et al. 2023)
+
+Symbols -> variables: W_1, W_2, W_g -> .f1, .f2, .g of each StarMLP; t -> log_t.exp();
+b -> self.b; K -> K; width -> hidden = width * D_in.
+
+Deviations / choices:
+1. "width x8" is read as hidden = 8 x the INPUT dimension of each side (as in a
+   public star-MLP head); the output dimension is K = 512 on both sides.
+2. The scale t is learned through log t (init log 20 -> t = 20) so it stays
+   positive; the bias b starts at -10 (REFERENCE). Neither is clipped.
+3. Optimiser settings (AdamW, lr 1e-3, wd 1e-4, 100 epochs, batch 256) are our
+   choice for small pair sets; SAIL's own large-batch recipe is not reproduced.
+4. score() is the cosine h_v . h_l: t and b are monotone, so rankings are the same.
+5. dense_image applies the image head to every patch token (the MaskCLIP trick).
+"""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class StarMLP(nn.Module):
+    """LayerNorm -> W_g (ReLU6(W_1 x) * W_2 x)."""
+
+    def __init__(self, d_in, K, width):
+        super().__init__()
+        self.norm = nn.LayerNorm(d_in)
+        self.f1 = nn.Linear(d_in, width * d_in)
+        self.f2 = nn.Linear(d_in, width * d_in)
+        self.g = nn.Linear(width * d_in, K)
+
+    def forward(self, x):
+        x = self.norm(x)
+        return self.g(F.relu6(self.f1(x)) * self.f2(x))          # star: elementwise product
+
+
+def siglip_loss(h_v, h_l, t, b):
+    """Pairwise sigmoid loss over all B x B pairs, normalised by B."""
+    logits = t * h_v @ h_l.T + b                                # (B, B)
+    z = 2 * torch.eye(len(h_v), device=h_v.device) - 1          # +1 on the diagonal, -1 elsewhere
+    return -F.logsigmoid(z * logits).sum() / len(h_v)
+
+
+class SAIL(nn.Module):
+    defaults = dict(lr=1e-3, epochs=100, batch_size=256, weight_decay=1e-4, optimizer="adamw")  # our choice
+
+    def __init__(self, d_image, d_text, K=512, width=8, t_init=20.0, b_init=-10.0):  # REFERENCE (SAIL)
+        super().__init__()
+        self.g_v = StarMLP(d_image, K, width)
+        self.g_l = StarMLP(d_text, K, width)
+        self.log_t = nn.Parameter(torch.tensor(math.log(t_init)))
+        self.b = nn.Parameter(torch.tensor(float(b_init)))
+
+    def embed_image(self, img):
+        return F.normalize(self.g_v(img.pooled), dim=-1)        # (B, K)
+
+    def embed_text(self, txt):
+        return F.normalize(self.g_l(txt.pooled), dim=-1)        # (B, K)
+
+    def score(self, img_emb, txt_emb):
+        return img_emb @ txt_emb.T                              # (N_img, N_txt) cosine
+
+    def dense_image(self, img):
+        return F.normalize(self.g_v(img.patches()), dim=-1)     # (B, H*W, K)
+
+    def loss(self, img, txt):
+        t = self.log_t.exp()
+        loss = siglip_loss(self.embed_image(img), self.embed_text(txt), t, self.b)
+        return loss, {"siglip": loss.item(), "t": t.item(), "b": self.b.item()}

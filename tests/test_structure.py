@@ -1,0 +1,77 @@
+"""STRUCTURE (methods/structure.py): R_S against explicit loops, its invariances, the warm-up."""
+import math
+
+import torch
+
+from conftest import random_features
+from methods.structure import LinearRS, MLPRS, js_divergence, structure_reg
+
+
+def naive_rs(X, Z, tau):
+    """R_S with Python loops: normalise, centre, row softmaxes, KL to the midpoint."""
+    def distribution(H):
+        H = [h / h.norm() for h in H]
+        mean = sum(H) / len(H)
+        H = [h - mean for h in H]
+        rows = []
+        for i in range(len(H)):
+            e = [math.exp(float(H[i] @ H[j]) / tau) for j in range(len(H))]
+            rows.append([v / sum(e) for v in e])
+        return rows
+
+    P, Q = distribution(X), distribution(Z)
+    js = 0.0
+    for p, q in zip(P, Q):
+        m = [(a + b) / 2 for a, b in zip(p, q)]
+        js += 0.5 * sum(a * math.log(a / c) for a, c in zip(p, m))
+        js += 0.5 * sum(b * math.log(b / c) for b, c in zip(q, m))
+    return js / len(P)
+
+
+def test_rs_matches_loops():
+    g = torch.Generator().manual_seed(0)
+    X, Z = torch.randn(9, 5, generator=g), torch.randn(9, 7, generator=g)
+    for tau in (0.05, 0.5):
+        assert math.isclose(structure_reg(X, Z, tau).item(), naive_rs(X, Z, tau), rel_tol=1e-4, abs_tol=1e-6)
+
+
+def test_rs_zero_for_identity_and_rotation_positive_otherwise():
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(16, 6, generator=g)
+    assert structure_reg(X, X, 0.05).abs() < 1e-6
+    Q, _ = torch.linalg.qr(torch.randn(6, 6, generator=g))
+    assert structure_reg(X, 3.0 * X @ Q, 0.05).abs() < 1e-5   # rotation + scale keep all cosines
+    assert structure_reg(X, torch.randn(16, 6, generator=g), 0.05) > 0.01   # (the diagonal dominates at tau 0.05)
+    P = torch.softmax(torch.randn(4, 4, generator=g), 1)
+    assert js_divergence(P, P).abs() < 1e-7 and js_divergence(P, P.flip(0)) <= math.log(2)
+
+
+def test_identity_head_has_zero_regulariser():
+    img, txt = random_features(12, 1, 8, seed=2), random_features(12, 1, 8, seed=3)
+    m = LinearRS(8, 8, K=8)
+    with torch.no_grad():
+        m.g_v.weight.copy_(torch.eye(8))
+        m.g_l.weight.copy_(torch.eye(8))
+    m.step.fill_(10 ** 6)                                  # lambda fully on
+    loss, logs = m.loss(img, txt)
+    assert logs["r_s"] < 1e-6 and math.isclose(loss.item(), logs["nce"], rel_tol=1e-5)
+
+
+def test_lambda_warmup_counts_training_steps_only():
+    img, txt = random_features(8, 1, 6, seed=4), random_features(8, 1, 5, seed=5)
+    m = LinearRS(6, 5, K=16, lam=10.0, warmup=4)
+    lams = [m.loss(img, txt)[1]["lambda"] for _ in range(6)]
+    assert lams == [0.0, 2.5, 5.0, 7.5, 10.0, 10.0]
+    m.eval()
+    m.loss(img, txt)
+    assert m.step.item() == 6                              # evaluation calls do not advance it
+    assert "step" in m.state_dict()
+
+
+def test_mlp_rs_starts_as_its_linear_skip():
+    img = random_features(5, 1 + 4, 6, grid=(2, 2), seed=6)
+    m = MLPRS(6, 5, K=16, rank=4).eval()
+    assert math.isclose(torch.sigmoid(m.g_v.alpha).item(), 1 / (1 + math.exp(4)), rel_tol=1e-6)
+    expected = torch.nn.functional.normalize(img.pooled @ m.g_v.P.weight.T, dim=-1)
+    assert torch.allclose(m.embed_image(img), expected, atol=1e-6)   # W_2 = 0: residual is off
+    assert m.dense_image(img).shape == (5, 4, 16)
