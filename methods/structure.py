@@ -15,7 +15,8 @@ Heads: Linear_RS  g(x) = P x
        MLP_RS     g(x) = P x + sigmoid(alpha) W_2 Dropout(GELU(W_1 x))   (rank r residual)
 
 Symbols -> variables: tau -> tau, lambda -> lam, T_warm -> warmup, t -> self.step,
-P, W_1, W_2, alpha -> .P, .W1, .W2, .alpha of each side's head, r -> rank.
+P, Q (distributions) -> neighbour_distribution(); P (skip matrix), W_1, W_2, alpha ->
+.P, .W1, .W2, .alpha of each side's head (Linear_RS: the head itself); r -> rank.
 
 Deviations / choices:
 1. R_S uses the true JS divergence, KL(P || M) and KL(Q || M); the public code
