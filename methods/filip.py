@@ -1,0 +1,82 @@
+"""FILIP: Fine-grained Interactive Language-Image Pre-Training (Yao et al., 2021),
+as a post-hoc head on FROZEN encoders: late interaction over all patches x words.
+
+Equations implemented (FILIP §3.1.1, token-wise maximum similarity):
+  (4)  s_i2t(I, T) = 1/n_1 sum_k max_r  [x_k . y_r]   (each patch finds its best word)
+  (5)  s_t2i(I, T) = 1/n_2 sum_r max_k  [x_k . y_r]   (each word finds its best patch)
+  loss: InfoNCE image->text over s_i2t and text->image over s_t2i (Eq. 1-3), averaged.
+
+Symbols -> variables: x_k (patch k) -> patch embeddings img_emb[:, k],
+y_r (word r) -> txt_emb[:, r], n_1 / n_2 -> numbers of real patches / words,
+tau -> self.tau.
+
+Deviations / choices:
+1. Encoders frozen; only two linear projections (patches, words) to K = 512 train.
+2. Padding words are excluded from both the max and the mean (FILIP also drops
+   padding); the image side uses every patch, not the global token.
+3. Fixed temperature tau = 0.05 instead of FILIP's learned one.
+4. Retrieval score = s_i2t + s_t2i (the two directions summed, as CoV's max-sum);
+   training uses each direction for its own InfoNCE term as FILIP does.
+5. score() runs in chunks of at most score_chunk elements of the (I, T, N, L) tensor
+   and treats all-zero rows (padding added by batch concatenation) as padding.
+6. dense_image: each patch alone as a one-patch image, (B, H*W, 1, K).
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def token_max(x, y):
+    """Eq. (4)-(5): x (I, N, K), y (T, L, K) unit or all-zero rows -> s_i2t, s_t2i (I, T)."""
+    x_ok = x.abs().sum(-1) > 0                                          # (I, N)
+    y_ok = y.abs().sum(-1) > 0                                          # (T, L)
+    s = torch.einsum("ink,tlk->itnl", x, y)                             # x_k . y_r, (I, T, N, L)
+    neg = torch.finfo(s.dtype).min
+    best_word = s.masked_fill(~y_ok[None, :, None, :], neg).amax(-1)    # (I, T, N)
+    best_patch = s.masked_fill(~x_ok[:, None, :, None], neg).amax(-2)   # (I, T, L)
+    s_i2t = (best_word * x_ok[:, None]).sum(-1) / x_ok.sum(-1, keepdim=True).clamp_min(1)  # Eq. (4)
+    s_t2i = (best_patch * y_ok[None]).sum(-1) / y_ok.sum(-1)[None].clamp_min(1)            # Eq. (5)
+    return s_i2t, s_t2i
+
+
+class FILIP(nn.Module):
+    defaults = dict(lr=3e-3, epochs=30, batch_size=128, weight_decay=1e-4, optimizer="adam")  # as CoV here
+
+    def __init__(self, d_image, d_text,
+                 K=512,              # shared dim, as CoV
+                 tau=0.05,           # fixed, choice 3
+                 score_chunk=2 ** 24):  # max elements of one (I, T, N, L) chunk in score()
+        super().__init__()
+        self.P_v = nn.Linear(d_image, K)
+        self.P_t = nn.Linear(d_text, K)
+        self.tau, self.score_chunk = tau, score_chunk
+
+    def embed_image(self, img):
+        return F.normalize(self.P_v(img.patches()), dim=-1)       # (B, H*W, K)
+
+    def embed_text(self, txt):
+        y = F.normalize(self.P_t(txt.tokens), dim=-1)             # (B, L, K)
+        return y * txt.mask[..., None]                            # padded words exactly 0
+
+    def dense_image(self, img):
+        return self.embed_image(img)[:, :, None]                  # (B, H*W, 1, K)
+
+    @torch.no_grad()
+    def score(self, img_emb, txt_emb):
+        (I, N, _), (T, L, _) = img_emb.shape, txt_emb.shape
+        ct = max(1, min(T, self.score_chunk // (N * L)))          # texts per chunk
+        ci = max(1, self.score_chunk // (ct * N * L))             # images per chunk
+        S = img_emb.new_empty(I, T)
+        for i in range(0, I, ci):
+            for t in range(0, T, ct):
+                s_i2t, s_t2i = token_max(img_emb[i:i + ci], txt_emb[t:t + ct])
+                S[i:i + ci, t:t + ct] = s_i2t + s_t2i
+        return S
+
+    def loss(self, img, txt):
+        s_i2t, s_t2i = token_max(self.embed_image(img), self.embed_text(txt))  # (B, B) each
+        target = torch.arange(len(s_i2t), device=s_i2t.device)
+        l_i2t = F.cross_entropy(s_i2t / self.tau, target)         # image -> its caption
+        l_t2i = F.cross_entropy(s_t2i.T / self.tau, target)       # caption -> its image
+        loss = (l_i2t + l_t2i) / 2
+        return loss, {"nce": loss.item()}

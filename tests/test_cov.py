@@ -1,0 +1,285 @@
+"""CoV-Align (methods/cov.py) and its two baselines, TextGuided and FILIP:
+hand-written math against naive loops, invariances, gradient flow, a tiny training run."""
+import math
+
+import pytest
+import torch
+from conftest import random_features
+
+from encoders import Features
+from methods.cov import CoV, DeformableAttention, deformable_sample, max_sum, threshold_mask
+from methods.filip import FILIP
+from methods.text_guided import TextGuided
+
+
+# ----------------------------------------------------------------------------- naive references
+
+def bilinear_naive(v, x, y):
+    """v (D, H, W); (x, y) in [0,1] image coords; pixel centres at (j+.5)/W; zeros outside."""
+    D, H, W = v.shape
+    px, py = x * W - 0.5, y * H - 0.5          # align_corners=False: continuous pixel index
+    x0, y0 = math.floor(px), math.floor(py)
+    out = torch.zeros(D, dtype=torch.float64)
+    for yi in (y0, y0 + 1):
+        for xi in (x0, x0 + 1):
+            w = (1 - abs(px - xi)) * (1 - abs(py - yi))
+            if 0 <= xi < W and 0 <= yi < H:
+                out += w * v[:, yi, xi].double()
+    return out
+
+
+def deformable_naive(value, loc, A):
+    B, M, Dh, H, W = value.shape
+    Q, K = loc.shape[1], loc.shape[3]
+    out = torch.zeros(B, Q, M, Dh, dtype=torch.float64)
+    for b in range(B):
+        for m in range(M):
+            for q in range(Q):
+                for k in range(K):
+                    x, y = loc[b, q, m, k].tolist()
+                    out[b, q, m] += A[b, q, m, k].item() * bilinear_naive(value[b, m], x, y)
+    return out
+
+
+def max_sum_naive(r, w):
+    I, T = len(r), len(w)
+    S = torch.zeros(I, T, dtype=torch.float64)
+    for i in range(I):
+        regions = [q for q in r[i] if q.abs().sum() > 0]
+        for t in range(T):
+            words = [x for x in w[t] if x.abs().sum() > 0]
+            s = [[float(q.detach() @ x.detach()) for x in words] for q in regions]
+            S[i, t] = (sum(max(row) for row in s) / len(regions)
+                       + sum(max(s[a][b] for a in range(len(regions))) for b in range(len(words))) / len(words))
+    return S
+
+
+def planted(n, H=4, W=4, d_img=16, d_txt=12, C=6, seed=0):
+    """Images with 2 concept blocks on noise; captions naming the same concepts."""
+    gc = torch.Generator().manual_seed(99)
+    U, Vt = torch.randn(C, d_img, generator=gc), torch.randn(C, d_txt, generator=gc)
+    g = torch.Generator().manual_seed(seed)
+    patches = torch.randn(n, H, W, d_img, generator=g) * 0.5
+    words = torch.randn(n, 4, d_txt, generator=g) * 0.3
+    mask = torch.ones(n, 4, dtype=torch.bool)
+    mask[::2, 3] = False
+    for i in range(n):
+        cs = torch.randperm(C, generator=g)[:2]
+        for c in cs:
+            y, x = torch.randint(0, H - 1, (2,), generator=g).tolist()
+            patches[i, y:y + 2, x:x + 2] += 2 * U[c]
+        words[i, 1:3] += Vt[cs]
+    words = words * mask[..., None]
+    p = patches.view(n, H * W, d_img)
+    tok = torch.cat([p.mean(1, keepdim=True), p], 1)
+    img = Features(tokens=tok, mask=torch.ones(n, H * W + 1, dtype=torch.bool), pooled=tok[:, 0], grid=(H, W))
+    txt = Features(tokens=words, mask=mask, pooled=words.sum(1) / mask.sum(1, keepdim=True))
+    return img, txt
+
+
+def small(cls, **hp):
+    torch.manual_seed(0)
+    dim = dict(dim=32) if cls is CoV else dict(K=32)
+    return cls(16, 12, **dim, **hp)
+
+
+def feats(B=5, seed=0):
+    img = random_features(B, 1 + 16, 16, grid=(4, 4), seed=seed)
+    txt = random_features(B, 6, 12, lengths=[3, 6, 2, 5, 4, 6, 1][:B], seed=seed + 1)
+    return img, txt
+
+
+ALL = [CoV, TextGuided, FILIP]
+
+
+# ----------------------------------------------------------------------------- CoV pieces
+
+def test_deformable_sample_matches_naive_bilinear_loop():
+    g = torch.Generator().manual_seed(0)
+    B, M, Dh, H, W, Q, K = 2, 2, 3, 3, 4, 3, 2
+    value = torch.randn(B, M, Dh, H, W, generator=g)
+    loc = torch.rand(B, Q, M, K, 2, generator=g) * 1.6 - 0.3   # some points fall outside the grid
+    loc[0, 0, 0, 0] = torch.tensor([1.2, 1.3])                  # fully outside: reads 0
+    loc[0, 0, 0, 1] = torch.tensor([-0.05, 0.5])                # half a pixel outside the left edge
+    A = torch.rand(B, Q, M, K, generator=g)
+    out = deformable_sample(value, loc, A)
+    assert out.shape == (B, Q, M, Dh)
+    torch.testing.assert_close(out.double(), deformable_naive(value, loc, A), atol=1e-5, rtol=1e-5)
+
+
+def test_deformable_sample_pixel_centre_reads_the_patch():
+    value = torch.arange(12.).view(1, 1, 1, 3, 4)               # (B, M, Dh, H, W)
+    i, j = 2, 1
+    loc = torch.tensor([(j + 0.5) / 4, (i + 0.5) / 3]).view(1, 1, 1, 1, 2)
+    out = deformable_sample(value, loc, torch.ones(1, 1, 1, 1))
+    assert out.item() == pytest.approx(value[0, 0, 0, i, j].item())
+
+
+def test_deformable_attention_init_is_deformable_detr():
+    """At init: uniform point weights, head m at direction theta_m, point k at distance k+1 patches."""
+    torch.manual_seed(0)
+    D, M, K, H, W = 8, 4, 2, 3, 4
+    att = DeformableAttention(D, M, K)
+    z, F_img = torch.randn(1, 2, D), torch.randn(1, H * W, D)
+    ref = torch.tensor([[0.3, 0.4], [0.6, 0.7]])
+    out = att(z, ref, F_img, (H, W))
+    value = att.value(F_img).view(1, H, W, M, D // M).permute(0, 3, 4, 1, 2)
+    expect = torch.zeros(1, 2, M, D // M, dtype=torch.float64)
+    for q in range(2):
+        for m in range(M):
+            th = 2 * math.pi * m / M
+            for k in range(K):
+                x = ref[q, 0].item() + (k + 1) * math.cos(th) / W
+                y = ref[q, 1].item() + (k + 1) * math.sin(th) / H
+                expect[0, q, m] += bilinear_naive(value[0, m].detach(), x, y) / K
+    torch.testing.assert_close(out, att.out_proj(expect.float().flatten(2)), atol=1e-5, rtol=1e-5)
+
+
+def test_threshold_mask_matches_loop():
+    g = torch.Generator().manual_seed(0)
+    attn = torch.rand(3, 5, 7, generator=g).softmax(-1)
+    eps = 0.6
+    out = threshold_mask(attn, eps)
+    for b in range(3):
+        for q in range(5):
+            row = attn[b, q].tolist()
+            lo, hi = min(row), max(row)
+            kept = [(a - lo) / (hi - lo) if (a - lo) / (hi - lo) >= eps else 0.0 for a in row]
+            expect = torch.tensor([k / sum(kept) for k in kept])
+            torch.testing.assert_close(out[b, q], expect)
+    assert (out > 0).sum() < out.numel()          # the mask does drop patches
+
+
+def test_max_sum_matches_loop_with_padding():
+    g = torch.Generator().manual_seed(0)
+    r = torch.nn.functional.normalize(torch.randn(3, 4, 8, generator=g), dim=-1)
+    w = torch.nn.functional.normalize(torch.randn(5, 6, 8, generator=g), dim=-1)
+    r[1, 3] = 0                                   # a padded region
+    w[0, 4:] = 0                                  # padded words
+    w[2, 1:] = 0
+    torch.testing.assert_close(max_sum(r, w).double(), max_sum_naive(r, w))
+
+
+def test_cov_shapes_and_padding_contract():
+    m, (img, txt) = small(CoV), feats()
+    r, w = m.embed_image(img), m.embed_text(txt)
+    assert r.shape == (5, 8, 32) and w.shape == (5, 6, 32)
+    torch.testing.assert_close(r.norm(dim=-1), torch.ones(5, 8))
+    assert (w[~txt.mask] == 0).all()              # padded words exactly zero
+    torch.testing.assert_close(w[txt.mask].norm(dim=-1), torch.ones(int(txt.mask.sum())))
+    assert m.dense_image(img).shape == (5, 16, 1, 32)
+
+
+def test_cov_dense_image_slice_is_a_one_region_image():
+    m, (img, txt) = small(CoV), feats()
+    d, w = m.dense_image(img), m.embed_text(txt)
+    p = 5
+    S = m.score(d[:, p], w)                       # (5, 5)
+    s = torch.einsum("ik,tlk->itl", d[:, p, 0], w)                     # (I, T, L)
+    ok = txt.mask[None]
+    expect = s.masked_fill(~ok, -9).amax(-1) + (s * ok).sum(-1) / ok.sum(-1)
+    torch.testing.assert_close(S, expect)
+
+
+def test_cov_ablation_switches_build_and_train():
+    img, txt = feats()
+    for hp in [dict(deformable=False), dict(use_v2v=False, use_conc=False), dict(eps=0.0, n_regions=4)]:
+        m = small(CoV, **hp)
+        loss, logs = m.loss(img, txt)
+        loss.backward()
+        assert torch.isfinite(loss)
+        assert ("v2v" in logs) == hp.get("use_v2v", True)
+        assert m.embed_image(img).shape[1] == hp.get("n_regions", 8)
+
+
+def test_cov_conc_loss_is_the_attention_weighted_spread():
+    a = torch.zeros(1, 2, 4)                      # grid 2 x 2
+    a[0, 0, 0] = 1                                # all mass on one patch: spread 0
+    a[0, 1] = 0.25                                # uniform: each centre at distance sqrt(2)/4
+    torch.testing.assert_close(CoV.spread(a, (2, 2)), torch.tensor([[0.0, math.sqrt(2) / 4]]), atol=1e-5, rtol=0)
+
+
+# ----------------------------------------------------------------------------- baselines vs loops
+
+def test_text_guided_score_matches_loop():
+    m, (img, txt) = small(TextGuided), feats()
+    v, w = m.embed_image(img), m.embed_text(txt)
+    S = m.score(v, w)
+    for i in range(5):
+        for t in range(5):
+            words = w[t][txt.mask[t]]
+            cos = []
+            for wj in words:
+                a = torch.softmax(v[i] @ wj / m.tau_a, 0)
+                v_hat = (a[:, None] * v[i]).sum(0)
+                cos.append(torch.dot(v_hat, wj) / v_hat.norm())
+            assert S[i, t].item() == pytest.approx(sum(cos).item() / len(cos), abs=1e-5)
+
+
+def test_filip_score_matches_loop():
+    m, (img, txt) = small(FILIP), feats()
+    v, w = m.embed_image(img), m.embed_text(txt)
+    S = m.score(v, w)
+    # FILIP's i2t + t2i is exactly max-sum with every patch as a region
+    torch.testing.assert_close(S.double(), max_sum_naive(v, w))
+
+
+# ----------------------------------------------------------------------------- invariances, all methods
+
+@pytest.mark.parametrize("cls", ALL)
+def test_padded_words_do_not_change_the_score(cls):
+    m, (img, txt) = small(cls), feats()
+    S = m.score(m.embed_image(img), m.embed_text(txt))
+    g = torch.Generator().manual_seed(5)
+    junk = torch.randn(5, 3, 12, generator=g)     # padding columns with garbage tokens
+    longer = Features(tokens=torch.cat([txt.tokens, junk], 1),
+                      mask=torch.cat([txt.mask, torch.zeros(5, 3, dtype=torch.bool)], 1), pooled=txt.pooled)
+    torch.testing.assert_close(m.score(m.embed_image(img), m.embed_text(longer)), S)
+    w0 = torch.nn.functional.pad(m.embed_text(txt), (0, 0, 0, 4))   # zero rows appended
+    torch.testing.assert_close(m.score(m.embed_image(img), w0), S)
+
+
+@pytest.mark.parametrize("cls", ALL)
+def test_permuting_the_batch_permutes_the_scores(cls):
+    m, (img, txt) = small(cls), feats()
+    S = m.score(m.embed_image(img), m.embed_text(txt))
+    pi, pt = torch.tensor([3, 0, 4, 1, 2]), torch.tensor([1, 4, 0, 2, 3])
+    S2 = m.score(m.embed_image(img[pi]), m.embed_text(txt[pt]))
+    torch.testing.assert_close(S2, S[pi][:, pt])
+
+
+@pytest.mark.parametrize("cls", ALL)
+def test_chunked_score_equals_unchunked(cls):
+    m, (img, txt) = small(cls), feats(B=7)
+    e_i, e_t = m.embed_image(img), m.embed_text(txt)
+    m.score_chunk = 10 ** 9
+    S = m.score(e_i, e_t)
+    for chunk in [1, 300, 5000]:                  # one pair per chunk, a few pairs, several rows
+        m.score_chunk = chunk
+        torch.testing.assert_close(m.score(e_i, e_t), S)
+
+
+@pytest.mark.parametrize("cls", ALL)
+def test_gradients_reach_every_trainable_module(cls):
+    m, (img, txt) = small(cls), feats()
+    loss, _ = m.loss(img, txt)
+    loss.backward()
+    for name, p in m.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("cls", ALL)
+def test_tiny_training_on_planted_data_lowers_the_loss(cls):
+    img, txt = planted(64)
+    m = small(cls)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    first = m.loss(img, txt)[1]["nce"]            # about log(64) = 4.2
+    for _ in range(50):
+        loss, logs = m.loss(img, txt)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert logs["nce"] < 0.6 * first
+    with torch.no_grad():
+        S = m.score(m.embed_image(img), m.embed_text(txt))
+    assert (S.argmax(1) == torch.arange(64)).float().mean() > 0.3    # chance is 1/64
