@@ -18,7 +18,7 @@ Symbols -> variables: W (C, D) -> W, b (C,) -> b, w_i -> W[i], f_I(x) (N, D) ->
 feats, f_T(t_i) (class-name text embedding) -> class_text / class_text_vecs,
 C classes, N images, n images per class -> n, k neighbours -> k.
 
-Deviations / choices (the paper is silent on these):
+Deviations / choices (where the paper is silent):
 1. Fig. 1 class means average the RAW features of n random images of a class
    (as the reference code does), then compare by cosine; several random draws
    (`repeats`) are averaged, and only classes that have images take part.
@@ -280,6 +280,7 @@ def run_analyses(W, b, class_names, feats_train, labels_train, feats_test, label
     """Every analysis of the paper on one head: Table 1 on the held-out images,
     Fig. 1 on the held-out images (the paper uses the IN-1K validation set),
     Appendix I with one train-set class mean per class, Table 2 on the held-out pool."""
+    assert len(class_names) == len(W), "one class name per head row (drop e.g. a background row)"
     classes = labels_train.unique()
     return {
         "neural_collapse": neural_collapse_check(W, b, feats_test, labels_test),
@@ -287,7 +288,6 @@ def run_analyses(W, b, class_names, feats_train, labels_train, feats_test, label
         "modality_gap": modality_gap(W[classes], class_means(feats_train, labels_train, classes),
                                      n_perm=n_perm, seed=seed),
         "few_shot": few_shot(feats_test, labels_test, seed=seed, aligned_classifier=aligned_classifier),
-        "n_classes": len(class_names),
     }
 
 
@@ -303,7 +303,7 @@ def analyses_table(d):
             continue
         lines.append(title)
         for key, v in d[section].items():
-            if key.endswith("_std"):
+            if key.endswith("_std") and key[:-4] in d[section]:   # printed next to its mean
                 continue
             std = d[section].get(key + "_std")
             lines.append(f"  {key:<16}{v:10.4f}" + (f" +- {std:.4f}" if std is not None else ""))

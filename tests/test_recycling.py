@@ -235,7 +235,8 @@ def test_run_analyses_and_table():
     assert set(d) >= {"neural_collapse", "prototype_alignment", "modality_gap", "few_shot"}
     assert d["neural_collapse"]["cosine_top1"] > 90 and "head_k3" in d["prototype_alignment"]
     table = R.analyses_table(d)
-    assert "Table 1" in table and "Appendix I" in table and "ncc_4shot" in table
+    assert "Table 1" in table and "Appendix I" in table and "ncc_4shot" in table and "null_std" in table
+    assert "ncc_4shot_std" not in table
 
 
 def test_weight_only_alignment_then_few_shot_with_the_real_mlp():
