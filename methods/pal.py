@@ -35,8 +35,9 @@ Deviations / choices:
    direction enters the cosine, but Adam's step is per coordinate, so equal
    norms give the same angular step (and the same good lr) for both inits.
    On planted data whose tokens share a common mean direction (as real encoder
-   features do), token anchors all start near that direction and training sat
-   on a plateau for ~60 steps; Gaussian anchors learned at once, hence the default.
+   features do; 2048 pairs, K=64, batch 256, lr 3e-2) token anchors all start
+   near that direction: after 40 steps the loss was still 5.2 (chance 5.5),
+   against 0.35 with Gaussian anchors; hence the default.
 5. The anchors need a LARGE learning rate (REFERENCE.md: 1e-2..1e-1 with AdamW
    on real features); default 3e-2, no weight decay (it only shrinks norms).
 6. Anchor analysis, "Dice": with two top-5 SETS, 2|A∩B|/(|A|+|B|) equals the
@@ -46,6 +47,8 @@ Deviations / choices:
    sum_k min(u_k, w_k), which reduces to the set Dice for equal weights.
 7. dense_image returns each patch's r_t (Eq. 4), L2-normalised, for segmentation.
 """
+from pathlib import Path
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -205,11 +208,15 @@ class PAL(nn.Module):
     def analyse(self, img, txt, images, words, out_dir, n_figures=4, n_anchors=3):
         """Table 4 anchor overlap on all pairs, and Fig. 3 for the first n_figures pairs:
         the n_anchors anchors contributing most to the pair's score h_v[k] h_l[k]."""
-        p_v, p_l = self.pool(img, "image"), self.pool(txt, "text")             # (N, K)
+        chunks = [torch.arange(len(img))[b:b + 256] for b in range(0, len(img), 256)]  # bound memory
+        p_v = torch.cat([self.pool(img[c], "image") for c in chunks])           # (N, K)
+        p_l = torch.cat([self.pool(txt[c], "text") for c in chunks])            # (N, K)
         metrics = anchor_overlap(p_v, p_l)
         if img.grid is None:                                # no patch grid to draw on
             return metrics
         H, W = img.grid
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
         n = min(n_figures, len(img))
         # CAP attention over all tokens (drawn whatever `pooling` is), (n, T, K)
         alpha_v = cap(relative(img.tokens[:n], self.A_v), img.mask[:n], self.tau_p)[1]
@@ -220,7 +227,7 @@ class PAL(nn.Module):
             heatmaps, word_lists = [], []
             for k in ks:
                 a = alpha_v[i, 1:1 + H * W, k].reshape(H, W)                   # patches only
-                heatmaps.append(a / a.max().clamp_min(1e-12))
+                heatmaps.append(a / a.max().clamp_min(1e-12))                  # scaled to its maximum
                 word_lists.append([words[i][t] for t in range(alpha_l.shape[1])
                                    if txt.mask[i, t] and alpha_l[i, t, k] > 0.5])
             caption = " ".join(w for w, m in zip(words[i], txt.mask[i].tolist()) if m)

@@ -206,11 +206,14 @@ def test_dense_image_is_normalised_per_patch_relative_representation():
 
 def test_analyse_writes_figures_and_returns_overlaps(tmp_path):
     from PIL import Image
-    img, txt = planted_pairs(N=6)
-    words = [[f"w{t}" for t in range(int(txt.mask[i].sum()))] for i in range(6)]
-    images = torch.randint(0, 256, (6, 3, 32, 32), dtype=torch.uint8)
+    N = 300                                                        # > 256: pooled in chunks
+    img, txt = planted_pairs(N=N)
+    words = [[f"w{t}" for t in range(int(txt.mask[i].sum()))] for i in range(N)]
+    images = torch.randint(0, 256, (N, 3, 32, 32), dtype=torch.uint8)
     m = PAL(24, 32, K=16)
     out = m.analyse(img, txt, images, words, tmp_path)
+    with torch.no_grad():
+        assert out == pytest.approx(anchor_overlap(m.pool(img, "image"), m.pool(txt, "text")), abs=1e-6)
     assert set(out) == {"anchor_overlap_matched", "anchor_overlap_mismatched",
                         "anchor_dice_matched", "anchor_dice_mismatched"}
     assert all(0 <= v <= 1 for v in out.values())
