@@ -2,21 +2,44 @@
 
 The interface (duck-typed; align.py and evaluate.py use only this):
 
-    method = METHODS[name](d_image, d_text, **hp)      # hp: keyword hyperparameters
-    method.defaults -> dict                            # the paper's lr / epochs / batch_size / weight_decay / optimizer
+    method = METHODS[name](d_image, d_text, **hp)      # hp: keyword hyperparameters (--hp NAME=VALUE)
+    method.defaults -> dict                            # the paper's lr / epochs / batch_size / weight_decay /
+                                                       # optimizer ("adam" | "adamw"), optional betas, grad_clip
     method.fit(img, txt)            # optional: closed-form methods (CSA, ASIF); img, txt = Features of all train pairs
     method.loss(img, txt) -> (loss, logs)   # optional: trained methods; img, txt = Features of a batch of pairs
     method.embed_image(img) -> emb  # (B, K) global, or (B, Q, K) token-level (CoV)
     method.embed_text(txt)  -> emb  # (B, K) global, or (B, L, K) token-level; padded words exactly 0
     method.score(img_emb, txt_emb) -> (N_img, N_txt)   # higher = more similar
     method.dense_image(img) -> (B, H*W, ...)  # per patch, each slice [:, p] a valid image emb for score()
+    method.analyse(img, txt, images, words, out_dir) -> dict   # optional: figures and analyses
 
 Features (encoders.py) holds tokens (B, T, D), mask (B, T), pooled (B, D), grid (H, W).
 Token-level embeddings are padded with zeros when evaluate.py concatenates batches,
 so score() of a token-level method treats all-zero rows as padding.
 """
-METHODS = {}
-
+from .asif import ASIF
+from .cov import CoV
+from .csa import CSA
+from .filip import FILIP
 from .linear import Linear
+from .mlp import MLP
+from .pal import PAL
+from .sail import SAIL
+from .structure import LinearRS, MLPRS
+from .t2c import T2C
+from .text_guided import TextGuided
 
-METHODS["linear"] = Linear
+METHODS = {
+    "pal": PAL,                # PAL: learnable anchors + cross-attention pooling
+    "cov": CoV,                # CoV-Align: text-free regions, region-word max-sum
+    "text_guided": TextGuided, # LAPS/SPARC-style baseline CoV beats
+    "filip": FILIP,            # FILIP late interaction, all patches x words
+    "linear": Linear,          # linear heads + InfoNCE (CLIP-style)
+    "linear_rs": LinearRS,     # STRUCTURE, linear head
+    "mlp_rs": MLPRS,           # STRUCTURE, residual low-rank head
+    "csa": CSA,                # CCA, closed form
+    "asif": ASIF,              # training-free relative representations
+    "mlp": MLP,                # weight recycling's MLP aligner (text -> image)
+    "t2c": T2C,                # text-to-concepts (linear text -> image)
+    "sail": SAIL,              # SAIL: StarMLP + SigLIP
+}

@@ -1,0 +1,262 @@
+"""The one entry point: data -> frozen features -> method -> evaluation -> results.
+
+    python align.py                          # PAL on the built-in Shapes world (CPU, no network)
+    python align.py --method cov --data coco --data-root /data/coco --device cuda
+
+Writes <out>/config.json (resolved arguments), <out>/metrics.json, <out>/method.pt
+(the method's state_dict), <out>/checkpoint.pt (each epoch, for --resume) and
+figures (PNG) of methods that draw them.
+"""
+import argparse
+import ast
+import inspect
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import data
+import encoders
+import evaluate
+from encoders import Features
+from methods import METHODS
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--method", default="pal", choices=sorted(METHODS), help="alignment method (methods/)")
+    p.add_argument("--data", default="shapes", choices=sorted(data.DATASETS), help="dataset to align and evaluate on")
+    p.add_argument("--data-root", default="data", help="folder holding real datasets (unused by shapes)")
+    p.add_argument("--cache-dir", default=".cache", help="where pretrained tiny encoders and features are cached")
+    p.add_argument("--out", default=None, help="output folder (default: results/<method>-<data>-seed<seed>)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto = cuda when available")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the method's init and batch order")
+    p.add_argument("--image-encoder", default="shapes-cnn", help="image encoder name or local path")
+    p.add_argument("--text-encoder", default="shapes-text", help="text encoder name or local path")
+    p.add_argument("--image-layer", type=int, default=-1, help="image encoder layer whose tokens are used (-1 = last)")
+    p.add_argument("--text-layer", type=int, default=-1, help="text encoder layer whose tokens are used (-1 = last)")
+    p.add_argument("--epochs", type=int, default=None, help="training epochs (default: the method's own)")
+    p.add_argument("--batch-size", type=int, default=None, help="pairs per step (default: the method's own)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the method's own)")
+    p.add_argument("--weight-decay", type=float, default=None, help="weight decay (default: the method's own)")
+    p.add_argument("--hp", action="append", default=[], metavar="NAME=VALUE",
+                   help="a method hyperparameter, e.g. --hp K=64 --hp pooling=mean (repeatable)")
+    p.add_argument("--align-data", default="pairs", choices=["pairs", "weights", "weights+pairs"],
+                   help="alignment data: image-text pairs, classifier-head rows with class names, or both")
+    p.add_argument("--num-pairs", type=int, default=None, help="use only this many training pairs (default: all)")
+    p.add_argument("--analyses", action="store_true", help="also run the weight-recycling analyses of the image head")
+    p.add_argument("--figures", action=argparse.BooleanOptionalAction, default=True, help="draw the method's figures")
+    p.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt")
+    return p.parse_args(argv)
+
+
+def parse_hp(method_cls, items):
+    """--hp NAME=VALUE pairs -> kwargs, checked against the method's __init__ signature."""
+    allowed = [n for n in inspect.signature(method_cls.__init__).parameters if n not in ("self", "d_image", "d_text")]
+    hp = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or name not in allowed:
+            sys.exit(f"error: --hp {item!r}: {method_cls.__name__} takes NAME=VALUE with NAME one of {allowed}")
+        try:
+            hp[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            hp[name] = value  # a bare word, e.g. pooling=mean
+    return hp
+
+
+def seed_everything(seed):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# ---------------------------------------------------------------------------
+# Data and frozen features
+# ---------------------------------------------------------------------------
+def load_features(args, device):
+    """Everything the method and evaluation need, as Features (encoders run once, then cached)."""
+    t0 = time.time()
+    sets = data.DATASETS[args.data](**({"root": args.data_root} if args.data != "shapes" else {}))
+    image_enc, text_enc = encoders.load_encoders(args.image_encoder, args.text_encoder, args.cache_dir,
+                                                 args.image_layer, args.text_layer)
+    ext = lambda enc, inputs, split, modality: encoders.extract(enc, inputs, args.cache_dir, device=device,
+                                                                dataset=args.data, split=split, modality=modality)
+    F = {"image_encoder": image_enc, "text_encoder": text_enc, "sets": sets}
+    for split, s in sets.items():
+        F[split, "image"] = ext(image_enc, s.images, split, "image")
+        if isinstance(s, data.PairSet) or isinstance(s, data.BindingSet):
+            F[split, "text"] = ext(text_enc, s.captions, split, "text")
+        if isinstance(s, (data.LabelSet, data.MaskSet)):
+            prompts = [t.format(c) for c in s.class_names for t in s.templates]  # class-major
+            F[split, "text"] = ext(text_enc, prompts, split, "prompts")
+        if isinstance(s, data.BindingSet):
+            for kind, caps in s.distractors.items():
+                F[split, kind] = ext(text_enc, caps, split, kind)
+    print(f"[features] ready in {time.time() - t0:.0f}s (cache: {args.cache_dir})")
+    return F
+
+
+def alignment_data(args, F):
+    """The training pairs: image-text pairs, head rows + class names (weight recycling §4), or both."""
+    img, txt = F["train", "image"], F["train", "text"]
+    n = len(img) if args.num_pairs is None else min(args.num_pairs, len(img))
+    if n < len(img):  # a fixed random subset, the same for every method and seed
+        idx = torch.randperm(len(img), generator=torch.Generator().manual_seed(1234))[:n]
+        img, txt = img[idx], txt[idx]
+    if args.align_data == "pairs":
+        return img, txt
+    import recycling
+    W, _, names = F["image_encoder"].head()
+    w_img, w_txt = recycling.weight_pairs(W, encoders.extract(F["text_encoder"], names, args.cache_dir,
+                                                              dataset=args.data, split="head", modality="classnames"))
+    if args.align_data == "weights" or n == 0:
+        return w_img, w_txt
+    return recycling.augment(img, txt, w_img, w_txt)
+
+
+# ---------------------------------------------------------------------------
+# The one training loop
+# ---------------------------------------------------------------------------
+def train(method, img, txt, args, out, device):
+    """Mini-batch training of method.loss with the method's optimiser, a cosine schedule,
+    a checkpoint each epoch, --resume, and a clear stop on a non-finite loss."""
+    d = dict(method.defaults)
+    epochs = args.epochs if args.epochs is not None else d["epochs"]
+    batch_size = min(args.batch_size or d["batch_size"], len(img))
+    lr = args.lr if args.lr is not None else d["lr"]
+    wd = args.weight_decay if args.weight_decay is not None else d.get("weight_decay", 0.0)
+    opt_cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[d.get("optimizer", "adamw")]
+    params = [p for p in method.parameters() if p.requires_grad]
+    opt = opt_cls(params, lr=lr, weight_decay=wd, betas=d.get("betas", (0.9, 0.999)))
+    steps_per_epoch = len(img) // batch_size  # drop the last partial batch: InfoNCE wants full batches
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, epochs * steps_per_epoch))
+    start, ckpt = 0, out / "checkpoint.pt"
+    if args.resume and ckpt.exists():
+        state = torch.load(ckpt, map_location=device, weights_only=False)
+        method.load_state_dict(state["method"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        start = state["epoch"] + 1
+        print(f"[train] resumed from {ckpt} after epoch {start}")
+    print(f"[train] {epochs} epochs x {steps_per_epoch} steps, batch {batch_size}, {opt_cls.__name__} lr {lr:g} wd {wd:g}")
+    t0, loss = time.time(), torch.tensor(float("nan"))
+    for epoch in range(start, epochs):
+        method.train()
+        g = torch.Generator().manual_seed(args.seed * 100003 + epoch)  # batch order depends only on (seed, epoch)
+        order = torch.randperm(len(img), generator=g)
+        t_epoch, total = time.time(), 0.0
+        for step in range(steps_per_epoch):
+            idx = order[step * batch_size:(step + 1) * batch_size]
+            loss, logs = method.loss(img[idx].to(device), txt[idx].to(device))
+            if not torch.isfinite(loss):
+                raise FloatingPointError(
+                    f"loss is {loss.item()} at epoch {epoch + 1}, step {step + 1}. "
+                    f"The last good checkpoint is {ckpt if epoch > start or start > 0 else 'not written yet'}. "
+                    f"Try a lower --lr (now {lr:g}), then rerun with --resume.")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if d.get("grad_clip"):
+                torch.nn.utils.clip_grad_norm_(params, d["grad_clip"])
+            opt.step()
+            sched.step()
+            total += loss.item()
+        dt = time.time() - t_epoch
+        print(f"[train] epoch {epoch + 1:3d}/{epochs}  loss {total / max(1, steps_per_epoch):.4f}  "
+              f"{steps_per_epoch / max(dt, 1e-9):.1f} steps/s  {time.time() - t0:.0f}s")
+        encoders.atomic_save({"method": method.state_dict(), "opt": opt.state_dict(),
+                              "sched": sched.state_dict(), "epoch": epoch}, ckpt)
+    return {"seconds": round(time.time() - t0, 2), "final_loss": float(loss.item()) if epochs > start else None}
+
+
+# ---------------------------------------------------------------------------
+# Evaluation on every task
+# ---------------------------------------------------------------------------
+def evaluate_all(method, F, args, out, device):
+    sets, metrics = F["sets"], {"retrieval": {}, "classification": {}, "segmentation": {}}
+    for split, s in sets.items():
+        img, txt = F[split, "image"], F[split, "text"]
+        if isinstance(s, data.PairSet) and split != "train":
+            metrics["retrieval"] = evaluate.retrieval(method, img, txt, s.txt_to_img, device=device)
+        elif isinstance(s, data.LabelSet):
+            metrics["classification"][split] = evaluate.classification(method, img, s.labels, txt,
+                                                                       len(s.templates), device=device)
+        elif isinstance(s, data.MaskSet):
+            metrics["segmentation"][split] = evaluate.segmentation(method, img, s.masks, txt, len(s.templates),
+                                                                   ignore_index=data.IGNORE, device=device)
+        elif isinstance(s, data.BindingSet):
+            metrics["binding"] = evaluate.binding(method, img, txt, {k: F[split, k] for k in s.distractors},
+                                                  device=device)
+    if args.figures and hasattr(method, "analyse") and "test" in sets:
+        n = 64  # the first test images with their first caption
+        test, txt = sets["test"], F["test", "text"]
+        first = torch.tensor([int((test.txt_to_img == i).nonzero()[0]) for i in range(min(n, len(test.images)))])
+        with evaluate.inference(method):
+            metrics["analysis"] = method.analyse(F["test", "image"][:len(first)].to(device), txt[first].to(device),
+                                                 torch.stack([torch.as_tensor(test.images[i]) for i in range(len(first))]),
+                                                 F["text_encoder"].words([test.captions[i] for i in first]), out)
+    return metrics
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out or f"results/{args.method}-{args.data}-seed{args.seed}")
+    out.mkdir(parents=True, exist_ok=True)
+    method_cls = METHODS[args.method]
+    hp = parse_hp(method_cls, args.hp)
+    config = dict(vars(args), device=device, hp=hp, out=str(out), method_defaults=method_cls.defaults)
+    print("[config] " + json.dumps(config, default=str))
+    (out / "config.json").write_text(json.dumps(config, indent=2, default=str))
+
+    F = load_features(args, device)
+    img, txt = alignment_data(args, F)
+    seed_everything(args.seed)
+    method = method_cls(F["train", "image"].tokens.shape[-1], F["train", "text"].tokens.shape[-1], **hp).to(device)
+    print(f"[method] {args.method}: {sum(p.numel() for p in method.parameters() if p.requires_grad):,} trainable parameters, "
+          f"{len(img)} alignment pairs ({args.align_data})")
+    metrics = {"train": {"seconds": 0.0, "final_loss": None}}
+    t0 = time.time()
+    if hasattr(method, "fit"):
+        method.fit(img.to(device), txt.to(device))
+        metrics["train"] = {"seconds": round(time.time() - t0, 2), "final_loss": None}
+    if hasattr(method, "loss"):
+        try:
+            metrics["train"] = train(method, img, txt, args, out, device)
+        except FloatingPointError as e:
+            sys.exit(f"error: {e}")
+    torch.save(method.state_dict(), out / "method.pt")
+    metrics.update(evaluate_all(method, F, args, out, device))
+    if args.analyses:
+        metrics["recycling"] = recycling_analyses(F, args, device)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    print(evaluate.results_table(metrics))
+    print(f"[done] results in {out}/")
+    return metrics
+
+
+def recycling_analyses(F, args, device):
+    """The weight-recycling paper's analyses of the image encoder's head (Table 1, Fig. 1, App. I, Table 2)."""
+    import recycling
+    W, b, names = F["image_encoder"].head()
+    s = F["sets"]["cls"]
+    feats, labels = F["cls", "image"].pooled.float(), s.labels
+    half = torch.arange(len(labels)) % 2 == 0
+    names_txt = encoders.extract(F["text_encoder"], names, args.cache_dir, dataset=args.data, split="head",
+                                 modality="classnames")
+    result = recycling.run_analyses(W, b, names, feats[half], labels[half], feats[~half], labels[~half],
+                                    names_txt.pooled.float())
+    print(recycling.analyses_table(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
