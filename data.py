@@ -5,7 +5,7 @@ into frozen features. Images are anything indexable that yields a (3, S, S)
 uint8 tensor or a PIL image (the Shapes world: one uint8 tensor (N, 3, S, S)).
 
     PairSet   images, captions (list[str]), txt_to_img (LongTensor, caption -> image)
-    LabelSet  images, labels (LongTensor), class_names, templates
+    LabelSet  images, labels (LongTensor), class_names, templates, optional masks
     MaskSet   images, masks (LongTensor (N, S, S), IGNORE = background), class_names, templates
     BindingSet images, captions (true, one per image), distractors {kind: list[str]}
 
@@ -35,6 +35,7 @@ class LabelSet:
     labels: torch.Tensor
     class_names: list
     templates: list = field(default_factory=lambda: ["a photo of a {}."])
+    masks: torch.Tensor | None = None  # optional (N, S, S) class-index masks (Shapes: which pixels the object covers)
 
 
 @dataclass
@@ -191,7 +192,7 @@ def shapes_world(seed=0, n_train=6000, n_test=500, n_cls=480, n_seg=300, n_bind=
             bind.append(s)
     train_images = render_all(train)[0]
     test_images = render_all(test)[0]
-    cls_images = render_all(cls)[0]
+    cls_images, _, cls_masks = render_all(cls)
     seg_images, seg_masks, _ = render_all(seg)
     bind_images = render_all(bind)[0]
     dis = [binding_distractors(s) for s in bind]
@@ -201,7 +202,7 @@ def shapes_world(seed=0, n_train=6000, n_test=500, n_cls=480, n_seg=300, n_bind=
         "test": PairSet(test_images, [caption(s, k) for s in test for k in range(5)],
                         torch.arange(n_test).repeat_interleave(5)),
         "cls": LabelSet(cls_images, torch.tensor([CLASS_NAMES.index(f"{s['objects'][0]['colour']} {s['objects'][0]['shape']}")
-                                                  for s in cls]), CLASS_NAMES, TEMPLATES),
+                                                  for s in cls]), CLASS_NAMES, TEMPLATES, cls_masks),
         "seg": MaskSet(seg_images, seg_masks, SHAPES, TEMPLATES),
         "binding": BindingSet(bind_images, [caption(s, 0) for s in bind],
                               {k: [d[k] for d in dis] for k in dis[0]}),
