@@ -225,8 +225,8 @@ def main(argv=None):
           f"{len(img)} alignment pairs ({args.align_data})")
     metrics = {"train": {"seconds": 0.0, "final_loss": None}}
     t0 = time.time()
-    if hasattr(method, "fit"):
-        method.fit(img.to(device), txt.to(device))
+    if hasattr(method, "fit"):  # closed-form methods are global: pass pooled vectors, never a whole token cache
+        method.fit(Features.from_vectors(img.pooled).to(device), Features.from_vectors(txt.pooled).to(device))
         metrics["train"] = {"seconds": round(time.time() - t0, 2), "final_loss": None}
     if hasattr(method, "loss"):
         try:
@@ -244,16 +244,39 @@ def main(argv=None):
 
 
 def recycling_analyses(F, args, device):
-    """The weight-recycling paper's analyses of the image encoder's head (Table 1, Fig. 1, App. I, Table 2)."""
+    """The weight-recycling paper's analyses of the image encoder's head (Table 1, Fig. 1, App. I, Table 2).
+
+    The Shapes head classifies PATCHES, so its features are the object patches of the
+    classification set (more than half covered by the object) with the image's label;
+    even images give the train half, odd images the held-out half. The few-shot
+    "ours" column is methods/mlp.py aligned on the head rows alone, then fine-tuned.
+    """
     import recycling
+    from methods.mlp import MLP
     W, b, names = F["image_encoder"].head()
-    s = F["sets"]["cls"]
-    feats, labels = F["cls", "image"].pooled.float(), s.labels
-    half = torch.arange(len(labels)) % 2 == 0
+    s, img = F["sets"]["cls"], F["cls", "image"]
+    H, Wg = img.grid
+    cover = torch.nn.functional.adaptive_avg_pool2d((s.masks != data.IGNORE).float()[:, None], (H, Wg))
+    is_obj = cover.flatten(1) > 0.5                                       # (N, H*W)
+    patches = img.patches().float()                                       # (N, H*W, D)
+    even = torch.arange(len(s.labels))[:, None].expand_as(is_obj) % 2 == 0
+    labels = s.labels[:, None].expand_as(is_obj)
+    pick = lambda sel: (patches[is_obj & sel], labels[is_obj & sel])
+    (f_train, y_train), (f_test, y_test) = pick(even), pick(~even)
     names_txt = encoders.extract(F["text_encoder"], names, args.cache_dir, dataset=args.data, split="head",
                                  modality="classnames")
-    result = recycling.run_analyses(W, b, names, feats[half], labels[half], feats[~half], labels[~half],
-                                    names_txt.pooled.float())
+    w_img, w_txt = recycling.weight_pairs(W, names_txt)
+    mlp = MLP(W.shape[1], names_txt.tokens.shape[-1])
+    opt = torch.optim.Adam(mlp.parameters(), lr=MLP.defaults["lr"])
+    for _ in range(MLP.defaults["epochs"]):                               # one full batch = one epoch
+        loss, _ = mlp.loss(w_img, w_txt)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    mlp.eval()
+    aligned = lambda sf, sl: recycling.finetune_mlp_classifier(mlp, names_txt, sf, sl)
+    result = recycling.run_analyses(W, b, names, f_train, y_train, f_test, y_test, names_txt.pooled.float(),
+                                    aligned_classifier=aligned)
     print(recycling.analyses_table(result))
     return result
 

@@ -1,0 +1,143 @@
+"""align.py: the training loop (NaN stop, resume, determinism), the feature cache, and subprocess runs.
+
+The subprocess runs share one cache directory for the whole session, so the tiny
+encoders are pretrained once (about two minutes on 2 CPU cores) and reused.
+"""
+import json
+import os
+import subprocess
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+import torch
+
+import align
+import encoders
+from conftest import random_features
+from methods.linear import Linear
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def loop_args(**kw):
+    base = dict(epochs=3, batch_size=16, lr=None, weight_decay=None, seed=0, resume=False)
+    return Namespace(**{**base, **kw})
+
+
+def planted_pairs(n=64):
+    img = random_features(n, 5, 8, grid=(2, 2), seed=1)
+    W = torch.randn(8, 6, generator=torch.Generator().manual_seed(2))
+    txt = random_features(n, 4, 6, seed=3)
+    txt.pooled = img.pooled @ W + 0.1 * txt.pooled
+    return img, txt
+
+
+class StopAtCall(Linear):
+    """Linear whose n-th loss call raises (an interrupted run), or returns NaN."""
+
+    def __init__(self, *a, n=5, nan=False, **kw):
+        super().__init__(*a, **kw)
+        self.calls, self.n, self.nan = 0, n, nan
+
+    def loss(self, img, txt):
+        loss, logs = super().loss(img, txt)
+        self.calls += 1
+        if self.calls == self.n and not self.nan:
+            raise KeyboardInterrupt
+        return (loss * float("nan") if self.calls == self.n else loss), logs
+
+
+def test_training_is_deterministic_and_resume_continues_exactly(tmp_path):
+    img, txt = planted_pairs()   # 64 pairs, batch 16: 4 steps an epoch
+    torch.manual_seed(0)
+    straight = Linear(8, 6, K=4)
+    align.train(straight, img, txt, loop_args(), tmp_path / "a", "cpu")
+    torch.manual_seed(0)
+    interrupted = StopAtCall(8, 6, K=4, n=10)      # dies in epoch 3, after the checkpoint of epoch 2
+    with pytest.raises(KeyboardInterrupt):
+        align.train(interrupted, img, txt, loop_args(), tmp_path / "b", "cpu")
+    resumed = Linear(8, 6, K=4)
+    align.train(resumed, img, txt, loop_args(resume=True), tmp_path / "b", "cpu")
+    for k, v in straight.state_dict().items():
+        assert torch.allclose(v, resumed.state_dict()[k], atol=1e-6), k
+
+
+def test_nan_loss_stops_with_epoch_and_step_and_keeps_the_checkpoint(tmp_path):
+    img, txt = planted_pairs()   # 64 pairs, batch 16: 4 steps an epoch; call 6 = epoch 2, step 2
+    m = StopAtCall(8, 6, K=4, n=6, nan=True)
+    with pytest.raises(FloatingPointError, match=r"epoch 2, step 2"):
+        align.train(m, img, txt, loop_args(), tmp_path, "cpu")
+    saved = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    assert saved["epoch"] == 0 and all(torch.isfinite(v).all() for v in saved["method"].values())
+
+
+class CountingEncoder:
+    name, layer, preprocess = "counting", -1, "none"
+
+    def __init__(self):
+        self.calls = 0
+
+    def encode(self, texts, device="cpu"):
+        self.calls += 1
+        return random_features(len(texts), 3, 4, seed=len(texts))
+
+
+def test_feature_cache_is_reused_keyed_and_rebuilt_when_broken(tmp_path, capsys):
+    enc = CountingEncoder()
+    a = encoders.extract(enc, ["x"] * 10, tmp_path, batch_size=4, dataset="d", split="s", modality="text")
+    b = encoders.extract(enc, ["x"] * 10, tmp_path, batch_size=4, dataset="d", split="s", modality="text")
+    assert enc.calls == 3 and torch.equal(a.tokens, b.tokens) and a.tokens.dtype == torch.float16
+    encoders.extract(enc, ["x"] * 10, tmp_path, batch_size=4, dataset="d", split="other", modality="text")
+    assert enc.calls == 6                                     # another key: computed again
+    files = list((tmp_path / "features").iterdir())
+    assert len(files) == 2 and not any(".tmp" in f.name for f in files)
+    path = [f for f in files if f.name.startswith("d-s-")][0]
+    path.write_bytes(path.read_bytes()[:100])                 # a half-written file
+    c = encoders.extract(enc, ["x"] * 10, tmp_path, batch_size=4, dataset="d", split="s", modality="text")
+    assert enc.calls == 9 and torch.equal(a.tokens, c.tokens) and "unreadable" in capsys.readouterr().out
+
+
+def test_hp_parsing_checks_names():
+    assert align.parse_hp(Linear, ["K=64", "tau=0.1"]) == {"K": 64, "tau": 0.1}
+    with pytest.raises(SystemExit, match="one of"):
+        align.parse_hp(Linear, ["k=64"])
+
+
+# ----------------------------------------------------------------------------- subprocess runs
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+def run_align(cache_dir, out, *extra):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, str(ROOT / "align.py"), "--cache-dir", str(cache_dir), "--out", str(out), "--threads", "1",
+           "--no-figures", *extra]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_align_runs_end_to_end_and_reruns_identically(cache_dir, tmp_path):
+    runs = []
+    for i in range(2):
+        r = run_align(cache_dir, tmp_path / f"run{i}", "--method", "linear", "--epochs", "3")
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs.append(json.loads((tmp_path / f"run{i}" / "metrics.json").read_text()))
+    m = runs[0]
+    assert set(m["retrieval"]) >= {"i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10", "rsum",
+                                   "i2t_map", "i2t_p1", "i2t_p5", "t2i_p1"}
+    assert m["retrieval"]["i2t_r1"] > 5 * 100 / 500          # chance is 0.2%
+    assert m["classification"]["cls"]["top1"] > 3 * 100 / 24  # chance is 4.2%
+    assert m["segmentation"]["seg"]["miou_fg"] > 30
+    for r in runs:
+        r["train"].pop("seconds")
+    assert runs[0] == runs[1]                                  # --seed gives identical metrics
+    assert "retrieval" in r and (tmp_path / "run0" / "config.json").exists() and (tmp_path / "run0" / "method.pt").exists()
+
+
+def test_align_rejects_unknown_names(cache_dir, tmp_path):
+    r = run_align(cache_dir, tmp_path, "--method", "nope")
+    assert r.returncode == 2 and "invalid choice" in r.stderr and "pal" in r.stderr
+    r = run_align(cache_dir, tmp_path, "--image-encoder", "no-such-model")
+    assert r.returncode != 0 and "no-such-model" in (r.stderr + r.stdout)
