@@ -1,12 +1,14 @@
-"""Datasets: the built-in Shapes world (the default, no files needed).
+"""Datasets: the built-in Shapes world (the default, no files needed) and real sets on disk.
 
 Every loader returns plain containers of raw samples; encoders.py turns them
 into frozen features. Images are anything indexable that yields a (3, S, S)
-uint8 tensor or a PIL image (the Shapes world: one uint8 tensor (N, 3, S, S)).
+uint8 tensor or a PIL image (the Shapes world: one uint8 tensor (N, 3, S, S);
+real sets: LazyImages, which opens one file at a time, so nothing holds all
+images in RAM).
 
     PairSet   images, captions (list[str]), txt_to_img (LongTensor, caption -> image)
     LabelSet  images, labels (LongTensor), class_names, templates, optional masks
-    MaskSet   images, masks (LongTensor (N, S, S), IGNORE = background), class_names, templates
+    MaskSet   images, masks ((N, S, S) integer, IGNORE = background), class_names, templates
     BindingSet images, captions (true, one per image), distractors {kind: list[str]}
 
 The Shapes world (DESIGN.md): 1-3 coloured shapes in two sizes on varied
@@ -217,4 +219,265 @@ def pretrain_images(n, seed):
     return images, object_masks
 
 
-DATASETS = {"shapes": shapes_world}
+# ---------------------------------------------------------------------------
+# Real datasets on disk (DESIGN.md, "Real data"): standard layouts, lazy images
+# ---------------------------------------------------------------------------
+# The layouts below are the ones the official archives unpack to. A missing
+# REQUIRED file (the COCO / Flickr30K Karpathy split) is one error naming the
+# layout and where to download it; a missing OPTIONAL evaluation set is one
+# printed line, and the run goes on without it.
+#
+# Choices (where the papers are silent):
+# 1. COCO train = the Karpathy "train" split (the 82,783 train2014 images; PAL's
+#    "~80K pairs"), one caption per image: the FIRST one, so every run and
+#    method sees the same pairs. Test = Karpathy "test": 5,000 images, their
+#    first 5 captions (25,000). Flickr30K likewise (29K train, 1K test).
+# 2. Classification: the test split of each torchvision set, read with
+#    download=False from <data-root>/<name> as torchvision's download=True
+#    writes it. Class names are torchvision's, "_" and CamelCase split into
+#    lower-case words ("AnnualCrop" -> "annual crop"). Caltech101 and EuroSAT
+#    have no test split: all their images are used.
+# 3. Segmentation: each image and its mask are centre-cropped to a square;
+#    masks are resized (nearest) to SEG_SIZE x SEG_SIZE and stored uint8. A
+#    square image is resized straight to the encoder's input size (encoders.py),
+#    so mask pixels and patch tokens cover the same square. Background and
+#    unlabelled pixels are IGNORE (PAL's mIoU-fg): VOC20 = VOC2012 val, 20
+#    classes; Pascal Context = the 59-class mmsegmentation layout; ADE20K = the
+#    150 classes of ADEChallengeData2016.
+# 4. A corrupt image file is an error naming the file (when it is read), never
+#    a crash deep inside a worker; there are no worker processes.
+import json
+import re
+from pathlib import Path
+
+SEG_SIZE = 224  # side of the stored segmentation masks (the usual ViT input side)
+
+
+class LazyImages:
+    """A sequence of images opened one at a time: item i = load(keys[i]) as an RGB PIL image.
+
+    keys are file paths (load = PIL open) or indices into a torchvision dataset.
+    square=True centre-crops to a square (segmentation sets). Slicing gives a lazy view.
+    """
+
+    def __init__(self, keys, load=None, square=False):
+        self.keys, self.load, self.square = list(keys), load, square
+
+    def __len__(self):
+        return len(self.keys)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return LazyImages(self.keys[i], self.load, self.square)
+        from PIL import Image
+        key = self.keys[i]
+        try:
+            img = self.load(key) if self.load else Image.open(key)
+            img = img.convert("RGB")  # also forces the decode, so a broken file fails here
+        except Exception as e:
+            raise OSError(f"cannot read image {key}: {type(e).__name__}: {e}. "
+                          f"Replace the file (re-extract it from its archive) or delete its entry.") from None
+        return centre_square(img) if self.square else img
+
+
+def centre_square(img):
+    """The largest centred square of a PIL image."""
+    w, h = img.size
+    s = min(w, h)
+    left, top = (w - s) // 2, (h - s) // 2
+    return img.crop((left, top, left + s, top + s))
+
+
+def pixels(image, size=224):
+    """Any image of a set -> uint8 (3, size, size): centre square, resized (figures, analyse())."""
+    if isinstance(image, torch.Tensor):
+        return image
+    from PIL import Image
+    img = centre_square(image.convert("RGB")).resize((size, size), Image.BICUBIC)
+    return torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1)
+
+
+def missing(what, path, layout, url):
+    """The one error of a missing required file: what, where it was looked for, the layout, the source."""
+    raise SystemExit(f"error: {what} not found at {path}.\nExpected layout:\n{layout}\nDownload: {url}")
+
+
+COCO_LAYOUT = """  <data-root>/coco/              (or <data-root> itself)
+      dataset_coco.json          Karpathy split file (captions included)
+      train2014/COCO_train2014_*.jpg
+      val2014/COCO_val2014_*.jpg"""
+COCO_URL = ("images: https://cocodataset.org/#download (2014 Train images, 2014 Val images); "
+            "Karpathy split: https://cs.stanford.edu/people/karpathy/deepimagesent/caption_datasets.zip")
+FLICKR_LAYOUT = """  <data-root>/flickr30k/         (or <data-root> itself)
+      dataset_flickr30k.json     Karpathy split file (captions included)
+      flickr30k-images/*.jpg"""
+FLICKR_URL = ("images: https://shannon.cs.illinois.edu/DenotationGraph/ (request form); "
+              "Karpathy split: https://cs.stanford.edu/people/karpathy/deepimagesent/caption_datasets.zip")
+
+
+def karpathy_pairs(entries, image_dir, n_captions):
+    """PairSet of Karpathy-split entries: the first n_captions captions of each image."""
+    paths, captions, txt_to_img = [], [], []
+    for i, e in enumerate(entries):
+        paths.append(Path(image_dir) / e.get("filepath", "") / e["filename"])
+        for s in e["sentences"][:n_captions]:
+            captions.append(s["raw"].strip())
+            txt_to_img.append(i)
+    return PairSet(LazyImages(paths), captions, torch.tensor(txt_to_img))
+
+
+def karpathy_dataset(root, sub, split_file, image_dir, layout, url, name):
+    """{"train", "test"} PairSets from a Karpathy split file; one clear error when anything is missing."""
+    root = Path(root)
+    base = root / sub if (root / sub).is_dir() else root
+    if not (base / split_file).exists():
+        missing(f"{name} Karpathy split file {split_file}", base / split_file, layout, url)
+    entries = json.loads((base / split_file).read_text())["images"]
+    sets = {}
+    for split, n_captions in (("train", 1), ("test", 5)):
+        chosen = [e for e in entries if e["split"] == split]
+        if not chosen:
+            raise SystemExit(f"error: {base / split_file} has no images in split {split!r}")
+        sets[split] = karpathy_pairs(chosen, base / image_dir, n_captions)
+        first = sets[split].images.keys[0]
+        if not first.exists():
+            missing(f"{name} {split} images (e.g. {first.name})", first.parent, layout, url)
+    print(f"[data] {name}: {len(sets['train'].images)} train pairs, {len(sets['test'].images)} test images / "
+          f"{len(sets['test'].captions)} captions")
+    return sets
+
+
+# ----------------------------------------------------------------- zero-shot classification sets
+# name: (torchvision class, test-split kwargs, label attribute, class-name attribute)
+TORCHVISION_SETS = {
+    "stl10": ("STL10", dict(split="test"), "labels", "classes"),
+    "cifar10": ("CIFAR10", dict(train=False), "targets", "classes"),
+    "cifar100": ("CIFAR100", dict(train=False), "targets", "classes"),
+    "caltech101": ("Caltech101", {}, "y", "categories"),
+    "dtd": ("DTD", dict(split="test"), "_labels", "classes"),
+    "eurosat": ("EuroSAT", {}, "targets", "classes"),
+    "food101": ("Food101", dict(split="test"), "_labels", "classes"),
+    "flowers102": ("Flowers102", dict(split="test"), "_labels", "classes"),
+    "pets": ("OxfordIIITPet", dict(split="test"), "_labels", "classes"),
+}
+
+
+def pretty(name):
+    """A class name as words: "AnnualCrop" -> "annual crop", "aquarium_fish" -> "aquarium fish"."""
+    return re.sub(r"(?<=[a-z])(?=[A-Z])", " ", name).replace("_", " ").lower().strip()
+
+
+def torchvision_set(name, root):
+    """LabelSet of one torchvision classification set's test split, or None (one printed line) when absent."""
+    import torchvision.datasets as tvd
+    cls, kwargs, label_attr, names_attr = TORCHVISION_SETS[name]
+    try:
+        ds = getattr(tvd, cls)(str(Path(root) / name), download=False, **kwargs)
+    except (RuntimeError, FileNotFoundError, OSError) as e:
+        print(f"[data] {name}: not found under {Path(root) / name} (optional; put torchvision's {cls}(root=..., "
+              f"download=True) layout there) - skipped [{type(e).__name__}]")
+        return None
+    labels = torch.as_tensor(np.asarray(getattr(ds, label_attr)), dtype=torch.long)
+    names = [pretty(c) for c in getattr(ds, names_attr)]
+    return LabelSet(LazyImages(range(len(ds)), load=lambda i: ds[i][0]), labels, names)
+
+
+# ----------------------------------------------------------------- zero-shot segmentation sets
+VOC_CLASSES = ["aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow", "dining table",
+               "dog", "horse", "motorbike", "person", "potted plant", "sheep", "sofa", "train", "tv monitor"]
+CONTEXT_CLASSES = [  # the 59 classes of mmsegmentation's PascalContextDataset59, label k + 1 in the PNGs
+    "aeroplane", "bag", "bed", "bedclothes", "bench", "bicycle", "bird", "boat", "book", "bottle", "building", "bus",
+    "cabinet", "car", "cat", "ceiling", "chair", "cloth", "computer", "cow", "cup", "curtain", "dog", "door", "fence",
+    "floor", "flower", "food", "grass", "ground", "horse", "keyboard", "light", "motorbike", "mountain", "mouse",
+    "person", "plate", "platform", "potted plant", "road", "rock", "sheep", "shelves", "sidewalk", "sign", "sky",
+    "snow", "sofa", "table", "track", "train", "tree", "truck", "tv monitor", "wall", "water", "window", "wood"]
+ADE_CLASSES = [  # the 150 classes of ADEChallengeData2016 (objectInfo150), label k + 1 in the PNGs
+    "wall", "building", "sky", "floor", "tree", "ceiling", "road", "bed", "windowpane", "grass", "cabinet", "sidewalk",
+    "person", "earth", "door", "table", "mountain", "plant", "curtain", "chair", "car", "water", "painting", "sofa",
+    "shelf", "house", "sea", "mirror", "rug", "field", "armchair", "seat", "fence", "desk", "rock", "wardrobe", "lamp",
+    "bathtub", "railing", "cushion", "base", "box", "column", "signboard", "chest of drawers", "counter", "sand",
+    "sink", "skyscraper", "fireplace", "refrigerator", "grandstand", "path", "stairs", "runway", "case",
+    "pool table", "pillow", "screen door", "stairway", "river", "bridge", "bookcase", "blind", "coffee table",
+    "toilet", "flower", "book", "hill", "bench", "countertop", "stove", "palm", "kitchen island", "computer",
+    "swivel chair", "boat", "bar", "arcade machine", "hovel", "bus", "towel", "light", "truck", "tower",
+    "chandelier", "awning", "streetlight", "booth", "television receiver", "airplane", "dirt track", "apparel",
+    "pole", "land", "bannister", "escalator", "ottoman", "bottle", "buffet", "poster", "stage", "van", "ship",
+    "fountain", "conveyer belt", "canopy", "washer", "plaything", "swimming pool", "stool", "barrel", "basket",
+    "waterfall", "tent", "bag", "minibike", "cradle", "oven", "ball", "food", "step", "tank", "trade name",
+    "microwave", "pot", "animal", "bicycle", "lake", "dishwasher", "screen", "blanket", "sculpture", "hood",
+    "sconce", "vase", "traffic light", "tray", "ashcan", "fan", "pier", "crt screen", "plate", "monitor",
+    "bulletin board", "shower", "radiator", "glass", "clock", "flag"]
+# name: (ids file, image pattern, mask pattern, class names, label of class 0 in the PNGs), relative to <data-root>
+SEGMENTATION_SETS = {
+    "voc20": ("VOCdevkit/VOC2012/ImageSets/Segmentation/val.txt", "VOCdevkit/VOC2012/JPEGImages/{}.jpg",
+              "VOCdevkit/VOC2012/SegmentationClass/{}.png", VOC_CLASSES, 1),
+    "context": ("VOCdevkit/VOC2010/ImageSets/SegmentationContext/val.txt", "VOCdevkit/VOC2010/JPEGImages/{}.jpg",
+                "VOCdevkit/VOC2010/SegmentationClassContext/{}.png", CONTEXT_CLASSES, 1),
+    "ade20k": (None, "ADEChallengeData2016/images/validation/{}.jpg",
+               "ADEChallengeData2016/annotations/validation/{}.png", ADE_CLASSES, 1),
+}
+SEGMENTATION_URLS = {
+    "voc20": "http://host.robots.ox.ac.uk/pascal/VOC/voc2012/VOCtrainval_11-May-2012.tar",
+    "context": "VOC2010 trainval tar + mmsegmentation's tools/dataset_converters/pascal_context.py",
+    "ade20k": "http://data.csail.mit.edu/places/ADEchallenge/ADEChallengeData2016.zip",
+}
+
+
+def read_mask(path, lut):
+    """A label PNG -> uint8 (SEG_SIZE, SEG_SIZE): centre square, nearest resize, labels mapped by lut."""
+    from PIL import Image
+    try:
+        m = centre_square(Image.open(path)).resize((SEG_SIZE, SEG_SIZE), Image.NEAREST)
+        return torch.from_numpy(lut[np.asarray(m, dtype=np.uint8)])
+    except Exception as e:
+        raise OSError(f"cannot read mask {path}: {type(e).__name__}: {e}") from None
+
+
+def segmentation_set(name, root):
+    """MaskSet of one segmentation set's validation split, or None (one printed line) when absent."""
+    ids_file, image_pattern, mask_pattern, names, first_label = SEGMENTATION_SETS[name]
+    root = Path(root)
+    if ids_file is None:  # ADE20K: every annotation file of the folder
+        folder = (root / mask_pattern).parent
+        ids = sorted(p.stem for p in folder.glob("*.png")) if folder.is_dir() else []
+    else:
+        ids = (root / ids_file).read_text().split() if (root / ids_file).exists() else []
+    if not ids:
+        print(f"[data] {name}: not found under {root} (optional; expected {ids_file or mask_pattern}; "
+              f"from {SEGMENTATION_URLS[name]}) - skipped")
+        return None
+    lut = np.full(256, IGNORE, dtype=np.uint8)                       # background, unlabelled -> IGNORE
+    lut[first_label:first_label + len(names)] = np.arange(len(names))  # label k + first_label -> class k
+    masks = torch.stack([read_mask(root / mask_pattern.format(i), lut) for i in ids])  # (N, S, S) uint8
+    return MaskSet(LazyImages([root / image_pattern.format(i) for i in ids], square=True), masks, names)
+
+
+def evaluation_sets(root):
+    """Every optional classification / segmentation set found under root, keyed by name."""
+    sets = {}
+    for name in TORCHVISION_SETS:
+        sets[name] = torchvision_set(name, root)
+    for name in SEGMENTATION_SETS:
+        sets[name] = segmentation_set(name, root)
+    return {k: v for k, v in sets.items() if v is not None}
+
+
+def coco(root="data"):
+    """COCO 2014 + Karpathy split (train: one caption per image; test: 5K / 25K), plus the
+    evaluation sets found under root (and Flickr30K's test split as "flickr" when present)."""
+    sets = karpathy_dataset(root, "coco", "dataset_coco.json", "", COCO_LAYOUT, COCO_URL, "COCO")
+    flickr_dir = Path(root) / "flickr30k"
+    if (flickr_dir / "dataset_flickr30k.json").exists():
+        sets["flickr"] = karpathy_dataset(root, "flickr30k", "dataset_flickr30k.json", "flickr30k-images",
+                                          FLICKR_LAYOUT, FLICKR_URL, "Flickr30K")["test"]
+    return sets | evaluation_sets(root)
+
+
+def flickr(root="data"):
+    """Flickr30K + Karpathy split (train: one caption per image; test: 1K / 5K), plus the evaluation sets."""
+    sets = karpathy_dataset(root, "flickr30k", "dataset_flickr30k.json", "flickr30k-images",
+                            FLICKR_LAYOUT, FLICKR_URL, "Flickr30K")
+    return sets | evaluation_sets(root)
+
+
+DATASETS = {"shapes": shapes_world, "coco": coco, "flickr": flickr}
