@@ -270,16 +270,38 @@ def test_gradients_reach_every_trainable_module(cls):
 
 @pytest.mark.parametrize("cls", ALL)
 def test_tiny_training_on_planted_data_lowers_the_loss(cls):
-    img, txt = planted(64)
+    img, txt = planted(32)
     m = small(cls)
     opt = torch.optim.Adam(m.parameters(), lr=1e-2)
-    first = m.loss(img, txt)[1]["nce"]            # about log(64) = 4.2
-    for _ in range(50):
+    first = m.loss(img, txt)[1]["nce"]            # >= log(32) = 3.5
+    for _ in range(40):
         loss, logs = m.loss(img, txt)
         opt.zero_grad()
         loss.backward()
         opt.step()
-    assert logs["nce"] < 0.6 * first
+    assert logs["nce"] < 0.5 * first
     with torch.no_grad():
         S = m.score(m.embed_image(img), m.embed_text(txt))
-    assert (S.argmax(1) == torch.arange(64)).float().mean() > 0.3    # chance is 1/64
+    assert (S.argmax(1) == torch.arange(32)).float().mean() > 0.5    # chance is 1/32
+
+
+def test_cov_score_chunks_stay_under_the_bound(monkeypatch):
+    import methods.cov as cov
+    m, (img, txt) = small(CoV), feats(B=7)
+    e_i, e_t = m.embed_image(img), m.embed_text(txt)
+    sizes, inner = [], cov.max_sum
+    monkeypatch.setattr(cov, "max_sum", lambda r, w: sizes.append(r.shape[:2].numel() * w.shape[:2].numel()) or inner(r, w))
+    m.score_chunk = 500                           # Q * L = 48 per pair: at most 10 pairs per chunk
+    m.score(e_i, e_t)
+    assert max(sizes) <= 500 and len(sizes) > 1
+
+
+def test_cov_analyse_writes_region_maps(tmp_path):
+    m, (img, txt) = small(CoV), feats()
+    images = torch.randint(0, 255, (5, 3, 32, 32), dtype=torch.uint8)
+    words = [["[CLS]"] + ["w"] * 5 for _ in range(5)]
+    out = m.analyse(img, txt, images, words, tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == [f"cov_regions_{i}.png" for i in range(4)]
+    assert all(math.isfinite(v) for v in out.values())
+    assert 1 <= out["cov_patches_per_region"] <= 16
+    assert 0 <= out["cov_spread_masked"] and 0 <= out["cov_spread"] <= math.sqrt(2)
