@@ -182,7 +182,7 @@ class CoV(nn.Module):
         cols = math.ceil(n_regions / rows)
         self.register_buffer("ref", grid_centres(rows, cols)[:n_regions])  # p_q, (Q, 2)
         self.deform = DeformableAttention(dim, n_heads, n_points) if deformable else None
-        self.norm = nn.LayerNorm(dim)
+        self.norm = nn.LayerNorm(dim) if deformable else None     # z' = LN(z + DeformAttn(z))
         self.W_assign = nn.Linear(dim, dim, bias=False)          # the ONE shared W, Eq. (2)
         self.V = nn.Linear(dim, dim, bias=False)                 # value projection, Eq. (3)
         self.eps, self.tau, self.tau_1, self.tau_g = eps, tau, tau_1, tau_g

@@ -188,6 +188,7 @@ def test_cov_ablation_switches_build_and_train():
         loss, logs = m.loss(img, txt)
         loss.backward()
         assert torch.isfinite(loss)
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in m.parameters())
         assert ("v2v" in logs) == hp.get("use_v2v", True)
         assert m.embed_image(img).shape[1] == hp.get("n_regions", 8)
 
