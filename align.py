@@ -235,10 +235,11 @@ def main(argv=None):
             sys.exit(f"error: {e}")
     torch.save(method.state_dict(), out / "method.pt")
     metrics.update(evaluate_all(method, F, args, out, device))
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))  # saved before anything else can fail
+    print(evaluate.results_table(metrics))
     if args.analyses:
         metrics["recycling"] = recycling_analyses(F, args, device)
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    print(evaluate.results_table(metrics))
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     print(f"[done] results in {out}/")
     return metrics
 
@@ -264,7 +265,7 @@ def recycling_analyses(F, args, device):
     pick = lambda sel: (patches[is_obj & sel], labels[is_obj & sel])
     (f_train, y_train), (f_test, y_test) = pick(even), pick(~even)
     names_txt = encoders.extract(F["text_encoder"], names, args.cache_dir, dataset=args.data, split="head",
-                                 modality="classnames")
+                                 modality="classnames").to("cpu")  # fp16 cache -> fp32
     w_img, w_txt = recycling.weight_pairs(W, names_txt)
     mlp = MLP(W.shape[1], names_txt.tokens.shape[-1])
     opt = torch.optim.Adam(mlp.parameters(), lr=MLP.defaults["lr"])
