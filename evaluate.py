@@ -300,5 +300,5 @@ def results_table(metrics):
     lines = []
     for label, vals in rows:
         cells = [f"{k} {_fmt(v)}" for k, v in vals.items()] if isinstance(vals, dict) else [_fmt(vals)]
-        lines.append((label.ljust(width) + "  " + "".join(c.ljust(18) for c in cells)).rstrip())
+        lines.append((label.ljust(width) + "  " + "  ".join(c.ljust(16) for c in cells)).rstrip())
     return "\n".join(lines)
