@@ -72,7 +72,7 @@ def deformable_sample(value, loc, A):
     Points outside the grid read zeros; pixel centres sit at (j+.5)/W (align_corners=False).
     """
     B, M, Dh, H, W = value.shape
-    Q, K = loc.shape[1], loc.shape[3]
+    Q = loc.shape[1]
     grid = (2 * loc - 1).permute(0, 2, 1, 3, 4).flatten(0, 1)          # (B*M, Q, K, 2) in [-1,1]
     sampled = F.grid_sample(value.flatten(0, 1), grid, mode="bilinear",
                             padding_mode="zeros", align_corners=False)  # (B*M, Dh, Q, K)
