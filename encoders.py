@@ -65,12 +65,15 @@ class Features:
 # ---------------------------------------------------------------------------
 # Built-in tiny encoders for the Shapes world, pretrained UNIMODALLY by the project
 # ---------------------------------------------------------------------------
+import contextlib
 import hashlib
+import json
 import math
 import os
 import time
 from pathlib import Path
 
+import numpy as np
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -277,10 +280,15 @@ class ShapesImageEncoder:
     """
     name = "shapes-cnn"
 
+    n_layers = 4  # layer l = the feature map after block l (3 and 4 keep the 8x8 grid); -1 = 4
+
     def __init__(self, model, layer=-1):
         self.model, self.layer = model.eval(), layer
-        self.dim = model.blocks[layer].__getitem__(0).out_channels
         self.preprocess = "uint8/255, mean 0.5, std 0.25"
+
+    @property
+    def dim(self):
+        return self.model.blocks[(self.n_layers if self.layer == -1 else self.layer) - 1][0].out_channels  # after block `layer`
 
     @torch.no_grad()
     def encode(self, images, device="cpu"):
@@ -294,6 +302,15 @@ class ShapesImageEncoder:
     def head(self):
         import data
         return self.model.head.weight[:-1].detach().clone(), self.model.head.bias[:-1].detach().clone(), list(data.CLASS_NAMES)
+
+    @torch.no_grad()
+    def pooled_layers(self, images, device="cpu"):
+        """{layer: (B, D_l) mean feature after block l} for l = 1..4 (layer selection)."""
+        x, out = shapes_pixels(torch.as_tensor(images).to(device)), {}
+        for l, block in enumerate(self.model.to(device).blocks, start=1):
+            x = block(x)
+            out[l] = x.mean((2, 3)).cpu()
+        return out
 
 
 class ShapesTextEncoder:
@@ -315,6 +332,19 @@ class ShapesTextEncoder:
 
     def words(self, texts):
         return [self.tokenizer.words(t) for t in texts]
+
+    @torch.no_grad()
+    def pooled_layers(self, texts, device="cpu"):
+        """{layer: (B, D) masked mean after block l} for l = 1..n_layers (the last normalised)."""
+        ids, mask = self.tokenizer(texts)
+        n = len(self.model.layers)
+        m = mask[..., None].float()
+        return {l: (self.model.to(device)(ids.to(device), mask.to(device), l).cpu() * m).sum(1) / m.sum(1)
+                for l in range(1, n + 1)}
+
+    @property
+    def n_layers(self):
+        return len(self.model.layers)
 
 
 def load_shapes_encoders(cache_dir, seed=0, image_layer=-1, text_layer=-1, log=print):
@@ -345,12 +375,434 @@ def load_shapes_encoders(cache_dir, seed=0, image_layer=-1, text_layer=-1, log=p
 
 
 # ---------------------------------------------------------------------------
+# Real encoders: Hugging Face transformers models and torchvision classifiers
+# ---------------------------------------------------------------------------
+# Same Features as the tiny encoders. Choices (where the papers are silent):
+# 1. Layers: layer l = the output of block l (1..L), 0 = the embeddings, -1 =
+#    the model's final output (with its final norm: DINOv2's layernorm, CLIP
+#    text's final_layer_norm). Torchvision ResNets: l = stage l (1..4).
+# 2. Image tokens: [CLS, H*W patches row-major, registers]. DINOv2-with-
+#    registers emits [CLS, registers, patches]; the registers are moved last.
+#    Torchvision: token 0 = the mean of the feature map (what fc reads).
+# 3. Image pooled: token 0 (CLS), except BEiT with mean pooling (its pooler:
+#    mean patch + layernorm) and CLIP vision (post_layernorm CLS) at the last
+#    layer, because that is what their classification head / projection reads.
+#    So head() applies to the pooled features of layer -1.
+# 4. Text pooled: CLIP text -> the EOS token (its last real token: CLIP's own
+#    pooled output; it has no CLS); every other family (BERT, RoBERTa, MiniLM
+#    sentence-transformers checkpoints) -> masked mean of the tokens, the
+#    sentence-transformers pooling. Padded tokens are exactly 0.
+# 5. Preprocessing: the checkpoint's preprocessor_config.json (resize, centre
+#    crop, mean / std); without one the ViT default (resize 256, centre crop
+#    224, ImageNet mean / std), scaled to the model's image size. A SQUARE image
+#    is resized straight to the crop size, so the segmentation sets' square
+#    crops (data.py) keep every pixel and their masks stay aligned.
+# 6. fp16 / bf16 autocast on CUDA, under torch.no_grad; batches come from extract().
+
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+TEXT_POOLING = {"clip": "eos", "clip_text_model": "eos"}  # model_type -> pooling; default masked mean
+IMAGE_FAMILIES = {"dinov2", "dinov2_with_registers", "vit", "deit", "beit", "clip", "clip_vision_model"}
+TEXT_FAMILIES = {"bert", "roberta", "xlm-roberta", "mpnet", "distilbert", "clip", "clip_text_model"}
+
+
+def autocast(device):
+    """bf16 (or fp16) autocast on CUDA, nothing on the CPU."""
+    if str(device).startswith("cuda"):
+        return torch.autocast("cuda", dtype=torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16)
+    return contextlib.nullcontext()
+
+
+class ImagePreprocess:
+    """PIL images (or uint8 (3, S, S) tensors) -> (B, 3, crop, crop) normalised floats.
+
+    Resize the shorter side to `resize`, centre-crop `crop` x `crop`, scale to [0, 1],
+    subtract mean, divide by std. A square image is resized straight to crop x crop.
+    """
+
+    def __init__(self, resize=256, crop=224, mean=IMAGENET_MEAN, std=IMAGENET_STD, resample=3):
+        self.resize, self.crop, self.resample = resize, crop, resample
+        self.mean, self.std = torch.tensor(mean).view(3, 1, 1), torch.tensor(std).view(3, 1, 1)
+
+    def __repr__(self):  # goes into the cache key
+        return (f"resize {self.resize} crop {self.crop} resample {self.resample} "
+                f"mean {[round(v, 4) for v in self.mean.flatten().tolist()]} std {[round(v, 4) for v in self.std.flatten().tolist()]}")
+
+    def one(self, img):
+        from PIL import Image
+        if isinstance(img, torch.Tensor):
+            img = Image.fromarray(img.permute(1, 2, 0).numpy())
+        img = img.convert("RGB")
+        w, h = img.size
+        if w == h:
+            img = img.resize((self.crop, self.crop), self.resample)
+        else:
+            r = self.resize / min(w, h)
+            img = img.resize((max(self.crop, round(w * r)), max(self.crop, round(h * r))), self.resample)
+            w, h = img.size
+            left, top = (w - self.crop) // 2, (h - self.crop) // 2
+            img = img.crop((left, top, left + self.crop, top + self.crop))
+        x = torch.from_numpy(np.asarray(img, dtype=np.float32).copy()).permute(2, 0, 1) / 255  # (3, crop, crop)
+        return (x - self.mean) / self.std
+
+    def __call__(self, images):
+        return torch.stack([self.one(img) for img in images])
+
+
+def hf_preprocess(source, config):
+    """The checkpoint's own image preprocessing, from its preprocessor_config.json when it has one."""
+    from transformers import AutoImageProcessor
+    size = getattr(config, "image_size", 224)
+    try:
+        p = AutoImageProcessor.from_pretrained(source)
+    except (OSError, ValueError):
+        return ImagePreprocess(round(size * 256 / 224), size)  # the ViT default, scaled to the model
+    crop = p.crop_size if getattr(p, "do_center_crop", False) else p.size
+    crop = crop["height"] if crop.get("height") else crop["shortest_edge"]
+    resize = p.size["shortest_edge"] if p.size.get("shortest_edge") else crop
+    return ImagePreprocess(resize, crop, tuple(p.image_mean), tuple(p.image_std), int(getattr(p, "resample", 3) or 3))
+
+
+def not_available(name, flag):
+    return SystemExit(
+        f"error: encoder {name!r} is not available offline: it is neither a local directory nor in the Hugging Face "
+        f"cache. On a machine with network run\n"
+        f"    python -c \"from transformers import AutoModel, AutoTokenizer, AutoImageProcessor as P; "
+        f"AutoModel.from_pretrained('{name}').save_pretrained('models/x')\"\n"
+        f"(or: hf download {name} --local-dir models/x), copy models/x here and pass {flag} models/x.")
+
+
+def hf_source(name, flag):
+    """A local directory, or a hub name found in the local Hugging Face cache; else the offline error."""
+    if Path(name).is_dir():
+        return str(name)
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        cached = try_to_load_from_cache(name, "config.json")  # looks on disk only
+    except Exception:
+        cached = None
+    if isinstance(cached, str) or os.environ.get("HF_HUB_OFFLINE", "0") in ("0", "", "false", "False"):
+        return name  # cached, or the user is online: from_pretrained finds / downloads it
+    raise not_available(name, flag)
+
+
+class HFImageEncoder:
+    """A transformers vision model (DINOv2, ViT, DeiT, BEiT, CLIP vision) -> Features (module notes 1-5)."""
+
+    def __init__(self, name, model, transform, layer=-1, classifier=None, class_names=None):
+        self.name, self.model, self.transform, self.layer = name, model.eval(), transform, layer
+        self.classifier, self.class_names = classifier, class_names
+        config = model.config
+        self.family = config.model_type
+        self.dim, self.n_layers = config.hidden_size, config.num_hidden_layers
+        self.n_registers = getattr(config, "num_register_tokens", 0) if self.family == "dinov2_with_registers" else 0
+        self.preprocess = repr(transform)
+        if not -1 <= layer <= self.n_layers:
+            raise SystemExit(f"error: --image-layer {layer}: {name} has layers 0..{self.n_layers} (-1 = the last)")
+
+    @torch.no_grad()
+    def forward(self, images, device):
+        """All hidden states (L + 1 of (B, T, D)) and the final (tokens, pooled)."""
+        x = self.transform(images).to(device)                                   # (B, 3, S, S)
+        with autocast(device):
+            out = self.model.to(device)(pixel_values=x, output_hidden_states=True)
+        last = out.last_hidden_state
+        pooled = out.pooler_output if self.family in ("beit", "clip", "clip_vision_model") and \
+            getattr(out, "pooler_output", None) is not None else last[:, 0]    # note 3
+        return [h.float().cpu() for h in out.hidden_states], last.float().cpu(), pooled.float().cpu(), x.shape[-1]
+
+    def layer_features(self, hidden, last, pooled, side, layer):
+        """Features of one layer: [CLS, patches, registers], pooled by note 3."""
+        h = last if layer in (-1, self.n_layers) else hidden[layer]            # (B, T, D)
+        r = self.n_registers
+        tokens = torch.cat([h[:, :1], h[:, 1 + r:], h[:, 1:1 + r]], 1)         # registers last (note 2)
+        H = W = side // self.model.config.patch_size
+        if layer in (-1, self.n_layers):
+            p = pooled
+        elif self.family == "beit" and getattr(self.model.config, "use_mean_pooling", False):
+            p = tokens[:, 1:1 + H * W].mean(1)
+        else:
+            p = tokens[:, 0]
+        return Features(tokens=tokens, mask=torch.ones(tokens.shape[:2], dtype=torch.bool), pooled=p, grid=(H, W))
+
+    def encode(self, images, device="cpu"):
+        return self.layer_features(*self.forward(images, device), self.layer)
+
+    def pooled_layers(self, images, device="cpu"):
+        """{layer: (B, D) pooled} for layers 1..L (layer selection)."""
+        out = self.forward(images, device)
+        return {l: self.layer_features(*out, l).pooled for l in range(1, self.n_layers + 1)}
+
+    def head(self):
+        """(W (C, D), b (C,), class names) of the checkpoint's classification head (reads pooled of layer -1)."""
+        if self.classifier is None or not isinstance(self.classifier, nn.Linear):
+            raise SystemExit(f"error: {self.name} has no linear classification head. Use a checkpoint saved as "
+                             f"...ForImageClassification with id2label (e.g. microsoft/beit-base-patch16-224-pt22k-ft22k) "
+                             f"or a torchvision classifier (torchvision/resnet50).")
+        return self.classifier.weight.detach().float().clone(), self.classifier.bias.detach().float().clone(), \
+            list(self.class_names)
+
+
+class HFTextEncoder:
+    """A transformers text model (BERT, RoBERTa, MiniLM, MPNet, CLIP text) -> Features (module notes 1, 4)."""
+
+    def __init__(self, name, model, tokenizer, layer=-1):
+        self.name, self.model, self.tokenizer, self.layer = name, model.eval(), tokenizer, layer
+        config = model.config
+        self.family, self.dim, self.n_layers = config.model_type, config.hidden_size, config.num_hidden_layers
+        self.pooling = TEXT_POOLING.get(self.family, "mean")
+        self.max_length = min(tokenizer.model_max_length, getattr(config, "max_position_embeddings", 512), 512)
+        self.preprocess = f"{type(tokenizer).__name__} max_length {self.max_length} pooling {self.pooling}"
+        if not -1 <= layer <= self.n_layers:
+            raise SystemExit(f"error: --text-layer {layer}: {name} has layers 0..{self.n_layers} (-1 = the last)")
+
+    def tokenize(self, texts):
+        return self.tokenizer(list(texts), padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
+
+    @torch.no_grad()
+    def forward(self, texts, device):
+        batch = self.tokenize(texts)
+        with autocast(device):
+            out = self.model.to(device)(**{k: v.to(device) for k, v in batch.items()}, output_hidden_states=True)
+        return [h.float().cpu() for h in out.hidden_states], out.last_hidden_state.float().cpu(), batch["attention_mask"].bool()
+
+    def layer_features(self, hidden, last, mask, layer):
+        h = last if layer in (-1, self.n_layers) else hidden[layer]
+        tokens = h * mask[..., None]                                            # padding exactly 0, (B, L, D)
+        if self.pooling == "eos":                                               # note 4: CLIP's EOS = last real token
+            pooled = tokens[torch.arange(len(tokens)), mask.sum(1) - 1]
+        else:
+            pooled = tokens.sum(1) / mask.sum(1, keepdim=True)
+        return Features(tokens=tokens, mask=mask, pooled=pooled)
+
+    def encode(self, texts, device="cpu"):
+        return self.layer_features(*self.forward(texts, device), self.layer)
+
+    def pooled_layers(self, texts, device="cpu"):
+        out = self.forward(texts, device)
+        return {l: self.layer_features(*out, l).pooled for l in range(1, self.n_layers + 1)}
+
+    def words(self, texts):
+        """Token strings, position-aligned with encode()'s tokens (special tokens included)."""
+        ids = self.tokenizer(list(texts), truncation=True, max_length=self.max_length)["input_ids"]
+        return [self.tokenizer.convert_ids_to_tokens(i) for i in ids]
+
+
+def load_hf_image(name, layer=-1):
+    from transformers import AutoConfig, AutoModel, AutoModelForImageClassification, CLIPVisionModel
+    source = hf_source(name, "--image-encoder")
+    try:
+        config = AutoConfig.from_pretrained(source)
+        if config.model_type not in IMAGE_FAMILIES:
+            raise SystemExit(f"error: {name} is a {config.model_type!r} model; image encoders: {sorted(IMAGE_FAMILIES)}")
+        classifier, names = None, None
+        if config.model_type in ("clip", "clip_vision_model"):
+            model = CLIPVisionModel.from_pretrained(source)
+        elif any(a.endswith("ForImageClassification") for a in (config.architectures or [])):
+            full = AutoModelForImageClassification.from_pretrained(source)   # keep the head (e.g. ImageNet-21K)
+            model, classifier = full.base_model, full.classifier
+            names = [full.config.id2label[i] for i in range(len(full.config.id2label))]
+        else:
+            model = AutoModel.from_pretrained(source)
+    except OSError:
+        raise not_available(name, "--image-encoder") from None
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return HFImageEncoder(Path(name).name if Path(name).is_dir() else name, model, hf_preprocess(source, model.config),
+                          layer, classifier, names)
+
+
+def load_hf_text(name, layer=-1):
+    from transformers import AutoConfig, AutoModel, AutoTokenizer, CLIPTextModel
+    source = hf_source(name, "--text-encoder")
+    try:
+        config = AutoConfig.from_pretrained(source)
+        if config.model_type not in TEXT_FAMILIES:
+            raise SystemExit(f"error: {name} is a {config.model_type!r} model; text encoders: {sorted(TEXT_FAMILIES)}")
+        clip = config.model_type in ("clip", "clip_text_model")
+        model = (CLIPTextModel if clip else AutoModel).from_pretrained(source)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except OSError:
+        raise not_available(name, "--text-encoder") from None
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return HFTextEncoder(Path(name).name if Path(name).is_dir() else name, model, tokenizer, layer)
+
+
+class TorchvisionEncoder:
+    """A torchvision ResNet-family classifier -> Features: [mean token, H*W map positions] of stage `layer`.
+
+    head() = its fc layer (ImageNet-1K) with the class names of its weights' metadata.
+    """
+    n_layers = 4
+
+    def __init__(self, name, model, layer=-1, transform=None, class_names=None):
+        self.name, self.model, self.layer = f"torchvision/{name}", model.eval(), layer
+        self.transform = transform or ImagePreprocess(256, 224, resample=2)  # torchvision's ImageNet transform
+        self.preprocess, self.class_names = repr(self.transform), class_names
+        if not (-1 <= layer <= 4 and layer != 0):
+            raise SystemExit(f"error: --image-layer {layer}: torchvision ResNets have stages 1..4 (-1 = 4)")
+        with torch.no_grad():  # channels of the chosen stage, from one tiny forward pass
+            self.dim = self.maps(torch.zeros(1, 3, 64, 64), "cpu")[self.n_layers if layer == -1 else layer].shape[1]
+
+    def stage(self, l):
+        return getattr(self.model, f"layer{l}")
+
+    @torch.no_grad()
+    def maps(self, x, device):
+        """{stage: (B, C_l, H, W) feature map} for stages 1..4."""
+        m = self.model.to(device)
+        x = m.maxpool(m.relu(m.bn1(m.conv1(x.to(device)))))
+        out = {}
+        for l in range(1, 5):
+            x = self.stage(l)(x)
+            out[l] = x.float().cpu()
+        return out
+
+    def features(self, fmap):
+        B, D, H, W = fmap.shape
+        patches = fmap.flatten(2).transpose(1, 2)                         # (B, H*W, D)
+        tokens = torch.cat([patches.mean(1, keepdim=True), patches], 1)   # (B, 1 + H*W, D)
+        return Features(tokens=tokens, mask=torch.ones(B, 1 + H * W, dtype=torch.bool), pooled=tokens[:, 0], grid=(H, W))
+
+    def encode(self, images, device="cpu"):
+        with autocast(device):
+            fmap = self.maps(self.transform(images), device)[self.n_layers if self.layer == -1 else self.layer]
+        return self.features(fmap)
+
+    def pooled_layers(self, images, device="cpu"):
+        with autocast(device):
+            return {l: f.mean((2, 3)) for l, f in self.maps(self.transform(images), device).items()}
+
+    def head(self):
+        return self.model.fc.weight.detach().float().clone(), self.model.fc.bias.detach().float().clone(), \
+            list(self.class_names)
+
+
+def load_torchvision(name, layer=-1, weights="DEFAULT"):
+    """torchvision/<name>: a ResNet-family classifier with its ImageNet-1K weights (TORCH_HOME cache)."""
+    import torchvision
+    arch = name.split("/", 1)[1]
+    if not arch.startswith(("resnet", "resnext", "wide_resnet")):
+        raise SystemExit(f"error: {name}: the torchvision encoder takes ResNet-family classifiers "
+                         f"(resnet50, resnext50_32x4d, wide_resnet50_2, ...)")
+    try:
+        meta = torchvision.models.get_model_weights(arch).DEFAULT
+        model = torchvision.models.get_model(arch, weights=weights)
+    except Exception as e:  # no network and no file in $TORCH_HOME/hub/checkpoints
+        raise SystemExit(
+            f"error: the weights of {name} are not available offline ({type(e).__name__}). On a machine with network "
+            f"run  python -c \"import torchvision; torchvision.models.get_model('{arch}', weights='DEFAULT')\"  and copy "
+            f"the file it writes to ~/.cache/torch/hub/checkpoints/ into the same folder here "
+            f"(or set TORCH_HOME).") from None
+    for p in model.parameters():
+        p.requires_grad_(False)
+    t = meta.transforms()
+    transform = ImagePreprocess(t.resize_size[0], t.crop_size[0], tuple(t.mean), tuple(t.std), resample=2)
+    return TorchvisionEncoder(arch, model, layer, transform, meta.meta["categories"])
+
+
+# ---------------------------------------------------------------------------
 # Feature extraction, run once and cached
 # ---------------------------------------------------------------------------
+# Two layouts on disk, chosen by size, one key:
+# - a set whose fp16 tokens fit in MEMMAP_BYTES is one torch file, loaded into RAM
+#   as Features (the Shapes world, the evaluation sets);
+# - a larger set (COCO train: 80K x 257 x 1024 fp16 = 42 GB) is a folder of
+#   shards, each written once (tokens as a .npy file, then mask / pooled as a
+#   small .pt that marks the shard done), read back through a memory map as
+#   StoredFeatures. An interrupted extraction resumes at the first unfinished
+#   shard. Text shards are padded to their own longest caption, not a global one.
+MEMMAP_BYTES = int(float(os.environ.get("ALIGN_MEMMAP_GB", "2")) * 2**30)  # larger token caches go to shards
+SHARD_BYTES = 256 * 2**20                                                    # about 256 MB of tokens per shard
+
+
 def cache_key(**parts):
     """A readable file stem plus a hash of every setting, so a changed setting never reads stale features."""
     text = repr(sorted(parts.items()))
     return f"{parts.get('dataset')}-{parts.get('split')}-{parts.get('modality')}-" + hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+class StoredFeatures:
+    """Features of a large set on disk: fp16 token shards read through a memory map.
+
+    The part of the Features interface that training and evaluation use:
+    len(f); f[idx] -> dense Features of those rows only (padded to their longest
+    row); f.pooled (N, D) and f.lengths (N,) in RAM; f.grid; f.mask; f.dim;
+    f.to(device) loads everything (only for closed-form fit() on sets that fit).
+    """
+
+    def __init__(self, folder, key):
+        plan = json.loads((Path(folder) / "plan.json").read_text())
+        self.tokens_files, metas = [], []
+        for s in range(plan["n_shards"]):
+            self.tokens_files.append(np.load(Path(folder) / f"{s:05d}.tokens.npy", mmap_mode="r"))  # (n_s, T_s, D) fp16
+            metas.append(torch.load(Path(folder) / f"{s:05d}.pt", weights_only=False))
+        self.starts = torch.tensor([0] + [len(t) for t in self.tokens_files]).cumsum(0)         # (S + 1,)
+        self.pooled = torch.cat([m["pooled"] for m in metas])                                   # (N, D) fp16
+        self.lengths = torch.cat([m["mask"].sum(1) for m in metas])                             # (N,) real tokens
+        self.grid, self.dim = metas[0]["grid"], self.tokens_files[0].shape[2]
+
+    def __len__(self):
+        return len(self.pooled)
+
+    @property
+    def mask(self):
+        """(N, T_max) bool, True for a real token."""
+        return torch.arange(int(self.lengths.max()))[None] < self.lengths[:, None]
+
+    def __getitem__(self, idx):
+        rows = torch.arange(len(self))[idx].reshape(-1)                                        # (B,)
+        T = int(self.lengths[rows].max())
+        tokens = torch.zeros(len(rows), T, self.dim, dtype=torch.float16)                      # (B, T, D)
+        shard = torch.searchsorted(self.starts, rows, right=True) - 1                            # (B,) shard of each row
+        for s in shard.unique().tolist():
+            at = (shard == s).nonzero().squeeze(1)
+            local = (rows[at] - self.starts[s]).numpy()
+            order = np.argsort(local)                                                            # read in file order
+            part = torch.from_numpy(np.ascontiguousarray(self.tokens_files[s][local[order], :T]))
+            tokens[at[order], :part.shape[1]] = part
+        mask = torch.arange(T)[None] < self.lengths[rows][:, None]
+        return Features(tokens=tokens, mask=mask, pooled=self.pooled[rows], grid=self.grid)
+
+    def to(self, device, dtype=torch.float32):
+        return self[:].to(device, dtype)
+
+
+def extract_shards(encoder, inputs, folder, key, batch_size, device, first=None, log=print):
+    """Encode inputs shard by shard into folder, skipping shards already done (resume)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    plan_file = folder / "plan.json"
+    try:
+        plan = json.loads(plan_file.read_text())
+    except (OSError, ValueError):
+        plan = None
+    if plan is None or plan.get("key") != key or plan.get("n") != len(inputs):
+        first = first if first is not None else encoder.encode(inputs[:batch_size], device)
+        row_bytes = 2 * first.tokens.shape[1] * first.tokens.shape[2]
+        rows = batch_size * max(1, SHARD_BYTES // (row_bytes * batch_size))  # whole batches per shard
+        plan = {"key": key, "n": len(inputs), "rows_per_shard": rows, "n_shards": math.ceil(len(inputs) / rows)}
+        for f in folder.iterdir():                                               # another plan's shards
+            f.unlink()
+        tmp = folder / "plan.json.tmp"
+        tmp.write_text(json.dumps(plan))
+        os.replace(tmp, plan_file)
+    rows, t0, done = plan["rows_per_shard"], time.time(), 0
+    for s in range(plan["n_shards"]):
+        meta = folder / f"{s:05d}.pt"
+        if safe_load(meta, expect_key=key) is not None:
+            continue                                                             # finished before: not redone
+        start, stop = s * rows, min((s + 1) * rows, len(inputs))
+        parts = [first if (i == 0 and first is not None) else encoder.encode(inputs[i:min(i + batch_size, stop)], device)
+                 for i in range(start, stop, batch_size)]
+        f = Features.cat(parts)
+        tmp = folder / f"{s:05d}.tokens.tmp{os.getpid()}.npy"
+        np.save(tmp, f.tokens.half().numpy())
+        os.replace(tmp, folder / f"{s:05d}.tokens.npy")
+        atomic_save({"key": key, "mask": f.mask, "pooled": f.pooled.half(), "grid": f.grid}, meta)  # marks it done
+        done += stop - start
+        log(f"[features] {folder.name}: shard {s + 1}/{plan['n_shards']} ({stop}/{len(inputs)} rows, "
+            f"{done / max(time.time() - t0, 1e-9):.0f} rows/s)")
+    return StoredFeatures(folder, key)
 
 
 def extract(encoder, inputs, cache_dir, batch_size=256, device="cpu", **key_parts):
@@ -358,23 +810,79 @@ def extract(encoder, inputs, cache_dir, batch_size=256, device="cpu", **key_part
 
     Stored fp16 (tokens, pooled) with the mask and grid; written atomically; a file
     that is unreadable or was written for other settings is rebuilt, never read.
+    Sets larger than MEMMAP_BYTES come back as StoredFeatures (memory-mapped shards).
     """
     key = cache_key(encoder=encoder.name, layer=encoder.layer, preprocess=encoder.preprocess, n=len(inputs), **key_parts)
     path = Path(cache_dir) / "features" / f"{key}.pt"
+    folder = Path(cache_dir) / "features" / key
     saved = safe_load(path, expect_key=key)
     if saved is not None:
         return Features(saved["tokens"], saved["mask"], saved["pooled"], saved["grid"])
-    parts = [encoder.encode(inputs[i:i + batch_size], device) for i in range(0, len(inputs), batch_size)]
+    if (folder / "plan.json").exists():                                          # a large set: done or interrupted
+        return extract_shards(encoder, inputs, folder, key, batch_size, device)
+    first = encoder.encode(inputs[:batch_size], device)
+    if len(inputs) * 2 * first.tokens.shape[1] * first.tokens.shape[2] > MEMMAP_BYTES:
+        return extract_shards(encoder, inputs, folder, key, batch_size, device, first)
+    parts = [first] + [encoder.encode(inputs[i:i + batch_size], device) for i in range(batch_size, len(inputs), batch_size)]
     feats = Features.cat(parts)
     atomic_save({"key": key, "tokens": feats.tokens.half(), "mask": feats.mask, "pooled": feats.pooled.half(),
                  "grid": feats.grid}, path)
     return Features(feats.tokens.half(), feats.mask, feats.pooled.half(), feats.grid)
 
 
+# ---------------------------------------------------------------------------
+# Layer selection (STRUCTURE's protocol, REFERENCE.md): the most similar layer pair
+# ---------------------------------------------------------------------------
+def select_layers(image_enc, text_enc, pairs, metric="mknn", n=5000, batch_size=64, device="cpu", seed=0, log=print):
+    """Score every (image layer, text layer) on n random training pairs; set both encoders to the best.
+
+    Pooled features of every layer from one forward pass per batch; metric "cka"
+    (linear CKA) or "mknn" (mutual kNN, k = ceil(2 n^(1/3))), both from recycling.py.
+    Returns (image_layer, text_layer, {(li, lt): score}).
+    """
+    import recycling
+    g = torch.Generator().manual_seed(seed)
+    first = torch.tensor([int((pairs.txt_to_img == i).nonzero()[0]) for i in range(len(pairs.images))]) \
+        if len(pairs.captions) != len(pairs.images) else torch.arange(len(pairs.images))  # one caption per image
+    pick = torch.randperm(len(pairs.images), generator=g)[:n].sort().values.tolist()
+    by_layer = lambda enc, items: {l: torch.cat(v).float() for l, v in _collect(enc, items, batch_size, device).items()}
+    X = by_layer(image_enc, [pairs.images[i] for i in pick])                    # {li: (n, D_i)}
+    Y = by_layer(text_enc, [pairs.captions[int(first[i])] for i in pick])       # {lt: (n, D_t)}
+    k = math.ceil(2 * len(pick) ** (1 / 3))
+    score = (lambda a, b: recycling.cka(a, b)) if metric == "cka" else (lambda a, b: recycling.mutual_knn(a, b, k))
+    table = {(li, lt): score(X[li], Y[lt]) for li in X for lt in Y}
+    best = max(table, key=table.get)
+    log(f"[layers] {metric} on {len(pick)} training pairs" + (f" (k = {k})" if metric == "mknn" else "")
+        + ": rows = image layer, columns = text layer")
+    log("          " + "".join(f"{lt:>8}" for lt in Y))
+    for li in X:
+        log(f"    {li:>6}" + "".join(f"{table[li, lt]:8.3f}" for lt in Y) + ("   <- best" if li == best[0] else ""))
+    log(f"[layers] best: image layer {best[0]}, text layer {best[1]} ({metric} {table[best]:.3f})")
+    image_enc.layer, text_enc.layer = best
+    return best[0], best[1], table
+
+
+def _collect(enc, items, batch_size, device):
+    out = {}
+    for i in range(0, len(items), batch_size):
+        for l, v in enc.pooled_layers(items[i:i + batch_size], device).items():
+            out.setdefault(l, []).append(v)
+    return out
+
+
 def load_encoders(image_name, text_name, cache_dir, image_layer=-1, text_layer=-1):
-    """The frozen (image, text) encoders by name. Built in: shapes-cnn, shapes-text."""
-    known = {"shapes-cnn", "shapes-text"}
-    for name in (image_name, text_name):
-        if name not in known:
-            raise SystemExit(f"error: unknown encoder {name!r}. Built-in encoders: {sorted(known)}.")
-    return load_shapes_encoders(cache_dir, 0, image_layer, text_layer)
+    """The frozen (image, text) encoders by name or local path.
+
+    Built in: shapes-cnn, shapes-text. torchvision/<resnet...>: a torchvision classifier.
+    Anything else: a Hugging Face model directory (or a hub name in the local cache).
+    """
+    image_enc = text_enc = None  # real encoders first: a wrong name fails before any pretraining
+    if image_name != "shapes-cnn":
+        image_enc = load_torchvision(image_name, image_layer) if image_name.startswith("torchvision/") \
+            else load_hf_image(image_name, image_layer)
+    if text_name != "shapes-text":
+        text_enc = load_hf_text(text_name, text_layer)
+    if image_enc is None or text_enc is None:
+        shapes_image, shapes_text = load_shapes_encoders(cache_dir, 0, image_layer, text_layer)
+        image_enc, text_enc = image_enc or shapes_image, text_enc or shapes_text
+    return image_enc, text_enc

@@ -159,3 +159,142 @@ def test_a_corrupt_image_is_an_error_naming_the_file(tmp_path):
     train.images[1]                                          # the others still read
     with pytest.raises(OSError, match="train_2.jpg"):
         train.images[2]
+
+
+# ----------------------------------------------------------------------------- tiny models
+VISION = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=8)
+TEXT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Tiny random-init models saved with save_pretrained, to be loaded back by path."""
+    from transformers import (AutoModel, BeitConfig, BeitForImageClassification, BertConfig, BertTokenizer,
+                              BitImageProcessor, Dinov2Config, Dinov2WithRegistersConfig, RobertaConfig,
+                              RobertaTokenizer)
+    root = tmp_path_factory.mktemp("models")
+    torch.manual_seed(0)
+    processor = BitImageProcessor(size={"shortest_edge": 36}, crop_size={"height": 32, "width": 32},
+                                  image_mean=list(encoders.IMAGENET_MEAN), image_std=list(encoders.IMAGENET_STD))
+    for name, config in (("dinov2", Dinov2Config(**VISION)),
+                         ("dinov2reg", Dinov2WithRegistersConfig(**VISION, num_register_tokens=4))):
+        AutoModel.from_config(config).save_pretrained(root / name)
+        processor.save_pretrained(root / name)
+    labels = {0: "cat", 1: "dog", 2: "car"}
+    BeitForImageClassification(BeitConfig(**VISION, use_mean_pooling=True, id2label=labels,
+                                          label2id={v: k for k, v in labels.items()})).save_pretrained(root / "beit")
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", ","] + WORDS + [str(i) for i in range(10)]
+    vocab = {w: i for i, w in enumerate(dict.fromkeys(words + ["train", "test", "val", "caption"]))}
+    AutoModel.from_config(BertConfig(vocab_size=len(vocab), max_position_embeddings=40, **TEXT)).save_pretrained(root / "bert")
+    BertTokenizer(vocab=vocab, model_max_length=32).save_pretrained(root / "bert")
+    chars = sorted(set("".join(WORDS) + ".,"))
+    rv = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3, "<mask>": 4}
+    for c in chars + ["Ġ" + c for c in chars] + ["Ġ"]:
+        rv.setdefault(c, len(rv))
+    AutoModel.from_config(RobertaConfig(vocab_size=len(rv), max_position_embeddings=42, pad_token_id=1, **TEXT)
+                          ).save_pretrained(root / "roberta")
+    RobertaTokenizer(vocab=rv, merges=[("Ġ", c) for c in chars], model_max_length=32).save_pretrained(root / "roberta")
+    return root
+
+
+def images(n, seed=0, size=(40, 30)):
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("name, registers", [("dinov2", 0), ("dinov2reg", 4)])
+def test_vision_tokens_are_cls_then_patches_row_major_then_registers(models, name, registers):
+    enc = encoders.load_hf_image(str(models / name), layer=0)           # layer 0: a token sees only its own patch
+    a = images(1, size=(32, 32))[0]
+    b = np.asarray(a).copy()
+    b[8:16, 16:24] = 255 - b[8:16, 16:24]                                # change the patch at row 1, column 2
+    f = enc.encode([a, Image.fromarray(b)])
+    assert f.grid == (4, 4) and f.tokens.shape == (2, 1 + 16 + registers, 32) and f.mask.all()
+    changed = (f.tokens[0] - f.tokens[1]).abs().sum(-1) > 1e-5           # (T,) which tokens moved
+    assert changed.nonzero().flatten().tolist() == [1 + 1 * 4 + 2]
+    last = encoders.load_hf_image(str(models / name)).encode(images(3))
+    torch.testing.assert_close(last.pooled, last.tokens[:, 0])           # pooled = CLS after the final layernorm
+
+
+def test_image_preprocessing_is_the_checkpoints_own(models):
+    from transformers import AutoImageProcessor
+    enc = encoders.load_hf_image(str(models / "dinov2"))
+    assert (enc.transform.resize, enc.transform.crop) == (36, 32)
+    imgs = images(2)
+    ours = enc.transform(imgs)                                           # (2, 3, 32, 32)
+    theirs = AutoImageProcessor.from_pretrained(models / "dinov2")(imgs, return_tensors="pt")["pixel_values"]
+    assert ours.shape == theirs.shape and (ours - theirs).abs().mean() < 0.05   # resize filters differ slightly
+    square = images(1, size=(64, 64))[0]                                 # a square: resized straight, not cropped
+    torch.testing.assert_close(enc.transform([square]), enc.transform([square.resize((32, 32), Image.BICUBIC)]))
+    beit = encoders.load_hf_image(str(models / "beit"))                  # no preprocessor file: the ViT default
+    assert (beit.transform.resize, beit.transform.crop) == (37, 32)
+
+
+@pytest.mark.parametrize("name, first", [("bert", "[CLS]"), ("roberta", "<s>")])
+def test_text_tokens_words_and_masked_mean(models, name, first):
+    enc = encoders.load_hf_text(str(models / name))
+    texts = ["a red dog sits on the cat.", "the man"]
+    f = enc.encode(texts)
+    words = enc.words(texts)
+    assert [len(w) for w in words] == f.mask.sum(1).tolist() and words[1][0] == first
+    assert (f.tokens[~f.mask] == 0).all()
+    torch.testing.assert_close(f.pooled, f.tokens.sum(1) / f.mask.sum(1, keepdim=True))
+    alone = enc.encode(["the man"])                                      # padding does not change a row
+    n = int(f.mask[1].sum())
+    torch.testing.assert_close(alone.tokens[0, :n], f.tokens[1, :n], atol=1e-5, rtol=1e-5)
+
+
+def test_beit_head_reproduces_the_checkpoints_logits(models):
+    from transformers import AutoModelForImageClassification
+    enc = encoders.load_hf_image(str(models / "beit"))
+    W, b, names = enc.head()
+    assert W.shape == (3, 32) and names == ["cat", "dog", "car"]
+    imgs = images(3)
+    logits = AutoModelForImageClassification.from_pretrained(models / "beit")(pixel_values=enc.transform(imgs)).logits
+    torch.testing.assert_close(enc.encode(imgs).pooled @ W.T + b, logits, atol=1e-5, rtol=1e-5)
+    with pytest.raises(SystemExit, match="no linear classification head"):
+        encoders.load_hf_image(str(models / "dinov2")).head()
+
+
+def test_torchvision_classifier_head_and_offline_error(monkeypatch):
+    import torchvision
+    model = torchvision.models.resnet18(weights=None)
+    enc = encoders.TorchvisionEncoder("resnet18", model, transform=encoders.ImagePreprocess(36, 32),
+                                      class_names=[str(i) for i in range(1000)])
+    imgs = images(2)
+    f = enc.encode(imgs)
+    assert f.grid == (1, 1) and f.tokens.shape == (2, 2, 512) and enc.dim == 512
+    W, b, _ = enc.head()
+    with torch.no_grad():
+        torch.testing.assert_close(f.pooled @ W.T + b, model(enc.transform(imgs)), atol=1e-4, rtol=1e-4)
+    def no_network(*a, **k):
+        raise OSError("no network")
+    monkeypatch.setattr(torchvision.models, "get_model", no_network)
+    with pytest.raises(SystemExit, match="not available offline"):
+        encoders.load_torchvision("torchvision/resnet18")
+
+
+def test_unknown_model_is_one_offline_error(models, tmp_path):
+    with pytest.raises(SystemExit, match="not available offline") as e:
+        encoders.load_encoders("no-such-org/no-such-model", "shapes-text", tmp_path)
+    assert "--image-encoder" in str(e.value) and "local-dir" in str(e.value)
+    with pytest.raises(SystemExit, match="image encoders"):
+        encoders.load_hf_image(str(models / "bert"))
+
+
+def test_layer_selection_scores_match_the_encoders_layers(models):
+    img_enc = encoders.load_hf_image(str(models / "dinov2"))
+    txt_enc = encoders.load_hf_text(str(models / "bert"))
+    rng = np.random.default_rng(0)
+    pairs = data.PairSet(images(12), [caption(rng) for _ in range(12)], torch.arange(12))
+    lines = []
+    li, lt, table = encoders.select_layers(img_enc, txt_enc, pairs, "cka", n=10, batch_size=4, log=lines.append)
+    assert set(table) == {(1, 1), (1, 2), (2, 1), (2, 2)} and table[li, lt] == max(table.values())
+    assert (img_enc.layer, txt_enc.layer) == (li, lt) and any("best" in l for l in lines)
+    import recycling
+    pick = torch.randperm(12, generator=torch.Generator().manual_seed(0))[:10].sort().values.tolist()
+    X = encoders.load_hf_image(str(models / "dinov2"), layer=1).encode([pairs.images[i] for i in pick]).pooled
+    Y = encoders.load_hf_text(str(models / "bert"), layer=2).encode([pairs.captions[i] for i in pick]).pooled
+    assert abs(table[1, 2] - recycling.cka(X, Y)) < 1e-6
+    _, _, knn = encoders.select_layers(img_enc, txt_enc, pairs, "mknn", n=10, batch_size=4, log=lines.append)
+    assert all(0 <= v <= 1 for v in knn.values())
