@@ -298,3 +298,46 @@ def test_layer_selection_scores_match_the_encoders_layers(models):
     assert abs(table[1, 2] - recycling.cka(X, Y)) < 1e-6
     _, _, knn = encoders.select_layers(img_enc, txt_enc, pairs, "mknn", n=10, batch_size=4, log=lines.append)
     assert all(0 <= v <= 1 for v in knn.values())
+
+
+# ----------------------------------------------------------------------------- align.py end to end
+@pytest.fixture(scope="module")
+def tiny_world(data_root, models):
+    for name in ("coco", "flickr30k"):                                    # a few more pairs to train on
+        write_karpathy(data_root / f"big_{name}", n_train=16, n_test=6, flickr=name == "flickr30k")
+    root = data_root.parent / "world"
+    root.mkdir()
+    for name in ("VOCdevkit", "ADEChallengeData2016", "eurosat"):
+        (root / name).symlink_to(data_root / name)
+    (root / "coco").symlink_to(data_root / "big_coco")
+    (root / "flickr30k").symlink_to(data_root / "big_flickr30k")
+    return root
+
+
+def run_align(tmp_path, *extra, env=()):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **dict(env))
+    cmd = [sys.executable, str(ROOT / "align.py"), "--data", "coco", "--cache-dir", str(tmp_path / "cache"),
+           "--out", str(tmp_path / "out"), "--threads", "1", "--epochs", "2", *extra]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return r.stdout, json.loads((tmp_path / "out" / "metrics.json").read_text())
+
+
+def test_align_runs_on_tiny_coco_with_real_encoders(tiny_world, models, tmp_path):
+    out, m = run_align(tmp_path, "--data-root", str(tiny_world), "--method", "linear", "--no-figures",
+                       "--image-encoder", str(models / "dinov2"), "--text-encoder", str(models / "bert"))
+    assert "COCO: 16 train pairs, 6 test images / 30 captions" in out
+    assert {"i2t_r1", "t2i_r1", "rsum"} <= set(m["retrieval"])
+    assert set(m["classification"]) == {"eurosat"} and set(m["segmentation"]) == {"voc20", "ade20k"}
+    assert (tmp_path / "out" / "method.pt").exists()
+
+
+@pytest.mark.skipif("--select-layers" not in (ROOT / "align.py").read_text(),
+                    reason="align.py has no --select-layers yet (patch in the issue #3 report)")
+def test_align_selects_layers_and_streams_memmapped_features(tiny_world, models, tmp_path):
+    out, m = run_align(tmp_path, "--data-root", str(tiny_world), "--method", "cov", "--select-layers", "cka",
+                       "--image-encoder", str(models / "dinov2reg"), "--text-encoder", str(models / "roberta"),
+                       env={"ALIGN_MEMMAP_GB": "1e-9"})                  # every set through the memory map
+    assert "[layers] best: image layer" in out and "shard 1/1" in out
+    assert {"retrieval", "retrieval_flickr"} <= set(m) and "analysis" in m
+    assert list((tmp_path / "out").glob("*.png"))                          # figures from the real test images

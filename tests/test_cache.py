@@ -1,0 +1,99 @@
+"""The COCO-scale feature cache: memory-mapped shards, ragged text, resume, and the training loop on it."""
+import argparse
+
+import pytest
+import torch
+
+import align
+import encoders
+from encoders import Features, StoredFeatures
+from methods.linear import Linear
+
+
+class FakeEncoder:
+    """Deterministic features of integer items: item i has 1 + i // 10 real tokens (text) or a 2x2 grid (images)."""
+    layer, preprocess = -1, "none"
+
+    def __init__(self, image=False, fail_after=None, name="fake"):
+        self.image, self.fail_after, self.name, self.calls = image, fail_after, name, 0
+
+    def encode(self, items, device="cpu"):
+        self.calls += 1
+        if self.fail_after is not None and self.calls > self.fail_after:
+            raise KeyboardInterrupt("interrupted")                           # a run stopped mid-extraction
+        items = torch.as_tensor(list(items))
+        lengths = torch.full_like(items, 5) if self.image else 1 + items // 10
+        T = int(lengths.max())
+        t, d = torch.arange(T)[None, :, None], torch.arange(3)[None, None]
+        tokens = items[:, None, None] + 0.125 * t + 0.25 * d                  # (B, T, 3), exact in fp16
+        mask = torch.arange(T)[None] < lengths[:, None]
+        tokens = tokens * mask[..., None]
+        return Features(tokens=tokens.float(), mask=mask, pooled=tokens.sum(1) / lengths[:, None],
+                        grid=(2, 2) if self.image else None)
+
+
+def extract(enc, n, tmp_path, **kw):
+    return encoders.extract(enc, list(range(n)), tmp_path, batch_size=4, dataset="d", split="s", modality="m", **kw)
+
+
+def shard_rows(monkeypatch, rows, image=False):
+    """Every set goes to the memory-mapped layout, `rows` rows per shard (sized from the first batch's rows)."""
+    monkeypatch.setattr(encoders, "MEMMAP_BYTES", 0)
+    monkeypatch.setattr(encoders, "SHARD_BYTES", rows * 2 * (5 if image else 1) * 3)  # rows x fp16 x T x D
+
+
+@pytest.mark.parametrize("image", [False, True])
+def test_memmapped_rows_equal_the_in_memory_features(tmp_path, monkeypatch, image):
+    n = 30
+    shard_rows(monkeypatch, 12, image)
+    ref = FakeEncoder(image).encode(range(n))                             # the whole set at once, in RAM
+    f = extract(FakeEncoder(image), n, tmp_path)
+    assert isinstance(f, StoredFeatures) and len(f) == n and f.grid == ref.grid
+    idx = torch.tensor([29, 3, 17, 3, 0, 12])                             # across shards, unsorted, repeated
+    got = f[idx]
+    T = int(ref.mask[idx].sum(1).max())                                   # padded to the longest of these rows
+    assert got.tokens.shape == (6, T, 3) and got.tokens.dtype == torch.float16
+    assert torch.equal(got.tokens, ref.tokens[idx, :T].half()) and torch.equal(got.mask, ref.mask[idx, :T])
+    assert torch.equal(got.pooled, ref.pooled[idx].half()) and torch.equal(f[2:5].tokens, f[[2, 3, 4]].tokens)
+    if image:
+        assert got.patches().shape == (6, 4, 3)
+    # text shards are padded to their own longest row (rows 0..11 have 1-2 tokens), not the global maximum
+    shards = sorted((tmp_path / "features").glob("*/*.tokens.npy"))
+    assert len(shards) == 3                                               # 12 + 12 + 6 rows
+    assert [f.tokens_files[s].shape[1] for s in range(3)] == ([5, 5, 5] if image else [2, 3, 3])
+
+
+def test_an_interrupted_extraction_resumes_without_redoing_finished_shards(tmp_path, monkeypatch):
+    n = 30                                                                # 8 batches, 3 shards of 3 / 3 / 2 batches
+    shard_rows(monkeypatch, 12)
+    with pytest.raises(KeyboardInterrupt):
+        extract(FakeEncoder(fail_after=5), n, tmp_path)                   # shard 0 done, shard 1 interrupted
+    enc = FakeEncoder()
+    f = extract(enc, n, tmp_path)
+    assert enc.calls == 5                                                 # shards 1 and 2 only
+    assert torch.equal(f[:].tokens, FakeEncoder().encode(range(n)).tokens.half())
+    enc = FakeEncoder()
+    extract(enc, n, tmp_path)
+    assert enc.calls == 0                                                 # all done: read back, nothing encoded
+    meta = next((tmp_path / "features").glob("*/00002.pt"))
+    meta.write_bytes(meta.read_bytes()[:50])                              # a broken shard is redone, alone
+    extract(enc, n, tmp_path)
+    assert enc.calls == 2
+
+
+def test_small_sets_stay_one_in_memory_file(tmp_path):
+    f = extract(FakeEncoder(), 10, tmp_path)
+    assert isinstance(f, Features) and [p.suffix for p in (tmp_path / "features").iterdir()] == [".pt"]
+
+
+def test_the_training_loop_streams_batches_from_the_memmap(tmp_path, monkeypatch):
+    n = 40
+    shard_rows(monkeypatch, 12)
+    img = extract(FakeEncoder(image=True), n, tmp_path / "a")
+    txt = extract(FakeEncoder(), n, tmp_path / "b")
+    assert isinstance(img, StoredFeatures) and isinstance(txt, StoredFeatures)
+    torch.manual_seed(0)
+    method = Linear(3, 3)
+    args = argparse.Namespace(epochs=2, batch_size=8, lr=1e-2, weight_decay=0.0, seed=0, resume=False)
+    result = align.train(method, img, txt, args, tmp_path, "cpu")
+    assert result["final_loss"] is not None and result["final_loss"] == result["final_loss"]  # finite, ran
