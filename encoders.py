@@ -69,6 +69,7 @@ import contextlib
 import hashlib
 import json
 import math
+import mmap
 import os
 import time
 from pathlib import Path
@@ -761,11 +762,20 @@ class StoredFeatures:
             order = np.argsort(local)                                                            # read in file order
             part = torch.from_numpy(np.ascontiguousarray(self.tokens_files[s][local[order], :T]))
             tokens[at[order], :part.shape[1]] = part
+            release(self.tokens_files[s])
         mask = torch.arange(T)[None] < self.lengths[rows][:, None]
         return Features(tokens=tokens, mask=mask, pooled=self.pooled[rows], grid=self.grid)
 
     def to(self, device, dtype=torch.float32):
         return self[:].to(device, dtype)
+
+
+def release(array):
+    """Unmap the pages of a memory-mapped array that were read: they stay in the kernel's page cache
+    (a re-read is cheap) but no longer count in this process's resident memory."""
+    m = getattr(array, "_mmap", None)
+    if m is not None and hasattr(m, "madvise"):
+        m.madvise(mmap.MADV_DONTNEED)
 
 
 def extract_shards(encoder, inputs, folder, key, batch_size, device, first=None, log=print):
@@ -792,13 +802,14 @@ def extract_shards(encoder, inputs, folder, key, batch_size, device, first=None,
         if safe_load(meta, expect_key=key) is not None:
             continue                                                             # finished before: not redone
         start, stop = s * rows, min((s + 1) * rows, len(inputs))
-        parts = [first if (i == 0 and first is not None) else encoder.encode(inputs[i:min(i + batch_size, stop)], device)
+        half = lambda f: replace(f, tokens=f.tokens.half(), pooled=f.pooled.half())  # fp16 at once: peak RAM ~ 2 shards
+        parts = [half(first if (i == 0 and first is not None) else encoder.encode(inputs[i:min(i + batch_size, stop)], device))
                  for i in range(start, stop, batch_size)]
         f = Features.cat(parts)
         tmp = folder / f"{s:05d}.tokens.tmp{os.getpid()}.npy"
-        np.save(tmp, f.tokens.half().numpy())
+        np.save(tmp, f.tokens.numpy())
         os.replace(tmp, folder / f"{s:05d}.tokens.npy")
-        atomic_save({"key": key, "mask": f.mask, "pooled": f.pooled.half(), "grid": f.grid}, meta)  # marks it done
+        atomic_save({"key": key, "mask": f.mask, "pooled": f.pooled, "grid": f.grid}, meta)  # marks the shard done
         done += stop - start
         log(f"[features] {folder.name}: shard {s + 1}/{plan['n_shards']} ({stop}/{len(inputs)} rows, "
             f"{done / max(time.time() - t0, 1e-9):.0f} rows/s)")
