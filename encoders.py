@@ -413,11 +413,17 @@ def autocast(device):
     return contextlib.nullcontext()
 
 
+IMAGE_THREADS = int(os.environ.get("ALIGN_IMAGE_THREADS", min(8, os.cpu_count() or 1)))  # JPEG decode + resize
+
+
 class ImagePreprocess:
     """PIL images (or uint8 (3, S, S) tensors) -> (B, 3, crop, crop) normalised floats.
 
     Resize the shorter side to `resize`, centre-crop `crop` x `crop`, scale to [0, 1],
-    subtract mean, divide by std. A square image is resized straight to crop x crop.
+    subtract mean, divide by std. A square image, or any image when resize is None
+    (processors that resize to a fixed height x width), is resized straight to crop x crop.
+    Images are decoded in IMAGE_THREADS threads (PIL releases the GIL); a file that
+    cannot be read raises its error here, in the main process, naming the file.
     """
 
     def __init__(self, resize=256, crop=224, mean=IMAGENET_MEAN, std=IMAGENET_STD, resample=3):
@@ -434,7 +440,7 @@ class ImagePreprocess:
             img = Image.fromarray(img.permute(1, 2, 0).numpy())
         img = img.convert("RGB")
         w, h = img.size
-        if w == h:
+        if w == h or self.resize is None:
             img = img.resize((self.crop, self.crop), self.resample)
         else:
             r = self.resize / min(w, h)
@@ -446,7 +452,11 @@ class ImagePreprocess:
         return (x - self.mean) / self.std
 
     def __call__(self, images):
-        return torch.stack([self.one(img) for img in images])
+        if IMAGE_THREADS <= 1 or len(images) == 1:
+            return torch.stack([self.one(images[i]) for i in range(len(images))])
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(IMAGE_THREADS) as pool:  # images[i] opens the file inside the thread
+            return torch.stack(list(pool.map(lambda i: self.one(images[i]), range(len(images)))))
 
 
 def hf_preprocess(source, config):
@@ -459,17 +469,16 @@ def hf_preprocess(source, config):
         return ImagePreprocess(round(size * 256 / 224), size)  # the ViT default, scaled to the model
     crop = p.crop_size if getattr(p, "do_center_crop", False) else p.size
     crop = crop["height"] if crop.get("height") else crop["shortest_edge"]
-    resize = p.size["shortest_edge"] if p.size.get("shortest_edge") else crop
+    resize = p.size["shortest_edge"] if p.size.get("shortest_edge") else None  # None: fixed height x width
     return ImagePreprocess(resize, crop, tuple(p.image_mean), tuple(p.image_std), int(getattr(p, "resample", 3) or 3))
 
 
 def not_available(name, flag):
+    local = f"models/{Path(name).name}"
     return SystemExit(
         f"error: encoder {name!r} is not available offline: it is neither a local directory nor in the Hugging Face "
-        f"cache. On a machine with network run\n"
-        f"    python -c \"from transformers import AutoModel, AutoTokenizer, AutoImageProcessor as P; "
-        f"AutoModel.from_pretrained('{name}').save_pretrained('models/x')\"\n"
-        f"(or: hf download {name} --local-dir models/x), copy models/x here and pass {flag} models/x.")
+        f"cache. On a machine with network run\n    hf download {name} --local-dir {local}\n"
+        f"(huggingface_hub < 1.0: huggingface-cli download ...), copy {local} here and pass {flag} {local}.")
 
 
 def hf_source(name, flag):
@@ -608,7 +617,7 @@ def load_hf_image(name, layer=-1):
         raise not_available(name, "--image-encoder") from None
     for p in model.parameters():
         p.requires_grad_(False)
-    return HFImageEncoder(Path(name).name if Path(name).is_dir() else name, model, hf_preprocess(source, model.config),
+    return HFImageEncoder(str(Path(name).resolve()) if Path(name).is_dir() else name, model, hf_preprocess(source, model.config),
                           layer, classifier, names)
 
 
@@ -626,7 +635,7 @@ def load_hf_text(name, layer=-1):
         raise not_available(name, "--text-encoder") from None
     for p in model.parameters():
         p.requires_grad_(False)
-    return HFTextEncoder(Path(name).name if Path(name).is_dir() else name, model, tokenizer, layer)
+    return HFTextEncoder(str(Path(name).resolve()) if Path(name).is_dir() else name, model, tokenizer, layer)
 
 
 class TorchvisionEncoder:

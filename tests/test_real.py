@@ -194,6 +194,12 @@ def models(tmp_path_factory):
     AutoModel.from_config(RobertaConfig(vocab_size=len(rv), max_position_embeddings=42, pad_token_id=1, **TEXT)
                           ).save_pretrained(root / "roberta")
     RobertaTokenizer(vocab=rv, merges=[("Ġ", c) for c in chars], model_max_length=32).save_pretrained(root / "roberta")
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel
+    clip = CLIPConfig(text_config=dict(vocab_size=len(vocab), max_position_embeddings=32, eos_token_id=vocab["[SEP]"],
+                                       **TEXT), vision_config=VISION)
+    CLIPModel(clip).save_pretrained(root / "clip")                        # one folder, both towers
+    CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(root / "clip")
+    BertTokenizer(vocab=vocab, model_max_length=32).save_pretrained(root / "clip")  # [SEP] plays CLIP's EOS
     return root
 
 
@@ -230,6 +236,15 @@ def test_image_preprocessing_is_the_checkpoints_own(models):
     assert (beit.transform.resize, beit.transform.crop) == (37, 32)
 
 
+def test_fixed_size_processors_resize_without_cropping(tmp_path):
+    from transformers import ViTImageProcessor
+    ViTImageProcessor(size={"height": 32, "width": 32}).save_pretrained(tmp_path)  # BEiT / ViT style: no crop
+    t = encoders.hf_preprocess(tmp_path, None)
+    assert (t.resize, t.crop) == (None, 32)
+    img = images(1, size=(64, 32))[0]
+    torch.testing.assert_close(t([img]), t([img.resize((32, 32), t.resample)]))  # squashed, not cropped
+
+
 @pytest.mark.parametrize("name, first", [("bert", "[CLS]"), ("roberta", "<s>")])
 def test_text_tokens_words_and_masked_mean(models, name, first):
     enc = encoders.load_hf_text(str(models / name))
@@ -242,6 +257,25 @@ def test_text_tokens_words_and_masked_mean(models, name, first):
     alone = enc.encode(["the man"])                                      # padding does not change a row
     n = int(f.mask[1].sum())
     torch.testing.assert_close(alone.tokens[0, :n], f.tokens[1, :n], atol=1e-5, rtol=1e-5)
+
+
+def test_clip_towers_pool_like_clip(models):
+    from transformers import CLIPTextModel, CLIPVisionModel
+    txt = encoders.load_hf_text(str(models / "clip"))
+    texts = ["a red dog sits on the cat.", "the man"]
+    f = txt.encode(texts)
+    batch = txt.tokenize(texts)
+    with torch.no_grad():
+        ref = CLIPTextModel.from_pretrained(models / "clip")(**batch)
+    torch.testing.assert_close(f.pooled, ref.pooler_output)              # the EOS token, not a mean
+    assert txt.pooling == "eos" and (f.tokens[~f.mask] == 0).all()
+    img = encoders.load_hf_image(str(models / "clip"))
+    g = img.encode(images(2))
+    with torch.no_grad():
+        ref = CLIPVisionModel.from_pretrained(models / "clip")(pixel_values=img.transform(images(2)))
+    torch.testing.assert_close(g.pooled, ref.pooler_output)              # post-layernorm CLS
+    torch.testing.assert_close(g.tokens, ref.last_hidden_state)
+    assert g.grid == (4, 4)
 
 
 def test_beit_head_reproduces_the_checkpoints_logits(models):
