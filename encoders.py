@@ -431,8 +431,8 @@ class ImagePreprocess:
         self.mean, self.std = torch.tensor(mean).view(3, 1, 1), torch.tensor(std).view(3, 1, 1)
 
     def __repr__(self):  # goes into the cache key
-        return (f"resize {self.resize} crop {self.crop} resample {self.resample} "
-                f"mean {[round(v, 4) for v in self.mean.flatten().tolist()]} std {[round(v, 4) for v in self.std.flatten().tolist()]}")
+        r = lambda t: [round(v, 4) for v in t.flatten().tolist()]
+        return f"resize {self.resize} crop {self.crop} resample {self.resample} mean {r(self.mean)} std {r(self.std)}"
 
     def one(self, img):
         from PIL import Image
@@ -510,37 +510,36 @@ class HFImageEncoder:
             raise SystemExit(f"error: --image-layer {layer}: {name} has layers 0..{self.n_layers} (-1 = the last)")
 
     @torch.no_grad()
-    def forward(self, images, device):
-        """All hidden states (L + 1 of (B, T, D)) and the final (tokens, pooled)."""
+    def forward(self, images, device, all_layers=False):
+        """The model's outputs on device (hidden states kept only when a non-final layer is wanted)."""
         x = self.transform(images).to(device)                                   # (B, 3, S, S)
+        every = all_layers or self.layer not in (-1, self.n_layers)
         with autocast(device):
-            out = self.model.to(device)(pixel_values=x, output_hidden_states=True)
-        last = out.last_hidden_state
-        pooled = out.pooler_output if self.family in ("beit", "clip", "clip_vision_model") and \
-            getattr(out, "pooler_output", None) is not None else last[:, 0]    # note 3
-        return [h.float().cpu() for h in out.hidden_states], last.float().cpu(), pooled.float().cpu(), x.shape[-1]
+            return self.model.to(device)(pixel_values=x, output_hidden_states=every)
 
-    def layer_features(self, hidden, last, pooled, side, layer):
-        """Features of one layer: [CLS, patches, registers], pooled by note 3."""
-        h = last if layer in (-1, self.n_layers) else hidden[layer]            # (B, T, D)
+    def layer_features(self, out, layer):
+        """Features of one layer, on the CPU: [CLS, patches, registers], pooled by note 3."""
+        final = layer in (-1, self.n_layers)
+        h = (out.last_hidden_state if final else out.hidden_states[layer]).float().cpu()   # (B, T, D)
         r = self.n_registers
         tokens = torch.cat([h[:, :1], h[:, 1 + r:], h[:, 1:1 + r]], 1)         # registers last (note 2)
-        H = W = side // self.model.config.patch_size
-        if layer in (-1, self.n_layers):
-            p = pooled
+        H = W = int(math.isqrt(tokens.shape[1] - 1 - r))                        # square inputs: crop x crop
+        pooler = getattr(out, "pooler_output", None) if self.family in ("beit", "clip", "clip_vision_model") else None
+        if final and pooler is not None:
+            pooled = pooler.float().cpu()                                      # what the head / projection reads
         elif self.family == "beit" and getattr(self.model.config, "use_mean_pooling", False):
-            p = tokens[:, 1:1 + H * W].mean(1)
+            pooled = tokens[:, 1:1 + H * W].mean(1)
         else:
-            p = tokens[:, 0]
-        return Features(tokens=tokens, mask=torch.ones(tokens.shape[:2], dtype=torch.bool), pooled=p, grid=(H, W))
+            pooled = tokens[:, 0]                                              # CLS
+        return Features(tokens=tokens, mask=torch.ones(tokens.shape[:2], dtype=torch.bool), pooled=pooled, grid=(H, W))
 
     def encode(self, images, device="cpu"):
-        return self.layer_features(*self.forward(images, device), self.layer)
+        return self.layer_features(self.forward(images, device), self.layer)
 
     def pooled_layers(self, images, device="cpu"):
         """{layer: (B, D) pooled} for layers 1..L (layer selection)."""
-        out = self.forward(images, device)
-        return {l: self.layer_features(*out, l).pooled for l in range(1, self.n_layers + 1)}
+        out = self.forward(images, device, all_layers=True)
+        return {l: self.layer_features(out, l).pooled for l in range(1, self.n_layers + 1)}
 
     def head(self):
         """(W (C, D), b (C,), class names) of the checkpoint's classification head (reads pooled of layer -1)."""
@@ -569,14 +568,17 @@ class HFTextEncoder:
         return self.tokenizer(list(texts), padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
 
     @torch.no_grad()
-    def forward(self, texts, device):
+    def forward(self, texts, device, all_layers=False):
+        """The model's outputs on device, and the (B, L) attention mask."""
         batch = self.tokenize(texts)
         with autocast(device):
-            out = self.model.to(device)(**{k: v.to(device) for k, v in batch.items()}, output_hidden_states=True)
-        return [h.float().cpu() for h in out.hidden_states], out.last_hidden_state.float().cpu(), batch["attention_mask"].bool()
+            out = self.model.to(device)(**{k: v.to(device) for k, v in batch.items()},
+                                        output_hidden_states=all_layers or self.layer not in (-1, self.n_layers))
+        return out, batch["attention_mask"].bool()
 
-    def layer_features(self, hidden, last, mask, layer):
-        h = last if layer in (-1, self.n_layers) else hidden[layer]
+    def layer_features(self, out, mask, layer):
+        """Features of one layer, on the CPU, pooled by note 4."""
+        h = (out.last_hidden_state if layer in (-1, self.n_layers) else out.hidden_states[layer]).float().cpu()
         tokens = h * mask[..., None]                                            # padding exactly 0, (B, L, D)
         if self.pooling == "eos":                                               # note 4: CLIP's EOS = last real token
             pooled = tokens[torch.arange(len(tokens)), mask.sum(1) - 1]
@@ -588,7 +590,8 @@ class HFTextEncoder:
         return self.layer_features(*self.forward(texts, device), self.layer)
 
     def pooled_layers(self, texts, device="cpu"):
-        out = self.forward(texts, device)
+        """{layer: (B, D) pooled} for layers 1..L (layer selection)."""
+        out = self.forward(texts, device, all_layers=True)
         return {l: self.layer_features(*out, l).pooled for l in range(1, self.n_layers + 1)}
 
     def words(self, texts):
@@ -617,8 +620,8 @@ def load_hf_image(name, layer=-1):
         raise not_available(name, "--image-encoder") from None
     for p in model.parameters():
         p.requires_grad_(False)
-    return HFImageEncoder(str(Path(name).resolve()) if Path(name).is_dir() else name, model, hf_preprocess(source, model.config),
-                          layer, classifier, names)
+    name = str(Path(name).resolve()) if Path(name).is_dir() else name  # the cache key names the checkpoint itself
+    return HFImageEncoder(name, model, hf_preprocess(source, model.config), layer, classifier, names)
 
 
 def load_hf_text(name, layer=-1):
@@ -635,7 +638,8 @@ def load_hf_text(name, layer=-1):
         raise not_available(name, "--text-encoder") from None
     for p in model.parameters():
         p.requires_grad_(False)
-    return HFTextEncoder(str(Path(name).resolve()) if Path(name).is_dir() else name, model, tokenizer, layer)
+    name = str(Path(name).resolve()) if Path(name).is_dir() else name  # the cache key names the checkpoint itself
+    return HFTextEncoder(name, model, tokenizer, layer)
 
 
 class TorchvisionEncoder:
@@ -812,8 +816,8 @@ def extract_shards(encoder, inputs, folder, key, batch_size, device, first=None,
             continue                                                             # finished before: not redone
         start, stop = s * rows, min((s + 1) * rows, len(inputs))
         half = lambda f: replace(f, tokens=f.tokens.half(), pooled=f.pooled.half())  # fp16 at once: peak RAM ~ 2 shards
-        parts = [half(first if (i == 0 and first is not None) else encoder.encode(inputs[i:min(i + batch_size, stop)], device))
-                 for i in range(start, stop, batch_size)]
+        batch = lambda i: encoder.encode(inputs[i:min(i + batch_size, stop)], device)
+        parts = [half(first if (i == 0 and first is not None) else batch(i)) for i in range(start, stop, batch_size)]
         f = Features.cat(parts)
         tmp = folder / f"{s:05d}.tokens.tmp{os.getpid()}.npy"
         np.save(tmp, f.tokens.numpy())
