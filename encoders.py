@@ -2,6 +2,13 @@
 
 Shape alphabet (used in every file): B batch, T tokens, D features,
 K anchors / output dim, Q regions, L words, C classes, H x W patch grid.
+
+Read top to bottom: Features; the tiny Shapes-world encoders; real encoders
+(Hugging Face transformers models, torchvision classifiers); the feature cache
+(one torch file, or memory-mapped shards for COCO-scale sets); layer selection;
+load_encoders. Every encoder has .name, .layer, .dim, .preprocess (a string in
+the cache key), .encode(batch, device) -> Features, .pooled_layers(batch, device)
+-> {layer: (B, D)}; text encoders .words(texts); image encoders .head().
 """
 from dataclasses import dataclass, replace
 
