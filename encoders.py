@@ -729,10 +729,11 @@ def load_torchvision(name, layer=-1, weights="DEFAULT"):
 # - a set whose fp16 tokens fit in MEMMAP_BYTES is one torch file, loaded into RAM
 #   as Features (the Shapes world, the evaluation sets);
 # - a larger set (COCO train: 80K x 257 x 1024 fp16 = 42 GB) is a folder of
-#   shards, each written once (tokens as a .npy file, then mask / pooled as a
-#   small .pt that marks the shard done), read back through a memory map as
-#   StoredFeatures. An interrupted extraction resumes at the first unfinished
-#   shard. Text shards are padded to their own longest caption, not a global one.
+#   shards, each written once (its real tokens as one .npy file, then lengths /
+#   pooled as a small .pt that marks the shard done), read back through a
+#   memory map as StoredFeatures. Tokens are stored RAGGED: row after row, no
+#   padding (captions), so a batch is padded only to its own longest row. An
+#   interrupted extraction resumes at the first unfinished shard.
 MEMMAP_BYTES = int(float(os.environ.get("ALIGN_MEMMAP_GB", "2")) * 2**30)  # larger token caches go to shards
 SHARD_BYTES = 256 * 2**20                                                    # about 256 MB of tokens per shard
 
@@ -744,7 +745,7 @@ def cache_key(**parts):
 
 
 class StoredFeatures:
-    """Features of a large set on disk: fp16 token shards read through a memory map.
+    """Features of a large set on disk: ragged fp16 token shards read through a memory map.
 
     The part of the Features interface that training and evaluation use:
     len(f); f[idx] -> dense Features of those rows only (padded to their longest
@@ -754,14 +755,15 @@ class StoredFeatures:
 
     def __init__(self, folder, key):
         plan = json.loads((Path(folder) / "plan.json").read_text())
-        self.tokens_files, metas = [], []
+        self.tokens_files, self.offsets, metas = [], [], []
         for s in range(plan["n_shards"]):
-            self.tokens_files.append(np.load(Path(folder) / f"{s:05d}.tokens.npy", mmap_mode="r"))  # (n_s, T_s, D) fp16
+            self.tokens_files.append(np.load(Path(folder) / f"{s:05d}.tokens.npy", mmap_mode="r"))  # (sum_len_s, D) fp16
             metas.append(torch.load(Path(folder) / f"{s:05d}.pt", weights_only=False))
-        self.starts = torch.tensor([0] + [len(t) for t in self.tokens_files]).cumsum(0)         # (S + 1,)
+            self.offsets.append([0] + metas[-1]["lengths"].cumsum(0).tolist())                  # row r: [off[r], off[r+1])
+        self.starts = torch.tensor([0] + [len(m["lengths"]) for m in metas]).cumsum(0)          # (S + 1,) first row of shard
         self.pooled = torch.cat([m["pooled"] for m in metas])                                   # (N, D) fp16
-        self.lengths = torch.cat([m["mask"].sum(1) for m in metas])                             # (N,) real tokens
-        self.grid, self.dim = metas[0]["grid"], self.tokens_files[0].shape[2]
+        self.lengths = torch.cat([m["lengths"] for m in metas])                                 # (N,) real tokens
+        self.grid, self.dim = metas[0]["grid"], self.tokens_files[0].shape[1]
 
     def __len__(self):
         return len(self.pooled)
@@ -775,14 +777,16 @@ class StoredFeatures:
         rows = torch.arange(len(self))[idx].reshape(-1)                                        # (B,)
         T = int(self.lengths[rows].max())
         tokens = torch.zeros(len(rows), T, self.dim, dtype=torch.float16)                      # (B, T, D)
+        out = tokens.numpy()                                                                     # the same memory
         shard = torch.searchsorted(self.starts, rows, right=True) - 1                            # (B,) shard of each row
         for s in shard.unique().tolist():
             at = (shard == s).nonzero().squeeze(1)
-            local = (rows[at] - self.starts[s]).numpy()
-            order = np.argsort(local)                                                            # read in file order
-            part = torch.from_numpy(np.ascontiguousarray(self.tokens_files[s][local[order], :T]))
-            tokens[at[order], :part.shape[1]] = part
-            release(self.tokens_files[s])
+            local = rows[at] - self.starts[s]
+            order = local.argsort()                                                              # read in file order
+            flat, off = self.tokens_files[s], self.offsets[s]
+            for b, r in zip(at[order].tolist(), local[order].tolist()):
+                out[b, :off[r + 1] - off[r]] = flat[off[r]:off[r + 1]]                          # one contiguous read
+            release(flat)
         mask = torch.arange(T)[None] < self.lengths[rows][:, None]
         return Features(tokens=tokens, mask=mask, pooled=self.pooled[rows], grid=self.grid)
 
@@ -827,9 +831,9 @@ def extract_shards(encoder, inputs, folder, key, batch_size, device, first=None,
         parts = [half(first if (i == 0 and first is not None) else batch(i)) for i in range(start, stop, batch_size)]
         f = Features.cat(parts)
         tmp = folder / f"{s:05d}.tokens.tmp{os.getpid()}.npy"
-        np.save(tmp, f.tokens.numpy())
+        np.save(tmp, f.tokens[f.mask].numpy())                                   # (sum of lengths, D), ragged
         os.replace(tmp, folder / f"{s:05d}.tokens.npy")
-        atomic_save({"key": key, "mask": f.mask, "pooled": f.pooled, "grid": f.grid}, meta)  # marks the shard done
+        atomic_save({"key": key, "lengths": f.mask.sum(1), "pooled": f.pooled, "grid": f.grid}, meta)  # marks it done
         done += stop - start
         log(f"[features] {folder.name}: shard {s + 1}/{plan['n_shards']} ({stop}/{len(inputs)} rows, "
             f"{done / max(time.time() - t0, 1e-9):.0f} rows/s)")
