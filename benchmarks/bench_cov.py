@@ -17,11 +17,11 @@ survives fork + exec, so a child would inherit the parent's (larger) peak. RSS
 counts pages actually touched: read it as the step's peak working set, comparable
 between methods, not an exact allocator figure.
 
-The text-guided score is slow by design; with --slow-images N (default 50) it is
+The text-guided score is slow by design; with --slow-images N (default 25) it is
 timed on the first N images against ALL captions and scaled by images / N (the cost
 is exactly linear in the number of images); --slow-images 0 times it in full.
 
-    python benchmarks/bench_cov.py                  # ~3 min on 2 CPU cores
+    python benchmarks/bench_cov.py                  # ~1-2 min on 2 CPU cores (5 min when busy)
     python benchmarks/bench_cov.py --images 200 --captions 1000 --batch 32   # quick
 """
 import argparse
@@ -127,7 +127,7 @@ def main():
     p.add_argument("--max-words", type=int, default=16, help="caption length L (real words L/2..L)")
     p.add_argument("--dim", type=int, default=512, help="shared dim of the methods (digest: 512)")
     p.add_argument("--batch", type=int, default=128, help="training batch for the memory step (digest: 128)")
-    p.add_argument("--slow-images", type=int, default=50,
+    p.add_argument("--slow-images", type=int, default=25,
                    help="time per-pair methods on this many images and scale up (0 = all)")
     p.add_argument("--methods", default="cov,text_guided", help="comma list of: " + ",".join(METHODS))
     p.add_argument("--device", default="cpu", help="cpu or cuda")
