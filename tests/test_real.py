@@ -151,7 +151,7 @@ def test_torchvision_classification_set(data_root):
     assert s.labels.tolist() == [0, 0, 1, 1, 2, 2] and s.images[5].mode == "RGB"
 
 
-def test_a_corrupt_image_is_an_error_naming_the_file(tmp_path):
+def test_a_corrupt_image_is_an_error_naming_the_file(tmp_path, models):
     write_karpathy(tmp_path / "coco")
     bad = tmp_path / "coco" / "train2014" / "train_2.jpg"
     bad.write_bytes(bad.read_bytes()[:60])
@@ -159,6 +159,9 @@ def test_a_corrupt_image_is_an_error_naming_the_file(tmp_path):
     train.images[1]                                          # the others still read
     with pytest.raises(OSError, match="train_2.jpg"):
         train.images[2]
+    enc = encoders.load_hf_image(str(models / "dinov2"))
+    with pytest.raises(OSError, match="train_2.jpg"):        # raised in the main process, from the decoding threads
+        encoders.extract(enc, train.images, tmp_path / "cache", batch_size=4, dataset="coco", split="train", modality="image")
 
 
 # ----------------------------------------------------------------------------- tiny models
