@@ -60,7 +60,8 @@ full 45/38, 40/37, 39/36; deformable=False 52/51, 50/50, 48/42; use_v2v=False 50
 47/45, 46/45; use_conc=False 43/36; eps=0 46/43; n_regions=16 43/35. Zeroing the
 deformable out_proj at init (so the step starts as the identity) gave 46/42, 48/46.
 Objects sit at random places here, so one layer of query-only (image-independent)
-offsets reads mostly background: do not expect the paper's +CVSFE gain on this data.
+offsets probably samples background more often than objects (an untested guess):
+do not expect the paper's +CVSFE gain on this data.
 FILIP and TextGuided (lr 1e-3) reached 53/62 and 50/62: single patches match the
 planted words exactly, the case where patch-level matching is at its best.
 """
