@@ -881,7 +881,8 @@ def select_layers(image_enc, text_enc, pairs, metric="mknn", n=5000, batch_size=
         if len(pairs.captions) != len(pairs.images) else torch.arange(len(pairs.images))  # one caption per image
     pick = torch.randperm(len(pairs.images), generator=g)[:n].sort().values.tolist()
     by_layer = lambda enc, items: {l: torch.cat(v).float() for l, v in _collect(enc, items, batch_size, device).items()}
-    X = by_layer(image_enc, [pairs.images[i] for i in pick])                    # {li: (n, D_i)}
+    images = pairs.images[torch.tensor(pick)] if isinstance(pairs.images, torch.Tensor) else [pairs.images[i] for i in pick]
+    X = by_layer(image_enc, images)                                             # {li: (n, D_i)}
     Y = by_layer(text_enc, [pairs.captions[int(first[i])] for i in pick])       # {lt: (n, D_t)}
     k = math.ceil(2 * len(pick) ** (1 / 3))
     score = (lambda a, b: recycling.cka(a, b)) if metric == "cka" else (lambda a, b: recycling.mutual_knn(a, b, k))

@@ -378,3 +378,15 @@ def test_align_selects_layers_and_streams_memmapped_features(tiny_world, models,
     assert "[layers] best: image layer" in out and "shard 1/1" in out
     assert {"retrieval", "retrieval_flickr"} <= set(m) and "analysis" in m
     assert list((tmp_path / "out").glob("*.png"))                          # figures from the real test images
+
+
+def test_layer_selection_runs_on_the_shapes_encoders():
+    w = data.shapes_world(0, n_train=40, n_test=2, n_cls=2, n_seg=2, n_bind=2)
+    vocab = encoders.SPECIALS + sorted({x for c in w["train"].captions for x in encoders.WordTokenizer.split(c)})
+    torch.manual_seed(0)
+    img = encoders.ShapesImageEncoder(encoders.TinyImageEncoder(len(data.CLASS_NAMES)))     # random init suffices
+    txt = encoders.ShapesTextEncoder(encoders.TinyTextEncoder(len(vocab)), encoders.WordTokenizer(vocab))
+    li, lt, table = encoders.select_layers(img, txt, w["train"], "mknn", n=30, log=lambda s: None)
+    assert set(table) == {(i, t) for i in range(1, 5) for t in (1, 2)} and (img.layer, txt.layer) == (li, lt)
+    f = img.encode(w["train"].images[:2])
+    assert f.tokens.shape[-1] == img.dim and f.grid == {1: (32, 32), 2: (16, 16), 3: (8, 8), 4: (8, 8)}[li]
