@@ -876,14 +876,21 @@ def select_layers(image_enc, text_enc, pairs, metric="mknn", n=5000, batch_size=
     Returns (image_layer, text_layer, {(li, lt): score}).
     """
     import recycling
-    g = torch.Generator().manual_seed(seed)
-    first = torch.tensor([int((pairs.txt_to_img == i).nonzero()[0]) for i in range(len(pairs.images))]) \
-        if len(pairs.captions) != len(pairs.images) else torch.arange(len(pairs.images))  # one caption per image
-    pick = torch.randperm(len(pairs.images), generator=g)[:n].sort().values.tolist()
-    by_layer = lambda enc, items: {l: torch.cat(v).float() for l, v in _collect(enc, items, batch_size, device).items()}
-    images = pairs.images[torch.tensor(pick)] if isinstance(pairs.images, torch.Tensor) else [pairs.images[i] for i in pick]
-    X = by_layer(image_enc, images)                                             # {li: (n, D_i)}
-    Y = by_layer(text_enc, [pairs.captions[int(first[i])] for i in pick])       # {lt: (n, D_t)}
+
+    def pooled_by_layer(enc, items):  # {layer: (n, D_layer)}
+        out = {}
+        for i in range(0, len(items), batch_size):
+            for layer, v in enc.pooled_layers(items[i:i + batch_size], device).items():
+                out.setdefault(layer, []).append(v)
+        return {layer: torch.cat(v).float() for layer, v in out.items()}
+
+    pick = torch.randperm(len(pairs.images), generator=torch.Generator().manual_seed(seed))[:n].sort().values
+    first_caption = {}
+    for j, i in enumerate(pairs.txt_to_img.tolist()):
+        first_caption.setdefault(i, j)
+    images = pairs.images[pick] if isinstance(pairs.images, torch.Tensor) else [pairs.images[i] for i in pick.tolist()]
+    X = pooled_by_layer(image_enc, images)                                                  # {li: (n, D_i)}
+    Y = pooled_by_layer(text_enc, [pairs.captions[first_caption[i]] for i in pick.tolist()])  # {lt: (n, D_t)}
     k = math.ceil(2 * len(pick) ** (1 / 3))
     score = (lambda a, b: recycling.cka(a, b)) if metric == "cka" else (lambda a, b: recycling.mutual_knn(a, b, k))
     table = {(li, lt): score(X[li], Y[lt]) for li in X for lt in Y}
@@ -896,14 +903,6 @@ def select_layers(image_enc, text_enc, pairs, metric="mknn", n=5000, batch_size=
     log(f"[layers] best: image layer {best[0]}, text layer {best[1]} ({metric} {table[best]:.3f})")
     image_enc.layer, text_enc.layer = best
     return best[0], best[1], table
-
-
-def _collect(enc, items, batch_size, device):
-    out = {}
-    for i in range(0, len(items), batch_size):
-        for l, v in enc.pooled_layers(items[i:i + batch_size], device).items():
-            out.setdefault(l, []).append(v)
-    return out
 
 
 def load_encoders(image_name, text_name, cache_dir, image_layer=-1, text_layer=-1):
