@@ -50,6 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--align-data", default="pairs", choices=["pairs", "weights", "weights+pairs"],
                    help="alignment data: image-text pairs, classifier-head rows with class names, or both")
     p.add_argument("--num-pairs", type=int, default=None, help="use only this many training pairs (default: all)")
+    p.add_argument("--eval-images", type=int, default=None,
+                   help="evaluate on only the first N images of each test set (a quick look; default: all)")
     p.add_argument("--analyses", action="store_true", help="also run the weight-recycling analyses of the image head")
     p.add_argument("--figures", action=argparse.BooleanOptionalAction, default=True, help="draw the method's figures")
     p.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt")
@@ -180,18 +182,20 @@ def train(method, img, txt, args, out, device):
 # ---------------------------------------------------------------------------
 def evaluate_all(method, F, args, out, device):
     sets, metrics = F["sets"], {"retrieval": {}, "classification": {}, "segmentation": {}}
+    n = args.eval_images
     for split, s in sets.items():
         img, txt = F[split, "image"], F[split, "text"]
         if isinstance(s, data.PairSet) and split != "train":
-            metrics["retrieval"] = evaluate.retrieval(method, img, txt, s.txt_to_img, device=device)
+            keep = s.txt_to_img < (n or len(img))        # the first n images and their captions
+            metrics["retrieval"] = evaluate.retrieval(method, img[:n], txt[keep], s.txt_to_img[keep], device=device)
         elif isinstance(s, data.LabelSet):
-            metrics["classification"][split] = evaluate.classification(method, img, s.labels, txt,
+            metrics["classification"][split] = evaluate.classification(method, img[:n], s.labels[:n], txt,
                                                                        len(s.templates), device=device)
         elif isinstance(s, data.MaskSet):
-            metrics["segmentation"][split] = evaluate.segmentation(method, img, s.masks, txt, len(s.templates),
+            metrics["segmentation"][split] = evaluate.segmentation(method, img[:n], s.masks[:n], txt, len(s.templates),
                                                                    ignore_index=data.IGNORE, device=device)
         elif isinstance(s, data.BindingSet):
-            metrics["binding"] = evaluate.binding(method, img, txt, {k: F[split, k] for k in s.distractors},
+            metrics["binding"] = evaluate.binding(method, img[:n], txt[:n], {k: F[split, k][:n] for k in s.distractors},
                                                   device=device)
     if args.figures and hasattr(method, "analyse") and "test" in sets:
         n = 64  # the first test images with their first caption

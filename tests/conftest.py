@@ -7,9 +7,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    """One encoder/feature cache for the whole session: the tiny encoders are pretrained once."""
+    return tmp_path_factory.mktemp("cache")
 
 
 def random_features(B, T, D, grid=None, lengths=None, seed=0):

@@ -1,7 +1,7 @@
 """align.py: the training loop (NaN stop, resume, determinism), the feature cache, and subprocess runs.
 
-The subprocess runs share one cache directory for the whole session, so the tiny
-encoders are pretrained once (about two minutes on 2 CPU cores) and reused.
+The runs share one cache directory for the whole session (conftest.cache_dir), so
+the tiny encoders are pretrained once (about two minutes on 2 CPU cores) and reused.
 """
 import json
 import os
@@ -106,11 +106,6 @@ def test_hp_parsing_checks_names():
 
 
 # ----------------------------------------------------------------------------- subprocess runs
-@pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
-
-
 def run_align(cache_dir, out, *extra):
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, str(ROOT / "align.py"), "--cache-dir", str(cache_dir), "--out", str(out), "--threads", "1",

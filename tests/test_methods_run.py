@@ -1,0 +1,24 @@
+"""Every registered method runs through align.py end to end: train (or fit), evaluate, save.
+
+A quick in-process run per method on a small slice of the Shapes world, so that
+no method can drift away from the interface that align.py and evaluate.py use.
+"""
+import json
+import math
+
+import pytest
+
+import align
+from methods import METHODS
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_method_runs_end_to_end(name, cache_dir, tmp_path):
+    metrics = align.main(["--method", name, "--epochs", "1", "--num-pairs", "64", "--batch-size", "32",
+                          "--eval-images", "20", "--cache-dir", str(cache_dir), "--out", str(tmp_path),
+                          "--no-figures", "--threads", "1"])
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    assert saved["retrieval"].keys() == metrics["retrieval"].keys() and (tmp_path / "method.pt").exists()
+    values = [saved["retrieval"]["rsum"], saved["classification"]["cls"]["top1"], saved["segmentation"]["seg"]["miou_fg"]]
+    assert all(math.isfinite(v) and v >= 0 for v in values)
+    assert 0 <= saved["retrieval"]["i2t_r1"] <= saved["retrieval"]["i2t_r5"] <= saved["retrieval"]["i2t_r10"] <= 100
