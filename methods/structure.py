@@ -120,37 +120,15 @@ class LinearRS(nn.Module):
         return nce + lam_t * r_s, {"nce": nce.item(), "r_s": r_s.item(), "lambda": lam_t}
 
 
-class MLPRS(nn.Module):
-    # STRUCTURE code: AdamW (0.9, 0.95), lr 1e-3, wd 1e-4, grad clip 1.0; epochs / batch: our choice
-    defaults = dict(lr=1e-3, epochs=100, batch_size=256, weight_decay=1e-4, optimizer="adamw",
-                    betas=(0.9, 0.95), grad_clip=1.0)
+class MLPRS(LinearRS):
+    """Linear_RS with the residual low-rank head on each side; everything else is Linear_RS's."""
 
     def __init__(self, d_image, d_text, K=512, rank=64, dropout=0.1, alpha_init=-4.0,  # rank: REFERENCE;
                  tau=0.05, lam=10.0, warmup=1000):           # dropout: STRUCTURE code; alpha_init: ours
-        super().__init__()
+        super().__init__(d_image, d_text, K, tau, lam, warmup)
         self.g_v = ResidualLowRankHead(d_image, K, rank, dropout, alpha_init)
         self.g_l = ResidualLowRankHead(d_text, K, rank, dropout, alpha_init)
-        self.tau, self.lam, self.warmup = tau, lam, warmup
-        self.register_buffer("step", torch.zeros((), dtype=torch.long))
-
-    def embed_image(self, img):
-        return F.normalize(self.g_v(img.pooled), dim=-1)        # (B, K)
-
-    def embed_text(self, txt):
-        return F.normalize(self.g_l(txt.pooled), dim=-1)        # (B, K)
-
-    def score(self, img_emb, txt_emb):
-        return img_emb @ txt_emb.T                              # (N_img, N_txt) cosine
-
-    def dense_image(self, img):
-        return F.normalize(self.g_v(img.patches()), dim=-1)     # (B, H*W, K)
 
     def loss(self, img, txt):
-        h_v, h_l = self.embed_image(img), self.embed_text(txt)
-        nce = info_nce(h_v, h_l, self.tau)
-        r_s = (structure_reg(img.pooled, h_v, self.tau) + structure_reg(txt.pooled, h_l, self.tau)) / 2
-        lam_t = self.lam * min(1.0, self.step.item() / self.warmup)   # linear warm-up
-        if self.training:
-            self.step += 1
-        return nce + lam_t * r_s, {"nce": nce.item(), "r_s": r_s.item(), "lambda": lam_t,
-                                   "gate": torch.sigmoid(self.g_v.alpha).item()}
+        loss, logs = super().loss(img, txt)
+        return loss, {**logs, "gate": torch.sigmoid(self.g_v.alpha).item()}
