@@ -113,6 +113,8 @@ def alignment_data(args, F):
         idx = torch.randperm(len(img), generator=torch.Generator().manual_seed(1234))[:n]
         img, txt = img[idx], txt[idx]
     if args.align_data == "pairs":
+        if n == 0:
+            sys.exit("error: --num-pairs 0 leaves no alignment data; add the head rows with --align-data weights")
         return img, txt
     import recycling
     W, _, names = F["image_encoder"].head()
