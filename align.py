@@ -41,6 +41,9 @@ def parse_args(argv=None):
     p.add_argument("--text-encoder", default="shapes-text", help="text encoder name or local path")
     p.add_argument("--image-layer", type=int, default=-1, help="image encoder layer whose tokens are used (-1 = last)")
     p.add_argument("--text-layer", type=int, default=-1, help="text encoder layer whose tokens are used (-1 = last)")
+    p.add_argument("--select-layers", default=None, choices=["cka", "mknn"],
+                   help="pick both layers by linear CKA or mutual kNN on --select-pairs training pairs (overrides --*-layer)")
+    p.add_argument("--select-pairs", type=int, default=5000, help="training pairs scored by --select-layers")
     p.add_argument("--epochs", type=int, default=None, help="training epochs (default: the method's own)")
     p.add_argument("--batch-size", type=int, default=None, help="pairs per step (default: the method's own)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the method's own)")
@@ -88,6 +91,8 @@ def load_features(args, device):
     sets = data.DATASETS[args.data](**({"root": args.data_root} if args.data != "shapes" else {}))
     image_enc, text_enc = encoders.load_encoders(args.image_encoder, args.text_encoder, args.cache_dir,
                                                  args.image_layer, args.text_layer)
+    if args.select_layers:
+        encoders.select_layers(image_enc, text_enc, sets["train"], args.select_layers, n=args.select_pairs, device=device)
     ext = lambda enc, inputs, split, modality: encoders.extract(enc, inputs, args.cache_dir, device=device,
                                                                 dataset=args.data, split=split, modality=modality)
     F = {"image_encoder": image_enc, "text_encoder": text_enc, "sets": sets}
@@ -189,7 +194,8 @@ def evaluate_all(method, F, args, out, device):
         img, txt = F[split, "image"], F[split, "text"]
         if isinstance(s, data.PairSet) and split != "train":
             keep = s.txt_to_img < (n or len(img))        # the first n images and their captions
-            metrics["retrieval"] = evaluate.retrieval(method, img[:n], txt[keep], s.txt_to_img[keep], device=device)
+            name = "retrieval" if split == "test" else f"retrieval_{split}"  # e.g. Flickr30K after COCO
+            metrics[name] = evaluate.retrieval(method, img[:n], txt[keep], s.txt_to_img[keep], device=device)
         elif isinstance(s, data.LabelSet):
             metrics["classification"][split] = evaluate.classification(method, img[:n], s.labels[:n], txt,
                                                                        len(s.templates), device=device)
@@ -205,7 +211,7 @@ def evaluate_all(method, F, args, out, device):
         first = torch.tensor([int((test.txt_to_img == i).nonzero()[0]) for i in range(min(n, len(test.images)))])
         with evaluate.inference(method):
             metrics["analysis"] = method.analyse(F["test", "image"][:len(first)].to(device), txt[first].to(device),
-                                                 torch.stack([torch.as_tensor(test.images[i]) for i in range(len(first))]),
+                                                 torch.stack([data.pixels(test.images[i]) for i in range(len(first))]),
                                                  F["text_encoder"].words([test.captions[i] for i in first]), out)
     return metrics
 
@@ -226,7 +232,7 @@ def main(argv=None):
     F = load_features(args, device)
     img, txt = alignment_data(args, F)
     seed_everything(args.seed)
-    method = method_cls(F["train", "image"].tokens.shape[-1], F["train", "text"].tokens.shape[-1], **hp).to(device)
+    method = method_cls(F["train", "image"].pooled.shape[-1], F["train", "text"].pooled.shape[-1], **hp).to(device)
     print(f"[method] {args.method}: {sum(p.numel() for p in method.parameters() if p.requires_grad):,} trainable parameters, "
           f"{len(img)} alignment pairs ({args.align_data})")
     metrics = {"train": {"seconds": 0.0, "final_loss": None}}
