@@ -1,0 +1,30 @@
+"""The README's claims stay true: its commands, its methods table, its line counts."""
+import re
+from pathlib import Path
+
+from methods import METHODS
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def test_readme_shows_the_two_commands_and_ci_runs_its_test_command():
+    assert "pip install -r requirements.txt" in README and "\npython align.py" in README
+    test_cmd = "python -m pytest -q"
+    assert test_cmd in README and test_cmd in (ROOT / ".ci" / "run").read_text()
+
+
+def test_every_method_is_in_the_methods_table_with_its_file():
+    for name, cls in METHODS.items():
+        row = next((l for l in README.splitlines() if l.startswith("|") and f"`{name}`" in l), None)
+        assert row is not None, f"{name} missing from the README methods table"
+        assert f"methods/{cls.__module__.split('.')[-1]}.py" in row
+
+
+def test_line_counts_in_the_readme_are_true():
+    """'file.py (N lines)' claims hold within 10%."""
+    claims = re.findall(r"([\w/]+\.py) \((\d+) lines\)", README)
+    assert len(claims) >= 5
+    for path, n in claims:
+        actual = len((ROOT / path).read_text().splitlines())
+        assert abs(actual - int(n)) <= 0.1 * int(n), f"{path}: README says {n} lines, it has {actual}"
