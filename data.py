@@ -16,6 +16,7 @@ backgrounds, captions that bind attributes and relations ("a small red circle
 to the left of a large blue square"), five paraphrases per test image like
 COCO's Karpathy test, and minimal-pair distractors for a binding test.
 """
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -172,6 +173,7 @@ def render_all(scenes):
     return torch.stack(images), torch.stack(shape_masks), torch.stack(object_masks)
 
 
+@functools.lru_cache(maxsize=2)  # built once per process (tests run align.main many times); read-only
 def shapes_world(seed=0, n_train=6000, n_test=500, n_cls=480, n_seg=300, n_bind=300):
     """The built-in dataset: a dict of the sets align.py trains and evaluates on.
 
