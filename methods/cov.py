@@ -266,22 +266,23 @@ class CoV(nn.Module):
     # --- optional analysis hook: region maps
     @torch.no_grad()
     def analyse(self, img, txt, images, words, out_dir):
-        """PNG per test image (up to 4): the image, then each region's masked assign attention."""
+        """PNG per test image (up to 4): the image, then each region's masked assign
+        attention (barAttn) over the patch grid, in red on the dimmed image."""
         from PIL import Image
         n = min(4, len(img))
         _, attn, attn_bar = self.regions(img[:n])
-        H, W = img.grid
-        cell = 48
+        (H, W), Q, S = img.grid, attn_bar.shape[1], 96          # S: tile side in pixels
         for i in range(n):
-            Q = attn_bar.shape[1]
-            canvas = Image.new("RGB", ((Q + 1) * (cell * 2 + 4), cell * 2), "white")
-            pix = images[i].permute(1, 2, 0).cpu().numpy()
-            canvas.paste(Image.fromarray(pix).resize((cell * 2, cell * 2)), (0, 0))
+            canvas = Image.new("RGB", ((Q + 1) * (S + 4), S), "white")
+            photo = Image.fromarray(images[i].permute(1, 2, 0).cpu().numpy()).resize((S, S))
+            canvas.paste(photo, (0, 0))
             for q in range(Q):
                 m = attn_bar[i, q].view(H, W)
                 m = (255 * m / m.max().clamp_min(1e-12)).byte().cpu().numpy()
-                tile = Image.fromarray(m, "L").resize((cell * 2, cell * 2), Image.NEAREST)
-                canvas.paste(tile.convert("RGB"), ((q + 1) * (cell * 2 + 4), 0))
+                heat = Image.fromarray(m, "L").resize((S, S), Image.NEAREST)
+                black = Image.new("L", (S, S), 0)
+                tile = Image.blend(photo, Image.merge("RGB", (heat, black, black)), 0.6)
+                canvas.paste(tile, ((q + 1) * (S + 4), 0))
             canvas.save(out_dir / f"cov_regions_{i}.png")
         spread_full = self.spread(attn, img.grid).mean().item()
         spread_bar = self.spread(attn_bar, img.grid).mean().item()
