@@ -23,6 +23,9 @@ Symbols -> variables:
   W -> self.W_assign, V -> self.V, tau -> tau, eps -> eps, N_q -> n_regions,
   hatAttn -> attn_hat, barAttn -> attn_bar, r_q -> r, c_q -> c, tau_1 -> tau_1,
   s_ij -> s, S(I,T) -> S, lambda_{g,v,c} -> lambda_g, lambda_v, lambda_c.
+Shapes: K is the shared output dim (the codebase alphabet), except inside
+deformable_sample / DeformableAttention, where K is the paper's number of points
+and D the feature dim; N = H*W patches.
 
 Deviations / choices (the digest is silent on these):
 1. Encoders frozen; patches and words are projected to dim=512 by linear maps.
