@@ -40,11 +40,16 @@ Deviations / choices:
    code min-max scales each class map instead of normalising each patch; per-patch
    argmax over classes is unchanged by a positive per-patch scale. dense="sum" adds the
    image's P_cls(x_0) to every patch, so the mean of the dense vectors is z_v (3).
+   Shapes world mIoU-fg, "local" vs "sum" on the same trained model: 89.7 vs 77.4
+   (defaults, 20 epochs), 95.8 vs 96.7 (20 epochs, batch 256).
 8. Optimiser (config): AdamW, lr 1e-3, weight decay 0.02, 15 epochs, batch 1800.
    Those 15 epochs are over ~17M pairs (config dataset_size; PAL calls it "FA (20M)"),
-   so on small pair sets raise --epochs. 1800 is the per-GPU batch: the code computes
-   InfoNCE on each GPU's own batch (no all-gather), 8 GPUs -> 14,400 pairs per step.
+   so on small pair sets raise --epochs. 1800 is the per-GPU batch ("1800*8" in the
+   config): the model's forward computes InfoNCE on its own batch (its concat_all_gather
+   is never called), so 1800 is the contrastive batch; 8 GPUs -> 14,400 pairs per step.
    The config's 10 warm-up epochs are not reproduced (align.py: plain cosine).
+   Shapes world (6000 pairs, 20 epochs): batch 1800 gives 60 steps, RSum 459; with
+   --batch-size 256 (460 steps) RSum 511, classification 99.8 vs 94.4.
 """
 import torch
 import torch.nn as nn
