@@ -20,6 +20,7 @@ so score() of a token-level method treats all-zero rows as padding.
 from .asif import ASIF
 from .cov import CoV
 from .csa import CSA
+from .fa import FA
 from .filip import FILIP
 from .linear import Linear
 from .mlp import MLP
@@ -34,6 +35,7 @@ METHODS = {
     "cov": CoV,                # CoV-Align: text-free regions, region-word max-sum
     "text_guided": TextGuided, # LAPS/SPARC-style baseline CoV beats
     "filip": FILIP,            # FILIP late interaction, all patches x words
+    "fa": FA,                  # FA (freeze-align): CLS + local token projectors
     "linear": Linear,          # linear heads + InfoNCE (CLIP-style)
     "linear_rs": LinearRS,     # STRUCTURE, linear head
     "mlp_rs": MLPRS,           # STRUCTURE, residual low-rank head
