@@ -85,6 +85,14 @@ def seed_everything(seed):
 # ---------------------------------------------------------------------------
 # Data and frozen features
 # ---------------------------------------------------------------------------
+def check_texts(texts, where):
+    """An empty caption has no tokens to align: stop with where it is, before any encoder runs."""
+    empty = [i for i, t in enumerate(texts) if not t or not t.strip()]
+    if empty:
+        sys.exit(f"error: {len(empty)} empty caption(s) in {where} (first at index {empty[0]}); "
+                 f"give them text or remove them from the annotation file")
+
+
 def load_features(args, device):
     """Everything the method and evaluation need, as Features (encoders run once, then cached)."""
     t0 = time.time()
@@ -97,6 +105,8 @@ def load_features(args, device):
                                                                 dataset=args.data, split=split, modality=modality)
     F = {"image_encoder": image_enc, "text_encoder": text_enc, "sets": sets}
     for split, s in sets.items():
+        if hasattr(s, "captions"):
+            check_texts(s.captions, f"{args.data}/{split}")
         F[split, "image"] = ext(image_enc, s.images, split, "image")
         if isinstance(s, data.PairSet) or isinstance(s, data.BindingSet):
             F[split, "text"] = ext(text_enc, s.captions, split, "text")

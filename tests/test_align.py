@@ -99,6 +99,12 @@ def test_feature_cache_is_reused_keyed_and_rebuilt_when_broken(tmp_path, capsys)
     assert enc.calls == 9 and torch.equal(a.tokens, c.tokens) and "unreadable" in capsys.readouterr().out
 
 
+def test_empty_captions_stop_with_where_they_are():
+    align.check_texts(["a red circle", "a cross"], "shapes/train")
+    with pytest.raises(SystemExit, match=r"2 empty caption\(s\) in coco/test \(first at index 1\)"):
+        align.check_texts(["a red circle", "", "  "], "coco/test")
+
+
 def test_hp_parsing_checks_names():
     assert align.parse_hp(Linear, ["K=64", "tau=0.1"]) == {"K": 64, "tau": 0.1}
     with pytest.raises(SystemExit, match="one of"):
