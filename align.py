@@ -229,6 +229,8 @@ def evaluate_all(method, F, args, out, device):
 def main(argv=None):
     args = parse_args(argv)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit("error: --device cuda, but torch sees no CUDA GPU here; use --device cpu (or auto)")
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out or f"results/{args.method}-{args.data}-seed{args.seed}")

@@ -105,6 +105,12 @@ def test_empty_captions_stop_with_where_they_are():
         align.check_texts(["a red circle", "", "  "], "coco/test")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_cuda_without_a_gpu_is_one_clear_error():
+    with pytest.raises(SystemExit, match="no CUDA GPU"):
+        align.main(["--device", "cuda"])
+
+
 def test_hp_parsing_checks_names():
     assert align.parse_hp(Linear, ["K=64", "tau=0.1"]) == {"K": 64, "tau": 0.1}
     with pytest.raises(SystemExit, match="one of"):
