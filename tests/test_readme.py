@@ -28,3 +28,9 @@ def test_line_counts_in_the_readme_are_true():
     for path, n in claims:
         actual = len((ROOT / path).read_text().splitlines())
         assert abs(actual - int(n)) <= 0.1 * int(n), f"{path}: README says {n} lines, it has {actual}"
+
+
+def test_the_readme_snippet_runs():
+    """The 'method on your own tensors' block runs as written."""
+    block = README.split("A method on your own tensors")[1].split("```python\n")[1].split("```")[0]
+    exec(compile(block, "README snippet", "exec"), {})
