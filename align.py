@@ -120,6 +120,12 @@ def load_features(args, device):
     return F
 
 
+def class_name_features(F, names, args):
+    """Text features of the raw class names of the image encoder's head (weight recycling §4), fp32."""
+    return encoders.extract(F["text_encoder"], names, args.cache_dir, dataset=args.data, split="head",
+                            modality="classnames").to("cpu")
+
+
 def alignment_data(args, F):
     """The training pairs: image-text pairs, head rows + class names (weight recycling §4), or both."""
     img, txt = F["train", "image"], F["train", "text"]
@@ -133,8 +139,7 @@ def alignment_data(args, F):
         return img, txt
     import recycling
     W, _, names = F["image_encoder"].head()
-    w_img, w_txt = recycling.weight_pairs(W, encoders.extract(F["text_encoder"], names, args.cache_dir,
-                                                              dataset=args.data, split="head", modality="classnames"))
+    w_img, w_txt = recycling.weight_pairs(W, class_name_features(F, names, args))
     if args.align_data == "weights" or n == 0:
         return w_img, w_txt
     return recycling.augment(img, txt, w_img, w_txt)
@@ -288,8 +293,7 @@ def recycling_analyses(F, args, device):
     labels = s.labels[:, None].expand_as(is_obj)
     pick = lambda sel: (patches[is_obj & sel], labels[is_obj & sel])
     (f_train, y_train), (f_test, y_test) = pick(even), pick(~even)
-    names_txt = encoders.extract(F["text_encoder"], names, args.cache_dir, dataset=args.data, split="head",
-                                 modality="classnames").to("cpu")  # fp16 cache -> fp32
+    names_txt = class_name_features(F, names, args)
     w_img, w_txt = recycling.weight_pairs(W, names_txt)
     mlp = MLP(W.shape[1], names_txt.tokens.shape[-1])
     opt = torch.optim.Adam(mlp.parameters(), lr=MLP.defaults["lr"])
