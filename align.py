@@ -22,8 +22,9 @@ import torch
 
 import data
 import encoders
+import features
 import evaluate
-from encoders import Features
+from features import Features
 from methods import METHODS
 
 
@@ -101,7 +102,7 @@ def load_features(args, device):
                                                  args.image_layer, args.text_layer)
     if args.select_layers:
         encoders.select_layers(image_enc, text_enc, sets["train"], args.select_layers, n=args.select_pairs, device=device)
-    ext = lambda enc, inputs, split, modality: encoders.extract(enc, inputs, args.cache_dir, device=device,
+    ext = lambda enc, inputs, split, modality: features.extract(enc, inputs, args.cache_dir, device=device,
                                                                 dataset=args.data, split=split, modality=modality)
     F = {"image_encoder": image_enc, "text_encoder": text_enc, "sets": sets}
     for split, s in sets.items():
@@ -122,7 +123,7 @@ def load_features(args, device):
 
 def class_name_features(F, names, args):
     """Text features of the raw class names of the image encoder's head (weight recycling §4), fp32."""
-    return encoders.extract(F["text_encoder"], names, args.cache_dir, dataset=args.data, split="head",
+    return features.extract(F["text_encoder"], names, args.cache_dir, dataset=args.data, split="head",
                             modality="classnames").to("cpu")
 
 
@@ -194,7 +195,7 @@ def train(method, img, txt, args, out, device):
         dt = time.time() - t_epoch
         print(f"[train] epoch {epoch + 1:3d}/{epochs}  loss {total / max(1, steps_per_epoch):.4f}  "
               f"{steps_per_epoch / max(dt, 1e-9):.1f} steps/s  {time.time() - t0:.0f}s")
-        encoders.atomic_save({"method": method.state_dict(), "opt": opt.state_dict(),
+        features.atomic_save({"method": method.state_dict(), "opt": opt.state_dict(),
                               "sched": sched.state_dict(), "epoch": epoch}, ckpt)
     return {"seconds": round(time.time() - t0, 2), "final_loss": float(loss.item()) if epochs > start else None}
 

@@ -8,7 +8,7 @@ reproduces the paper's analyses of them:
 
     weight_pairs / augment     §4.1 D_weights, Eq. (3) D_aug = D_imgtxt ∪ D_weights
     neural_collapse_check      Table 1 (linear vs cosine classifier on w_i)
-    mutual_knn, cka            Fig. 1 metric (Huh et al. 2024); CKA for layer selection
+    (mutual_knn, in similarity.py, is the Fig. 1 metric (Huh et al. 2024))
     prototype_alignment        Fig. 1 (head rows vs class means of n images, to text)
     modality_gap               Appendix I (centroid distance + permutation null, separability)
     few_shot                   Table 2 / Table 11 (NCC, KNN, weight-aligned MLP)
@@ -49,7 +49,8 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from encoders import Features
+from features import Features
+from similarity import mutual_knn
 
 
 # ---------------------------------------------------------------- alignment data (§4)
@@ -81,36 +82,6 @@ def neural_collapse_check(W, b, feats, labels):
     return {"linear_top1": acc(feats @ W.T + b),                  # Eq. (1)
             "cosine_top1": acc(cos),                              # Eq. (4)
             "nobias_top1": acc(feats @ W.T)}
-
-
-# ---------------------------------------------------------------- representation similarity
-
-def knn_indices(X, k):
-    """(N, k) indices of each row's k nearest rows by cosine, self excluded."""
-    Xn = F.normalize(X.float(), dim=-1)
-    sim = Xn @ Xn.T                                          # (N, N) cosine
-    sim.fill_diagonal_(float("-inf"))                        # a row is not its own neighbour
-    return sim.topk(k, dim=1).indices
-
-
-def mutual_knn(X, Y, k):
-    """Mutual k-NN alignment m_NN (Huh et al. 2024; the paper's Fig. 1 metric):
-    X (N, Dx), Y (N, Dy) paired rows; mean over i of |kNN_X(i) ∩ kNN_Y(i)| / k."""
-    N = len(X)
-    assert len(Y) == N and 0 < k < N
-    in_X = torch.zeros(N, N, dtype=torch.bool).scatter_(1, knn_indices(X, k), True)
-    in_Y = torch.zeros(N, N, dtype=torch.bool).scatter_(1, knn_indices(Y, k), True)
-    return ((in_X & in_Y).sum(1).float() / k).mean().item()
-
-
-def cka(X, Y):
-    """Linear CKA: HSIC(K, L) = tr(K H L H) with K = X X^T, L = Y Y^T, H = I - 11^T/N;
-    CKA = HSIC_KL / sqrt(HSIC_KK HSIC_LL). Uses tr(K H L H) = ||Xc^T Yc||_F^2
-    with column-centred Xc = H X, Yc = H Y, so no N x N matrix is formed."""
-    Xc = X.double() - X.double().mean(0)                     # (N, Dx) = H X
-    Yc = Y.double() - Y.double().mean(0)                     # (N, Dy) = H Y
-    hsic = lambda A, B: (A.T @ B).pow(2).sum()
-    return (hsic(Xc, Yc) / (hsic(Xc, Xc) * hsic(Yc, Yc)).sqrt()).item()
 
 
 # ---------------------------------------------------------------- Fig. 1

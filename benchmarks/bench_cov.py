@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from encoders import Features  # noqa: E402
+from features import Features  # noqa: E402
 from methods.cov import CoV  # noqa: E402
 from methods.filip import FILIP  # noqa: E402
 from methods.text_guided import TextGuided  # noqa: E402

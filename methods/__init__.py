@@ -13,7 +13,7 @@ The interface (duck-typed; align.py and evaluate.py use only this):
     method.dense_image(img) -> (B, H*W, ...)  # per patch, each slice [:, p] a valid image emb for score()
     method.analyse(img, txt, images, words, out_dir) -> dict   # optional: figures and analyses
 
-Features (encoders.py) holds tokens (B, T, D), mask (B, T), pooled (B, D), grid (H, W).
+Features (features.py) holds tokens (B, T, D), mask (B, T), pooled (B, D), grid (H, W).
 Token-level embeddings are padded with zeros when evaluate.py concatenates batches,
 so score() of a token-level method treats all-zero rows as padding.
 """

@@ -21,7 +21,7 @@ def cache_dir(tmp_path_factory):
 
 def random_features(B, T, D, grid=None, lengths=None, seed=0):
     """Random Features for tests. lengths: per-row real-token counts (text padding)."""
-    from encoders import Features
+    from features import Features
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randn(B, T, D, generator=g)
     mask = torch.ones(B, T, dtype=torch.bool)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import random_features
 
-from encoders import Features
+from features import Features
 from methods.cov import CoV, DeformableAttention, deformable_sample, max_sum, threshold_mask
 from methods.filip import FILIP
 from methods.text_guided import TextGuided

@@ -1,7 +1,7 @@
 """CSA (methods/csa.py): CCA against a planted correlation structure and closed forms."""
 import torch
 
-from encoders import Features
+from features import Features
 from methods.csa import CSA
 
 

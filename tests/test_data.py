@@ -3,7 +3,8 @@ import numpy as np
 import torch
 
 import data
-from encoders import Features, WordTokenizer
+from features import Features
+from encoders import WordTokenizer
 
 SMALL = dict(n_train=12, n_test=4, n_cls=6, n_seg=3, n_bind=4)
 

@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from conftest import random_features
-from encoders import Features
+from features import Features
 import evaluate as ev
 
 

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import random_features
-from encoders import Features
+from features import Features
 from methods.fa import FA, masked_mean
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from conftest import random_features
 
-from encoders import Features
+from features import Features
 from methods.pal import PAL, anchor_overlap, cap, relative
 
 

@@ -15,6 +15,8 @@ from PIL import Image
 
 import data
 import encoders
+import features
+import similarity
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = "a an the dog cat man red blue on of in photo sits rides is".split()
@@ -161,7 +163,7 @@ def test_a_corrupt_image_is_an_error_naming_the_file(tmp_path, models):
         train.images[2]
     enc = encoders.load_hf_image(str(models / "dinov2"))
     with pytest.raises(OSError, match="train_2.jpg"):        # raised in the main process, from the decoding threads
-        encoders.extract(enc, train.images, tmp_path / "cache", batch_size=4, dataset="coco", split="train", modality="image")
+        features.extract(enc, train.images, tmp_path / "cache", batch_size=4, dataset="coco", split="train", modality="image")
 
 
 # ----------------------------------------------------------------------------- tiny models
@@ -332,7 +334,7 @@ def test_layer_selection_scores_match_the_encoders_layers(models):
     pick = torch.randperm(12, generator=torch.Generator().manual_seed(0))[:10].sort().values.tolist()
     X = encoders.load_hf_image(str(models / "dinov2"), layer=1).encode([pairs.images[i] for i in pick]).pooled
     Y = encoders.load_hf_text(str(models / "bert"), layer=2).encode([pairs.captions[i] for i in pick]).pooled
-    assert abs(table[1, 2] - recycling.cka(X, Y)) < 1e-6
+    assert abs(table[1, 2] - similarity.cka(X, Y)) < 1e-6
     _, _, knn = encoders.select_layers(img_enc, txt_enc, pairs, "mknn", n=10, batch_size=4, log=lines.append)
     assert all(0 <= v <= 1 for v in knn.values())
 

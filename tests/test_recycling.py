@@ -6,7 +6,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import recycling as R
-from encoders import Features
+import similarity as S
+from features import Features
 from conftest import random_features
 
 
@@ -72,16 +73,16 @@ def test_mutual_knn_matches_naive_loop():
     X = torch.randn(25, 5, generator=g)
     Y = torch.cat([X, torch.zeros(25, 2)], 1) + 0.7 * torch.randn(25, 7, generator=g)
     for k in (1, 3, 7):
-        assert abs(R.mutual_knn(X, Y, k) - naive_mutual_knn(X, Y, k)) < 1e-6
+        assert abs(S.mutual_knn(X, Y, k) - naive_mutual_knn(X, Y, k)) < 1e-6
 
 
 def test_mutual_knn_identical_and_independent():
     g = torch.Generator().manual_seed(1)
     X = torch.randn(400, 16, generator=g)
-    assert R.mutual_knn(X, X, 10) == 1.0
-    assert R.mutual_knn(X, 3 * X @ orthogonal(16), 10) == 1.0             # cosine kNN is rotation/scale invariant
+    assert S.mutual_knn(X, X, 10) == 1.0
+    assert S.mutual_knn(X, 3 * X @ orthogonal(16), 10) == 1.0             # cosine kNN is rotation/scale invariant
     Y = torch.randn(400, 12, generator=g)
-    assert abs(R.mutual_knn(X, Y, 10) - 10 / 399) < 0.01                   # chance: k / (N - 1)
+    assert abs(S.mutual_knn(X, Y, 10) - 10 / 399) < 0.01                   # chance: k / (N - 1)
 
 
 def test_cka_against_naive_formula_and_invariances():
@@ -93,9 +94,9 @@ def test_cka_against_naive_formula_and_invariances():
     K, L = X.double() @ X.double().T, Y.double() @ Y.double().T
     hsic = lambda A, B: torch.trace(A @ H @ B @ H)
     naive = hsic(K, L) / (hsic(K, K) * hsic(L, L)).sqrt()
-    assert abs(R.cka(X, Y) - naive.item()) < 1e-10
-    assert abs(R.cka(X, 2.5 * X @ orthogonal(6)) - 1.0) < 1e-6
-    assert abs(R.cka(X, X + 4.0) - 1.0) < 1e-10                            # centring removes offsets
+    assert abs(S.cka(X, Y) - naive.item()) < 1e-10
+    assert abs(S.cka(X, 2.5 * X @ orthogonal(6)) - 1.0) < 1e-6
+    assert abs(S.cka(X, X + 4.0) - 1.0) < 1e-10                            # centring removes offsets
 
 
 # ---------------------------------------------------------------- Fig. 1

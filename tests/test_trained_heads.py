@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import random_features
-from encoders import Features
+from features import Features
 from methods.mlp import MLP
 from methods.sail import SAIL, siglip_loss
 from methods.structure import LinearRS, MLPRS

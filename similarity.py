@@ -1,0 +1,37 @@
+"""Representation similarity between two paired sets of vectors.
+
+One home for the measures that layer selection (encoders.select_layers) and the
+weight-recycling analyses (recycling.py, Fig. 1) both use:
+    mutual_knn   mutual k-nearest-neighbour alignment (Huh et al. 2024, platonic-rep)
+    cka          linear CKA (Kornblith et al. 2019), as STRUCTURE's layer selection
+"""
+import torch
+import torch.nn.functional as F
+
+
+def knn_indices(X, k):
+    """(N, k) indices of each row's k nearest rows by cosine, self excluded."""
+    Xn = F.normalize(X.float(), dim=-1)
+    sim = Xn @ Xn.T                                          # (N, N) cosine
+    sim.fill_diagonal_(float("-inf"))                        # a row is not its own neighbour
+    return sim.topk(k, dim=1).indices
+
+
+def mutual_knn(X, Y, k):
+    """Mutual k-NN alignment m_NN (Huh et al. 2024; the paper's Fig. 1 metric):
+    X (N, Dx), Y (N, Dy) paired rows; mean over i of |kNN_X(i) ∩ kNN_Y(i)| / k."""
+    N = len(X)
+    assert len(Y) == N and 0 < k < N
+    in_X = torch.zeros(N, N, dtype=torch.bool).scatter_(1, knn_indices(X, k), True)
+    in_Y = torch.zeros(N, N, dtype=torch.bool).scatter_(1, knn_indices(Y, k), True)
+    return ((in_X & in_Y).sum(1).float() / k).mean().item()
+
+
+def cka(X, Y):
+    """Linear CKA: HSIC(K, L) = tr(K H L H) with K = X X^T, L = Y Y^T, H = I - 11^T/N;
+    CKA = HSIC_KL / sqrt(HSIC_KK HSIC_LL). Uses tr(K H L H) = ||Xc^T Yc||_F^2
+    with column-centred Xc = H X, Yc = H Y, so no N x N matrix is formed."""
+    Xc = X.double() - X.double().mean(0)                     # (N, Dx) = H X
+    Yc = Y.double() - Y.double().mean(0)                     # (N, Dy) = H Y
+    hsic = lambda A, B: (A.T @ B).pow(2).sum()
+    return (hsic(Xc, Yc) / (hsic(Xc, Xc) * hsic(Yc, Yc)).sqrt()).item()
