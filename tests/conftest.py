@@ -15,8 +15,11 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
-    """One encoder/feature cache for the whole session: the tiny encoders are pretrained once."""
-    return tmp_path_factory.mktemp("cache")
+    """One encoder/feature cache for the whole session: the tiny encoders are pretrained once.
+
+    ALIGN_TEST_CACHE=<dir> reuses a cache across sessions (a developer's quick loop); CI leaves it unset."""
+    shared = os.environ.get("ALIGN_TEST_CACHE")
+    return Path(shared) if shared else tmp_path_factory.mktemp("cache")
 
 
 def random_features(B, T, D, grid=None, lengths=None, seed=0):
