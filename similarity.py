@@ -3,7 +3,7 @@
 One home for the measures that layer selection (encoders.select_layers) and the
 weight-recycling analyses (recycling.py, Fig. 1) both use:
     mutual_knn   mutual k-nearest-neighbour alignment (Huh et al. 2024, platonic-rep)
-    cka          linear CKA (Kornblith et al. 2019), as STRUCTURE's layer selection
+    cka          linear CKA (Kornblith et al. 2019) of L2-normalised rows, as STRUCTURE's layer selection
 """
 import torch
 import torch.nn.functional as F
@@ -27,11 +27,18 @@ def mutual_knn(X, Y, k):
     return ((in_X & in_Y).sum(1).float() / k).mean().item()
 
 
-def cka(X, Y):
+def cka(X, Y, normalize=True):
     """Linear CKA: HSIC(K, L) = tr(K H L H) with K = X X^T, L = Y Y^T, H = I - 11^T/N;
     CKA = HSIC_KL / sqrt(HSIC_KK HSIC_LL). Uses tr(K H L H) = ||Xc^T Yc||_F^2
-    with column-centred Xc = H X, Yc = H Y, so no N x N matrix is formed."""
-    Xc = X.double() - X.double().mean(0)                     # (N, Dx) = H X
-    Yc = Y.double() - Y.double().mean(0)                     # (N, Dy) = H Y
+    with column-centred Xc = H X, Yc = H Y, so no N x N matrix is formed.
+
+    normalize (default): every row is L2-normalised first, as STRUCTURE's CKA
+    (its metric config normalize: true) and platonic-rep's measure_alignment do;
+    on raw rows a few large-norm samples dominate K and L."""
+    X, Y = X.double(), Y.double()
+    if normalize:
+        X, Y = F.normalize(X, dim=-1), F.normalize(Y, dim=-1)                # (N, Dx), (N, Dy) unit rows
+    Xc = X - X.mean(0)                                       # (N, Dx) = H X
+    Yc = Y - Y.mean(0)                                       # (N, Dy) = H Y
     hsic = lambda A, B: (A.T @ B).pow(2).sum()
     return (hsic(Xc, Yc) / (hsic(Xc, Xc) * hsic(Yc, Yc)).sqrt()).item()

@@ -91,12 +91,26 @@ def test_cka_against_naive_formula_and_invariances():
     Y[:, :6] += X
     N = 40
     H = torch.eye(N, dtype=torch.float64) - 1.0 / N
-    K, L = X.double() @ X.double().T, Y.double() @ Y.double().T
     hsic = lambda A, B: torch.trace(A @ H @ B @ H)
-    naive = hsic(K, L) / (hsic(K, K) * hsic(L, L)).sqrt()
-    assert abs(S.cka(X, Y) - naive.item()) < 1e-10
+    naive = lambda A, B: (lambda K, L: hsic(K, L) / (hsic(K, K) * hsic(L, L)).sqrt())(A @ A.T, B @ B.T).item()
+    unit = lambda A: A.double() / A.double().norm(dim=1, keepdim=True)
+    # STRUCTURE / platonic-rep: rows L2-normalised, then linear CKA of the Gram matrices
+    assert abs(S.cka(X, Y) - naive(unit(X), unit(Y))) < 1e-10
+    assert abs(S.cka(X, Y, normalize=False) - naive(X.double(), Y.double())) < 1e-10
     assert abs(S.cka(X, 2.5 * X @ orthogonal(6)) - 1.0) < 1e-6
-    assert abs(S.cka(X, X + 4.0) - 1.0) < 1e-10                            # centring removes offsets
+    assert abs(S.cka(X, X + 4.0, normalize=False) - 1.0) < 1e-10              # centring removes offsets
+
+
+def test_cka_ignores_a_per_row_scale_as_the_reference_does():
+    """Issue 11.5: a few large-norm rows moved the raw-feature CKA; the reference's row
+    normalisation makes the score depend on directions only."""
+    g = torch.Generator().manual_seed(1)
+    X, Y = torch.randn(60, 8, generator=g), torch.randn(60, 5, generator=g)
+    Y[:, :3] += X[:, :3]
+    scale = torch.ones(60, 1)
+    scale[:6] = 30.0                                                         # a few large-norm samples
+    assert abs(S.cka(X * scale, Y) - S.cka(X, Y)) < 1e-8                      # fp32 rounding of X * scale
+    assert abs(S.cka(X * scale, Y, normalize=False) - S.cka(X, Y, normalize=False)) > 0.05
 
 
 # ---------------------------------------------------------------- Fig. 1

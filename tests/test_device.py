@@ -1,0 +1,49 @@
+"""Every method computes on the device of its inputs (issue 10, item 4: CSA on CUDA).
+
+No GPU here, so the check is turned around: the features stay on the CPU while
+torch's DEFAULT device is `meta` (torch.device as a context manager). A tensor a
+method creates without device= then lands on meta instead of the features'
+device, exactly as it would land on the CPU next to CUDA features: mixing it with
+the features raises, and a meta tensor in an output is caught by the asserts.
+"""
+import pytest
+import torch
+
+from conftest import random_features
+from methods import METHODS
+
+D_IMG, D_TXT, B = 16, 12, 6
+
+
+def batch(seed):
+    img = random_features(B, 1 + 4, D_IMG, grid=(2, 2), seed=seed)          # global token + 2x2 patches
+    txt = random_features(B, 5, D_TXT, lengths=[5, 3, 4, 2, 5, 1], seed=seed + 1)
+    return img, txt
+
+
+def on_cpu(*tensors):
+    return all(t.device.type == "cpu" and torch.isfinite(t).all() for t in tensors)
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_method_creates_no_tensor_off_its_inputs_device(name):
+    torch.manual_seed(0)
+    method = METHODS[name](D_IMG, D_TXT)                                     # parameters on the CPU
+    (img, txt), (q_img, q_txt) = batch(0), batch(10)                          # made on the CPU
+    with torch.device("meta"):                                               # the "other" default device
+        if hasattr(method, "fit"):
+            method.fit(img, txt)
+        if hasattr(method, "loss"):
+            method.train()
+            loss, _ = method.loss(img, txt)
+            loss.backward()
+            assert on_cpu(loss) and all(on_cpu(p.grad) for p in method.parameters() if p.grad is not None)
+        method.eval()
+        with torch.no_grad():
+            e_v, e_l = method.embed_image(q_img), method.embed_text(q_txt)
+            S = method.score(e_v, e_l)
+            dense = method.dense_image(q_img)
+            S_dense = method.score(dense[:, 0], e_l)                          # a patch is a valid image emb
+    assert on_cpu(e_v, e_l, S, dense, S_dense)
+    assert S.shape == (B, B) and S_dense.shape == (B, B)
+    assert all(t.device.type == "cpu" for t in method.state_dict().values())
