@@ -283,3 +283,40 @@ def test_weight_only_alignment_then_few_shot_with_the_real_mlp():
     aligned = lambda sf, sl: R.finetune_mlp_classifier(mlp, class_text, sf, sl, steps=30)
     d = R.few_shot(feats, labels, support_shots=(1, 2), runs=2, aligned_classifier=aligned)
     assert d["mlp_1shot"] > 90 and d["mlp_2shot"] > 90
+
+
+def test_weights_plus_pairs_on_a_memory_mapped_training_set(tmp_path, monkeypatch):
+    """Issue 10.3: D_aug = pairs ∪ head rows when the pairs are StoredFeatures (sharded, memory-mapped):
+    rows equal the in-memory union, batches read only their own rows, the training loop runs on it."""
+    import argparse
+    import align
+    import features
+    from features import StoredFeatures
+    from methods.linear import Linear
+    from test_cache import FakeEncoder, extract, shard_rows
+    n = 30
+    shard_rows(monkeypatch, 12, image=True)
+    img = extract(FakeEncoder(image=True), n, tmp_path / "a")
+    shard_rows(monkeypatch, 12)
+    txt = extract(FakeEncoder(), n, tmp_path / "b")
+    assert isinstance(img, StoredFeatures) and isinstance(txt, StoredFeatures)
+    w_img, w_txt = R.weight_pairs(torch.randn(4, 3), random_features(4, 2, 3, seed=2))
+    aug_img, aug_txt = R.augment(img, txt, w_img, w_txt)
+    ref_img, ref_txt = R.augment(img[:].to("cpu"), txt[:].to("cpu"), w_img, w_txt)   # the whole set in RAM
+    assert len(aug_img) == len(aug_txt) == n + 4
+    assert torch.allclose(aug_img.pooled, ref_img.pooled) and torch.allclose(aug_txt.pooled, ref_txt.pooled)
+    for idx in (torch.tensor([33, 2, 29, 30, 14]), torch.tensor([31, 30]), slice(28, 34)):
+        for aug, ref in ((aug_img, ref_img), (aug_txt, ref_txt)):
+            got, want = aug[idx], ref[idx]
+            T = got.tokens.shape[1]
+            assert torch.equal(got.mask, want.mask[:, :T]) and not want.mask[:, T:].any()
+            assert torch.allclose(got.tokens, want.tokens[:, :T]) and torch.allclose(got.pooled, want.pooled)
+            assert got.grid == want.grid
+    assert aug_img[torch.tensor([31, 30])].patches().shape == (2, 4, 3)          # head rows only: full grid
+    asked = []
+    read = StoredFeatures.__getitem__
+    monkeypatch.setattr(StoredFeatures, "__getitem__", lambda self, i: asked.append(len(torch.arange(len(self))[i].reshape(-1))) or read(self, i))
+    args = argparse.Namespace(epochs=2, batch_size=8, lr=1e-2, weight_decay=0.0, seed=0, resume=False)
+    torch.manual_seed(0)
+    result = align.train(Linear(3, 3), aug_img, aug_txt, args, tmp_path, "cpu")
+    assert result["final_loss"] == result["final_loss"] and asked and max(asked) <= 8  # batches only, never all rows
