@@ -172,6 +172,50 @@ class StoredFeatures:
         return self[:].to(device, dtype)
 
 
+class ConcatFeatures:
+    """Several Features / StoredFeatures one after another, read only when indexed.
+
+    What D_aug = D_pairs ∪ D_weights (weight recycling Eq. 3) is on a memory-mapped
+    training set: Features.cat would load the whole token cache into RAM; this keeps
+    the parts and reads only the rows a batch asks for. len(f); f[idx] -> dense
+    Features of those rows, in the order asked; f.pooled (N, D) in RAM; f.grid;
+    f.to(device) loads everything (only for closed-form fit() on sets that fit).
+    Image parts keep every token column (patches() reads 1..H*W), so one-token rows
+    (classifier-head rows) are padded to the image token count.
+    """
+
+    def __init__(self, parts):
+        self.parts = parts
+        self.starts = torch.tensor([0] + [len(p) for p in parts]).cumsum(0)          # (P + 1,) first row of part
+        self.pooled = torch.cat([torch.as_tensor(p.pooled).float() for p in parts])   # (N, D)
+        self.grid = next((p.grid for p in parts if p.grid is not None), None)
+        tokens_of = lambda p: int(p.lengths.max()) if isinstance(p, StoredFeatures) else p.tokens.shape[1]
+        self.T_image = max(tokens_of(p) for p in parts if p.grid is not None) if self.grid else None
+
+    def __len__(self):
+        return len(self.pooled)
+
+    def __getitem__(self, idx):
+        rows = torch.arange(len(self))[idx].reshape(-1)                                # (B,)
+        part = torch.searchsorted(self.starts, rows, right=True) - 1                   # (B,) part of each row
+        pieces, at = [], []
+        for s in part.unique().tolist():
+            a = (part == s).nonzero().squeeze(1)
+            pieces.append(self.parts[s][rows[a] - self.starts[s]])
+            at.append(a)
+        f = Features.cat([replace(p, tokens=p.tokens.float(), pooled=p.pooled.float()) for p in pieces])
+        back = torch.cat(at).argsort()                                                 # back to the order asked
+        tokens, mask = f.tokens[back], f.mask[back]
+        if self.grid is not None and tokens.shape[1] < self.T_image:                   # e.g. head rows only
+            pad = self.T_image - tokens.shape[1]
+            tokens = torch.nn.functional.pad(tokens, (0, 0, 0, pad))
+            mask = torch.nn.functional.pad(mask, (0, pad), value=False)
+        return Features(tokens=tokens, mask=mask, pooled=f.pooled[back], grid=self.grid)
+
+    def to(self, device, dtype=torch.float32):
+        return self[:].to(device, dtype)
+
+
 def release(array):
     """Unmap the pages of a memory-mapped array that were read: they stay in the kernel's page cache
     (a re-read is cheap) but no longer count in this process's resident memory."""

@@ -49,7 +49,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from features import Features
+from features import ConcatFeatures, Features
 from similarity import mutual_knn
 
 
@@ -67,8 +67,11 @@ def weight_pairs(W, class_text):
 
 
 def augment(pairs_img, pairs_txt, w_img, w_txt):
-    """Eq. (3): D_aug = D_imgtxt ∪ D_weights, as one (img, txt) Features pair."""
-    return Features.cat([pairs_img, w_img]), Features.cat([pairs_txt, w_txt])
+    """Eq. (3): D_aug = D_imgtxt ∪ D_weights, as one (img, txt) Features pair; a memory-mapped
+    pair set (StoredFeatures) stays on disk: ConcatFeatures reads a batch's rows only."""
+    if isinstance(pairs_img, Features) and isinstance(pairs_txt, Features):
+        return Features.cat([pairs_img, w_img]), Features.cat([pairs_txt, w_txt])
+    return ConcatFeatures([pairs_img, w_img]), ConcatFeatures([pairs_txt, w_txt])
 
 
 # ---------------------------------------------------------------- Table 1
