@@ -274,41 +274,78 @@ def main(argv=None):
     return metrics
 
 
-def recycling_analyses(F, args, device):
-    """The weight-recycling paper's analyses of the image encoder's head (Table 1, Fig. 1, App. I, Table 2).
-
-    The Shapes head classifies PATCHES, so its features are the object patches of the
-    classification set (more than half covered by the object) with the image's label;
-    even images give the train half, odd images the held-out half. The few-shot
-    "ours" column is methods/mlp.py aligned on the head rows alone, then fine-tuned.
-    """
-    import recycling
-    from methods.mlp import MLP
-    W, b, names = F["image_encoder"].head()
-    s, img = F["sets"]["cls"], F["cls", "image"]
+def analysis_features(s, img):
+    """(feats (M, D), labels (M,), even (M,) bool) of a labelled set for the analyses: the
+    pooled vector of each image (what the head reads), even images the train half, odd
+    images the held-out half. The Shapes head classifies PATCHES, so a set with object
+    masks gives its object patches (more than half covered by the object) instead."""
+    if s.masks is None:
+        return img.pooled.float(), s.labels, torch.arange(len(s.labels)) % 2 == 0
     H, Wg = img.grid
     cover = torch.nn.functional.adaptive_avg_pool2d((s.masks != data.IGNORE).float()[:, None], (H, Wg))
     is_obj = cover.flatten(1) > 0.5                                       # (N, H*W)
-    patches = img.patches().float()                                       # (N, H*W, D)
-    even = torch.arange(len(s.labels))[:, None].expand_as(is_obj) % 2 == 0
+    even = (torch.arange(len(s.labels)) % 2 == 0)[:, None].expand_as(is_obj)
     labels = s.labels[:, None].expand_as(is_obj)
-    pick = lambda sel: (patches[is_obj & sel], labels[is_obj & sel])
-    (f_train, y_train), (f_test, y_test) = pick(even), pick(~even)
+    return img.patches().float()[is_obj], labels[is_obj], even[is_obj]
+
+
+def recycling_analyses(F, args, device):
+    """The weight-recycling paper's analyses of the image encoder's head (Table 1, Fig. 1, App. I,
+    Table 2) on every classification set of --data (Shapes: "cls"; real data: the torchvision
+    sets found under --data-root), keyed by set name.
+
+    Table 1, Fig. 1 and App. I need images of the head's classes: they run on the set's
+    classes that are head classes (matched by name). Table 2 runs on every set: NCC / KNN
+    on frozen features vs methods/mlp.py aligned on the head rows alone, then fine-tuned
+    on one pair per class (App. H) against "A photo of a {class}".
+    """
+    import recycling
+    from methods.mlp import MLP
+    try:
+        W, b, names = F["image_encoder"].head()
+    except SystemExit as e:
+        print(f"[analyses] skipped: {str(e).removeprefix('error: ')}")
+        return {}
+    label_sets = [k for k, s in F["sets"].items() if isinstance(s, data.LabelSet)]
+    if not label_sets:
+        print(f"[analyses] skipped: --data {args.data} has no classification set (put one of "
+              f"{', '.join(data.TORCHVISION_SETS)} in torchvision's layout under {args.data_root}/<name>)")
+        return {}
     names_txt = class_name_features(F, names, args)
-    w_img, w_txt = recycling.weight_pairs(W, names_txt)
     mlp = MLP(W.shape[1], names_txt.tokens.shape[-1])
     opt = torch.optim.Adam(mlp.parameters(), lr=MLP.defaults["lr"])
+    w_img, w_txt = recycling.weight_pairs(W, names_txt)
     for _ in range(MLP.defaults["epochs"]):                               # one full batch = one epoch
         loss, _ = mlp.loss(w_img, w_txt)
         opt.zero_grad()
         loss.backward()
         opt.step()
     mlp.eval()
-    aligned = lambda sf, sl: recycling.finetune_mlp_classifier(mlp, names_txt, sf, sl)
-    result = recycling.run_analyses(W, b, names, f_train, y_train, f_test, y_test, names_txt.pooled.float(),
-                                    aligned_classifier=aligned)
-    print(recycling.analyses_table(result))
-    return result
+    results = {}
+    for name in label_sets:
+        s, out = F["sets"][name], {}
+        feats, labels, even = analysis_features(s, F[name, "image"])
+        y_head = recycling.head_class_index(s.class_names, names)[labels]   # (M,) head row, -1: not a head class
+        tr, te = even & (y_head >= 0), ~even & (y_head >= 0)
+        if y_head[tr].unique().numel() >= 2 and y_head[te].unique().numel() >= 2:
+            out.update(recycling.head_analyses(W, b, feats[tr], y_head[tr], feats[te], y_head[te],
+                                               names_txt.pooled.float()))
+        else:
+            print(f"[analyses] {name}: Table 1, Fig. 1, App. I skipped: fewer than 2 of its classes are "
+                  f"head classes (matched by name)")
+        per_class = torch.bincount(labels[~even])
+        fewest = int(per_class[per_class > 0].min()) if len(per_class) else 0     # held-out images of the rarest class
+        shots = tuple(n for n in (1, 2, 4) if n < fewest)
+        if shots:
+            prompts = features.extract(F["text_encoder"], [recycling.FEW_SHOT_TEMPLATE.format(c) for c in s.class_names],
+                                       args.cache_dir, dataset=args.data, split=name, modality="fewshot").to("cpu")
+            aligned = lambda sf, sl: recycling.finetune_mlp_classifier(mlp, prompts, sf, sl)
+            out["few_shot"] = recycling.few_shot(feats[~even], labels[~even], support_shots=shots, aligned_classifier=aligned)
+        else:
+            print(f"[analyses] {name}: Table 2 skipped: a class has {fewest} held-out images (needs 2+)")
+        print(f"[analyses] {name}\n" + recycling.analyses_table(out))
+        results[name] = out
+    return results
 
 
 if __name__ == "__main__":

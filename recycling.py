@@ -12,7 +12,8 @@ reproduces the paper's analyses of them:
     prototype_alignment        Fig. 1 (head rows vs class means of n images, to text)
     modality_gap               Appendix I (centroid distance + permutation null, separability)
     few_shot                   Table 2 / Table 11 (NCC, KNN, weight-aligned MLP)
-    run_analyses               all of the above on one encoder's head and features
+    head_class_index           which classes of a labelled set are head classes (by name)
+    head_analyses / run_analyses   Table 1, Fig. 1, App. I (+ Table 2) on one head and its features
 
 Symbols -> variables: W (C, D) -> W, b (C,) -> b, w_i -> W[i], f_I(x) (N, D) ->
 feats, f_T(t_i) (class-name text embedding) -> class_text / class_text_vecs,
@@ -35,7 +36,11 @@ Deviations / choices (where the paper is silent):
    broken by the nearest neighbour. Features are L2-normalised first.
 4. finetune_mlp_classifier: Adam, cosine annealing to 0 (the reference code's
    optimiser), full-batch steps: with <= 512 support pairs one step is one of
-   the paper's 200 fine-tuning epochs at batch 512.
+   the paper's 200 fine-tuning epochs at batch 512. As App. H and its code, it
+   fine-tunes on one pair per class (the normalised mean of the class's shots)
+   against the class text "A photo of a {class}" (FEW_SHOT_TEMPLATE); the head
+   rows themselves are aligned to the bare class names (§4.1).
+   MEASURED_FEWSHOT
 
 Measured on the Shapes world (tiny CNN head, 24 colour-shape classes, object-patch
 features, class names through the masked-word text encoder, mean-pooled), the
@@ -176,16 +181,36 @@ def modality_gap(W, feats, n_perm=1000, seed=0):
 
 # ---------------------------------------------------------------- Table 2
 
+FEW_SHOT_TEMPLATE = "A photo of a {}"   # App. H and its code: the class text of Table 2
+
+
+def class_mean_pairs(support_feats, support_labels):
+    """App. H, stage 2 (and its code): one pair per class, the normalised mean of that class's
+    L2-normalised shots. Returns (C_s, D) image side and (C_s,) the classes that have shots."""
+    x = F.normalize(support_feats.float(), dim=-1)                                   # (n*C, D) unit shots
+    classes = support_labels.unique()                                                # (C_s,) sorted
+    means = torch.zeros(len(classes), x.shape[1], device=x.device).index_add_(
+        0, torch.searchsorted(classes, support_labels), x)                           # (C_s, D) sums
+    return F.normalize(means, dim=-1), classes
+
+
 def finetune_mlp_classifier(mlp_method, class_text, support_feats, support_labels,
                             steps=200,  # §4.2 / App. H: 200 fine-tuning epochs
-                            lr=5e-3):   # App. E: MLP-alignment learning rate
+                            lr=5e-3,    # App. E: MLP-alignment learning rate
+                            class_mean=True):  # App. H stage 2: one pair per class (choice 4)
     """Table 2 "Ours": copy an already weight-aligned MLP (methods/mlp.py, trained on
-    D_weights), fine-tune the copy on (support image, its class-name text) pairs
-    with the method's own loss, and classify by cosine between the aligned image
-    and the class-name text embeddings. Returns logits_fn(feats (N, D)) -> (N, C)."""
+    D_weights), fine-tune the copy with the method's own loss on (image, class text) pairs
+    - class_mean=True: one pair per class, the normalised mean of its shots (App. H and its
+    code); False: every shot as its own pair - and classify by cosine between the aligned
+    image and the class text embeddings (class_text: Features (C, ...), e.g. of
+    FEW_SHOT_TEMPLATE). Returns logits_fn(feats (N, D)) -> (N, C)."""
     mlp = copy.deepcopy(mlp_method)                          # the caller's aligner stays as it was
-    img = Features.from_vectors(support_feats.float())
-    txt = class_text[support_labels]                         # the class-name text of each shot
+    if class_mean:
+        x, y = class_mean_pairs(support_feats, support_labels)                     # (C_s, D), (C_s,)
+    else:
+        x, y = support_feats.float(), support_labels                               # (n*C, D), (n*C,)
+    img = Features.from_vectors(x)
+    txt = class_text[y]                                      # the class text of each pair
     opt = torch.optim.Adam(mlp.parameters(), lr=lr)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
     mlp.train()
@@ -204,6 +229,16 @@ def finetune_mlp_classifier(mlp_method, class_text, support_feats, support_label
             v = F.normalize(mlp.embed_image(Features.from_vectors(feats.float())), dim=-1)
             return v @ t.T                                   # (N, C) cosine
     return logits_fn
+
+
+def head_class_index(class_names, head_names):
+    """(C_set,) index of each class of a labelled set among the head's classes, -1 where none;
+    matched by name, case-insensitive, a head name may list synonyms ("tabby, tabby cat")."""
+    lookup = {}
+    for j, name in enumerate(head_names):
+        for syn in name.split(","):
+            lookup.setdefault(syn.strip().lower(), j)
+    return torch.tensor([lookup.get(c.strip().lower(), -1) for c in class_names])
 
 
 def ncc_predict(support, support_labels, query, C):
@@ -256,20 +291,25 @@ def few_shot(feats, labels, support_shots=(1, 2, 4), runs=5, seed=0, aligned_cla
 
 # ---------------------------------------------------------------- all together
 
-def run_analyses(W, b, class_names, feats_train, labels_train, feats_test, labels_test,
-                 class_text_vecs, aligned_classifier=None, n_perm=1000, seed=0):
-    """Every analysis of the paper on one head: Table 1 on the held-out images,
-    Fig. 1 on the held-out images (the paper uses the IN-1K validation set),
-    Appendix I with one train-set class mean per class, Table 2 on the held-out pool."""
-    assert len(class_names) == len(W), "one class name per head row (drop e.g. a background row)"
+def head_analyses(W, b, feats_train, labels_train, feats_test, labels_test, class_text_vecs, n_perm=1000, seed=0):
+    """The analyses that need images of the head's own classes (labels = head row indices):
+    Table 1 and Fig. 1 on the held-out images (the paper uses the IN-1K validation set),
+    Appendix I with one train-set class mean per class."""
     classes = labels_train.unique()
     return {
         "neural_collapse": neural_collapse_check(W, b, feats_test, labels_test),
         "prototype_alignment": prototype_alignment(W, feats_test, labels_test, class_text_vecs, seed=seed),
         "modality_gap": modality_gap(W[classes], class_means(feats_train, labels_train, classes),
                                      n_perm=n_perm, seed=seed),
-        "few_shot": few_shot(feats_test, labels_test, seed=seed, aligned_classifier=aligned_classifier),
     }
+
+
+def run_analyses(W, b, class_names, feats_train, labels_train, feats_test, labels_test,
+                 class_text_vecs, aligned_classifier=None, n_perm=1000, seed=0):
+    """Every analysis of the paper on one head: head_analyses, then Table 2 on the held-out pool."""
+    assert len(class_names) == len(W), "one class name per head row (drop e.g. a background row)"
+    return {**head_analyses(W, b, feats_train, labels_train, feats_test, labels_test, class_text_vecs, n_perm, seed),
+            "few_shot": few_shot(feats_test, labels_test, seed=seed, aligned_classifier=aligned_classifier)}
 
 
 def analyses_table(d):

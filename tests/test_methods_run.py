@@ -29,9 +29,10 @@ def test_weight_recycling_paths_run_end_to_end(cache_dir, tmp_path):
     m = align.main(["--method", "linear", "--align-data", "weights", "--epochs", "50", "--eval-images", "100",
                     "--analyses", "--cache-dir", str(cache_dir), "--out", str(tmp_path), "--no-figures", "--threads", "1"])
     assert m["classification"]["cls"]["top1"] > 3 * 100 / 24          # far above chance from 24 head rows alone
-    rec = m["recycling"]
+    assert set(m["recycling"]) == {"cls"}                               # the Shapes classification set
+    rec = m["recycling"]["cls"]
     assert set(rec) == {"neural_collapse", "prototype_alignment", "modality_gap", "few_shot"}
     assert abs(rec["neural_collapse"]["linear_top1"] - rec["neural_collapse"]["cosine_top1"]) < 5  # Table 1's finding
     assert rec["modality_gap"]["p_value"] < 0.05
     saved = json.loads((tmp_path / "metrics.json").read_text())
-    assert saved["recycling"]["few_shot"].keys() == rec["few_shot"].keys()
+    assert saved["recycling"]["cls"]["few_shot"].keys() == rec["few_shot"].keys()

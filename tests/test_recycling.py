@@ -9,6 +9,7 @@ import recycling as R
 import similarity as S
 from features import Features
 from conftest import random_features
+from test_real import models  # noqa: F401  (the tiny Hugging Face models fixture)
 
 
 def orthogonal(D, seed=0):
@@ -320,3 +321,92 @@ def test_weights_plus_pairs_on_a_memory_mapped_training_set(tmp_path, monkeypatc
     torch.manual_seed(0)
     result = align.train(Linear(3, 3), aug_img, aug_txt, args, tmp_path, "cpu")
     assert result["final_loss"] == result["final_loss"] and asked and max(asked) <= 8  # batches only, never all rows
+
+
+def test_analyses_run_on_real_data_with_a_head_and_a_torchvision_set(tmp_path, monkeypatch, models):
+    """Issue 11.4: --analyses on --data coco with a BEiT checkpoint's head (cat / dog / car) and
+    a torchvision set (EuroSAT's ImageFolder layout, classes cat, dog, car, forest). Table 1 is
+    checked against the checkpoint's own logits; Table 2 uses "A photo of a {class}" (issue 11.6)."""
+    import align
+    import data
+    import encoders
+    import features
+    from transformers import BeitConfig, BeitForImageClassification
+    from test_real import VISION, write_image, write_karpathy
+    root = tmp_path / "data"
+    write_karpathy(root / "coco", n_train=8, n_test=3)
+    for c, cls in enumerate(["cat", "dog", "car", "Forest"]):
+        for i in range(10):
+            write_image(root / "eurosat" / "eurosat" / "2750" / cls / f"{cls}_{i}.jpg", seed=400 + 10 * c + i, size=(16, 16))
+    torch.manual_seed(0)
+    head = {0: "cat", 1: "dog", 2: "car"}
+    model = BeitForImageClassification(BeitConfig(**VISION, use_mean_pooling=True, id2label=head,
+                                                  label2id={v: k for k, v in head.items()})).eval()
+    model.save_pretrained(tmp_path / "beit")
+    prompts, extract = [], features.extract
+    spy = lambda enc, inputs, *a, **kw: (prompts.append(list(inputs)) if kw.get("modality") == "fewshot" else None) \
+        or extract(enc, inputs, *a, **kw)
+    monkeypatch.setattr(features, "extract", spy)
+    m = align.main(["--data", "coco", "--data-root", str(root), "--method", "linear", "--epochs", "1", "--analyses",
+                    "--image-encoder", str(tmp_path / "beit"), "--text-encoder", str(models / "bert"), "--no-figures",
+                    "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "out"), "--threads", "1"])
+    rec = m["recycling"]
+    assert set(rec) == {"eurosat"}
+    assert set(rec["eurosat"]) == {"neural_collapse", "prototype_alignment", "modality_gap", "few_shot"}
+    # Table 1: the head's top-1 on the held-out (odd) images of head classes = the checkpoint's own logits
+    s = data.torchvision_set("eurosat", root)
+    head_of = {v: k for k, v in head.items()}
+    odd = [i for i in range(len(s.labels)) if i % 2 == 1 and s.class_names[s.labels[i]] in head_of]
+    y = torch.tensor([head_of[s.class_names[s.labels[i]]] for i in odd])
+    with torch.no_grad():
+        logits = model(pixel_values=encoders.load_hf_image(str(tmp_path / "beit")).transform([s.images[i] for i in odd])).logits
+    want = 100 * (logits.argmax(1) == y).float().mean().item()
+    assert abs(rec["eurosat"]["neural_collapse"]["linear_top1"] - want) < 1e-4
+    assert {"ncc_1shot", "knn_4shot", "mlp_4shot"} <= set(rec["eurosat"]["few_shot"])
+    assert prompts == [[f"A photo of a {c}" for c in s.class_names]]
+
+
+def test_analyses_say_in_one_line_what_is_skipped(capsys):
+    import argparse
+    import align
+
+    class NoHead:
+        def head(self):
+            raise SystemExit("error: tiny-dinov2 has no linear classification head. Use ...")
+
+    class Head:
+        def head(self):
+            return torch.randn(3, 4), torch.zeros(3), ["a", "b", "c"]
+    args = argparse.Namespace(data="coco", data_root="/data")
+    assert align.recycling_analyses({"image_encoder": NoHead(), "sets": {}}, args, "cpu") == {}
+    assert align.recycling_analyses({"image_encoder": Head(), "sets": {"train": None}}, args, "cpu") == {}
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == ["[analyses] skipped: tiny-dinov2 has no linear classification head. Use ...",
+                   "[analyses] skipped: --data coco has no classification set (put one of stl10, cifar10, cifar100, "
+                   "caltech101, dtd, eurosat, food101, flowers102, pets in torchvision's layout under /data/<name>)"]
+
+
+def test_few_shot_fine_tuning_uses_one_pair_per_class_the_normalised_mean_of_its_shots():
+    """Issue 11.6, App. H and its code: stage 2 fine-tunes on (normalise(mean of the class's
+    unit shots), class text) - one pair per class - not on every shot separately."""
+    g = torch.Generator().manual_seed(0)
+    seen = []
+
+    class Spy(StandInMLP):
+        def loss(self, img, txt):
+            seen.append((img.pooled.clone(), txt.pooled.clone()))
+            return super().loss(img, txt)
+    class_text = random_features(4, 2, 7, seed=5)
+    shots = torch.randn(9, 12, generator=g) * torch.rand(9, 1, generator=g) * 10   # shots of different norms
+    labels = torch.tensor([2, 0, 2, 3, 0, 2, 3, 3, 0])                              # class 1 has no shot
+    R.finetune_mlp_classifier(Spy(12, 7), class_text, shots, labels, steps=3)
+    assert len(seen) == 3
+    img, txt = seen[0]
+    for row, c in enumerate([0, 2, 3]):
+        unit = [F.normalize(shots[i], dim=0) for i in range(9) if labels[i] == c]
+        want = sum(unit) / len(unit)
+        assert torch.allclose(img[row], want / want.norm(), atol=1e-6)
+        assert torch.equal(txt[row], class_text.pooled[c])
+    assert len(img) == 3
+    R.finetune_mlp_classifier(Spy(12, 7), class_text, shots, labels, steps=1, class_mean=False)
+    assert len(seen[-1][0]) == 9                                                    # every shot its own pair
