@@ -338,7 +338,8 @@ def recycling_analyses(F, args, device):
         shots = tuple(n for n in (1, 2, 4) if n < fewest)
         if shots:
             prompts = features.extract(F["text_encoder"], [recycling.FEW_SHOT_TEMPLATE.format(c) for c in s.class_names],
-                                       args.cache_dir, dataset=args.data, split=name, modality="fewshot").to("cpu")
+                                       args.cache_dir, dataset=args.data, split=name, modality="fewshot",
+                                       template=recycling.FEW_SHOT_TEMPLATE).to("cpu")  # the key holds the text
             aligned = lambda sf, sl: recycling.finetune_mlp_classifier(mlp, prompts, sf, sl)
             out["few_shot"] = recycling.few_shot(feats[~even], labels[~even], support_shots=shots, aligned_classifier=aligned)
         else:

@@ -80,7 +80,7 @@ def score_matrix(method, img_emb, txt_emb, chunk=1024, device="cpu"):
     similarities per pair) would not fit for COCO's 5K x 25K at once; the matrix
     of floats itself (500 MB) does.
     """
-    S = torch.empty(len(img_emb), len(txt_emb))
+    S = torch.empty(len(img_emb), len(txt_emb), device="cpu")
     with torch.no_grad():
         for i in range(0, len(img_emb), chunk):
             a = img_emb[i:i + chunk].to(device)
@@ -113,10 +113,11 @@ def retrieval_metrics(S, txt_to_img, chunk=512):
     R_q = torch.bincount(txt_to_img, minlength=N_img)               # captions per image, (N_img,)
     if (R_q == 0).any():
         raise ValueError("every image needs at least one caption")
-    idx = torch.arange(N_txt)
-    n_above = torch.empty(N_txt, dtype=torch.long)   # other images' captions scored >= caption j, by j's image
-    m = torch.empty(N_txt, dtype=torch.long)         # 1-based position of j among its image's own captions
-    t2i_rank = torch.empty(N_txt, dtype=torch.long)  # other images scored >= j's image, for caption j
+    dev = S.device
+    idx = torch.arange(N_txt, device=dev)
+    n_above = torch.empty(N_txt, dtype=torch.long, device=dev)   # other images' captions scored >= caption j, by j's image
+    m = torch.empty(N_txt, dtype=torch.long, device=dev)       # 1-based position of j among its image's own captions
+    t2i_rank = torch.empty(N_txt, dtype=torch.long, device=dev)  # other images scored >= j's image, for caption j
     for j0 in range(0, N_txt, chunk):
         j = idx[j0:j0 + chunk]
         gt_img = txt_to_img[j]
@@ -130,10 +131,10 @@ def retrieval_metrics(S, txt_to_img, chunk=512):
         t2i_rank[j] = (cols >= g.T).sum(0) - 1                      # minus the ground truth itself
 
     # image -> text: the best caption has the fewest other captions above it
-    i2t_rank = torch.full((N_img,), N_txt).scatter_reduce(0, txt_to_img, n_above, "amin")
+    i2t_rank = torch.full((N_img,), N_txt, device=dev).scatter_reduce(0, txt_to_img, n_above, "amin")
     pos = m + n_above                                  # 1-based position of caption j in its image's ranked list
-    ap = torch.zeros(N_img).index_add_(0, txt_to_img, m / pos) / R_q        # P(pos_j) = m_j / pos_j
-    p5 = torch.zeros(N_img).index_add_(0, txt_to_img, (pos <= 5).float()) / 5
+    ap = torch.zeros(N_img, device=dev).index_add_(0, txt_to_img, m / pos) / R_q        # P(pos_j) = m_j / pos_j
+    p5 = torch.zeros(N_img, device=dev).index_add_(0, txt_to_img, (pos <= 5).float()) / 5
 
     out = {}
     for name, rank in (("i2t", i2t_rank), ("t2i", t2i_rank)):
@@ -237,7 +238,7 @@ def segmentation(method, img, masks, class_txt, n_templates, ignore_index=255, b
     H, W = img.grid
     Hm, Wm = masks.shape[1:]
     C = len(class_txt) // n_templates
-    inter, union = torch.zeros(C, dtype=torch.long), torch.zeros(C, dtype=torch.long)
+    inter, union = torch.zeros(C, dtype=torch.long, device="cpu"), torch.zeros(C, dtype=torch.long, device="cpu")
     with inference(method):
         cls_emb = template_average(embed(method.embed_text, class_txt, batch_size, device), n_templates)
         for i in range(0, len(img), batch_size):

@@ -50,9 +50,9 @@ class Features:
 
     def to(self, device, dtype=torch.float32):
         """Move to device, floats to dtype (caches hold fp16; methods compute in fp32)."""
-        return replace(self, tokens=torch.as_tensor(self.tokens).to(device, dtype),
-                       mask=torch.as_tensor(self.mask).to(device),
-                       pooled=torch.as_tensor(self.pooled).to(device, dtype))
+        tensor = lambda x: x if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x))  # where it is
+        return replace(self, tokens=tensor(self.tokens).to(device, dtype), mask=tensor(self.mask).to(device),
+                       pooled=tensor(self.pooled).to(device, dtype))
 
     def patches(self):
         """(B, H*W, D) the patch tokens only, in grid order (images only)."""

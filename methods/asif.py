@@ -27,6 +27,9 @@ Deviations / choices:
    it into a method fitted on the same number of anchors.
 5. dense_image represents every patch token against the (pooled) image anchors (the
    MaskCLIP trick).
+6. One input normalisation, the same at fit and at test (as CSA's choice 2): anchors
+   and queries are L2-normalised rows (the cosines of the ASIF paper), so unit head
+   rows and raw image features (BEiT pooled: norm ~28) share one space.
 """
 import torch
 import torch.nn as nn
@@ -44,9 +47,9 @@ class ASIF(nn.Module):
 
     @torch.no_grad()
     def fit(self, img, txt):
-        idx = torch.arange(len(img))
+        idx = torch.arange(len(img), device=img.pooled.device)
         if self.n_anchors is not None and self.n_anchors < len(img):
-            idx = torch.randperm(len(img), generator=torch.Generator().manual_seed(0))[:self.n_anchors]
+            idx = torch.randperm(len(img), generator=torch.Generator().manual_seed(0))[:self.n_anchors].to(idx.device)
         self.anchors_v = F.normalize(img.pooled[idx].float(), dim=-1)     # (N_a, D_v)
         self.anchors_l = F.normalize(txt.pooled[idx].float(), dim=-1)     # (N_a, D_l)
         return self

@@ -70,3 +70,16 @@ def test_dense_image_matches_pooled_representation():
     dense = asif.dense_image(img)
     assert dense.shape == (5, 4, 5)
     assert torch.allclose(dense[:, 1], asif.embed_image(img), atol=1e-6)
+
+
+def test_one_input_normalisation_at_fit_and_at_test():
+    """Issue 11.1: rows at any scale (unit head rows next to raw features of norm ~28) give the same
+    anchors and embeddings as unit rows, at fit and at test."""
+    img, txt = random_features(12, 1, 6, seed=8), random_features(12, 1, 5, seed=9)
+    g = torch.Generator().manual_seed(0)
+    scaled = lambda f: Features.from_vectors(f.pooled * (28 * torch.rand(len(f), 1, generator=g) + 0.1))
+    unit = lambda f: Features.from_vectors(F.normalize(f.pooled, dim=-1))
+    a, b = ASIF(6, 5, k=5).fit(unit(img), unit(txt)), ASIF(6, 5, k=5).fit(scaled(img), scaled(txt))
+    assert torch.allclose(a.anchors_v, b.anchors_v, atol=1e-6) and torch.allclose(a.anchors_l, b.anchors_l, atol=1e-6)
+    q = random_features(4, 1, 6, seed=10)
+    assert torch.allclose(a.embed_image(scaled(q)), a.embed_image(unit(q)), atol=1e-6)

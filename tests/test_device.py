@@ -47,3 +47,23 @@ def test_method_creates_no_tensor_off_its_inputs_device(name):
     assert on_cpu(e_v, e_l, S, dense, S_dense)
     assert S.shape == (B, B) and S_dense.shape == (B, B)
     assert all(t.device.type == "cpu" for t in method.state_dict().values())
+
+
+@pytest.mark.parametrize("name", ["csa", "linear", "cov"])        # closed form, global head, token-level
+def test_evaluation_protocols_create_no_tensor_off_the_cpu(name):
+    """evaluate.py gathers embeddings and scores on the CPU on purpose: every tensor it makes says so."""
+    import evaluate
+    torch.manual_seed(0)
+    method = METHODS[name](D_IMG, D_TXT)
+    (img, txt), (q_img, q_txt) = batch(0), batch(10)
+    if hasattr(method, "fit"):
+        method.fit(img, txt)
+    masks = torch.randint(0, 3, (B, 8, 8), generator=torch.Generator().manual_seed(0))
+    labels, txt_to_img = torch.arange(B) % 3, torch.arange(B)
+    with torch.device("meta"):
+        r = evaluate.retrieval(method, q_img, q_txt, txt_to_img, device="cpu")
+        c = evaluate.classification(method, q_img, labels, q_txt[:3], 1, device="cpu")
+        s = evaluate.segmentation(method, q_img, masks, q_txt[:3], 1, device="cpu")
+        b = evaluate.binding(method, q_img, q_txt, {"swap": txt}, device="cpu")
+    values = [r["rsum"], r["i2t_map"], c["top1"], s["miou_fg"], b["binding_acc"]]
+    assert all(isinstance(v, float) and v == v for v in values)
