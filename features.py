@@ -62,7 +62,7 @@ class Features:
     @staticmethod
     def from_vectors(x):
         """Global vectors (B, D) as one-token sequences (e.g. classifier-head rows)."""
-        return Features(tokens=x[:, None], mask=torch.ones(len(x), 1, dtype=torch.bool), pooled=x)
+        return Features(tokens=x[:, None], mask=torch.ones(len(x), 1, dtype=torch.bool, device=x.device), pooled=x)
 
     @staticmethod
     def cat(parts):
