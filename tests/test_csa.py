@@ -5,7 +5,13 @@ normalisation off (normalize=False); test_one_input_normalisation checks it."""
 import torch
 
 from features import Features
-from methods.csa import CSA, covariances, projected_corr
+from methods.csa import CSA, covariances
+
+
+def projected_corr(A, B, S_xx, S_yy, S_xy):
+    """(d,) correlations of the projected views A_i^T x, B_i^T y under covariances S."""
+    cov = (A * (S_xy @ B)).sum(0)                                              # diag(A^T S_xy B)
+    return cov / ((A * (S_xx @ A)).sum(0) * (B * (S_yy @ B)).sum(0)).sqrt()
 
 
 def planted_views(N, rho, extra_v=3, extra_l=2, seed=0):
