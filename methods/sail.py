@@ -18,8 +18,8 @@ Deviations / choices:
 2. The scale t is learned through log t (init log 20 -> t = 20) so it stays
    positive; the bias b starts at -10 (REFERENCE). Neither is clipped.
 3. Optimiser settings (AdamW, wd 1e-4, 100 epochs, batch 256) are our choice for
-   small pair sets; SAIL's own recipe (Lion, lr 1e-5, batch 32768, 10% warm-up,
-   xavier init, loss averaged over all B x B pairs) is not reproduced.
+   small pair sets; SAIL's own recipe (Lion, lr 1e-5, batch 32768, 10% warm-up) is
+   not reproduced.
    The learning rate is lr = 0.1 / max(d_image, d_text), set per instance in
    self.defaults (--lr overrides it). Why: Adam moves every weight by about lr per
    step, so a unit of f1 / f2 moves by about lr x d_in per step, and the star
@@ -35,7 +35,14 @@ Deviations / choices:
    481.8 at lr 1e-3 vs 467.1 at a fixed 1e-4 (20 epochs, seed 0,
    `python align.py --method sail --epochs 20 --lr L --threads 1`); 2.6e-4 with
    MiniLM text (384-d); 7.8e-5 for 1280-d inputs. The width (x8) is not the cause:
-   width 2 diverges the same way at lr 1e-3.
+   width 2 diverges the same way at lr 1e-3. Nor are t / b and the LayerNorm: from
+   the same init both lrs start at loss 10.0 (LayerNorm keeps the features' common
+   direction, so every cosine starts near 1 and every negative pair sits at logit
+   t + b = +10), and lr 1e-4 trains from there.
+   Still differing from SAIL's code (not measured here): its Lion optimiser, xavier
+   init (ours: PyTorch's default), warm-up, and its loss averaged over the B x B
+   pairs where ours divides the sum by B (SigLIP's form; Adam is nearly invariant
+   to that factor).
 4. score() is the cosine h_v . h_l: t and b are monotone, so rankings are the same.
 5. dense_image applies the image head to every patch token (the MaskCLIP trick).
 """
