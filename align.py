@@ -251,7 +251,8 @@ def main(argv=None):
     (out / "config.json").write_text(json.dumps(config, indent=2, default=str))
 
     F = load_features(args, device)
-    if args.align_data != "pairs" and "head_rows" in inspect.signature(method_cls.__init__).parameters:
+    head_rows_only = args.align_data == "weights" or (args.align_data == "weights+pairs" and args.num_pairs == 0)
+    if head_rows_only and "head_rows" in inspect.signature(method_cls.__init__).parameters:
         hp.setdefault("head_rows", getattr(F["image_encoder"], "head_reads", "pooled"))  # what the head rows are
         (out / "config.json").write_text(json.dumps(dict(config, hp=hp), indent=2, default=str))  # (methods/pal.py choice 8)
     img, txt = alignment_data(args, F)

@@ -50,13 +50,15 @@ Deviations / choices:
    activations (each set's p values, clamped >= 0, normalised to sum 1):
    sum_k min(u_k, w_k), which reduces to the set Dice for equal weights.
 7. dense_image returns each patch's r_t (Eq. 4), L2-normalised, for segmentation.
-8. Aligned on classifier-head rows (--align-data weights / weights+pairs; the
-   paper does not do this): a head row is a prototype of what its head reads, so
-   test images are pooled the same way. align.py passes head_rows = the image
-   encoder's `head_reads`: "pooled" for real classifiers (ImageNet heads read the
-   pooled vector) -> pooling "global"; "patches" for the Shapes CNN, whose head
-   classifies each patch -> CAP, which picks the patches most like each anchor.
-   With pairs only (head_rows None) CAP stays the default; --hp pooling=... wins.
+8. Aligned on classifier-head rows alone (--align-data weights; the paper does not
+   do this): a head row is a prototype of what its head reads, so test images are
+   pooled the same way. align.py passes head_rows = the image encoder's
+   `head_reads`: "pooled" for real classifiers (ImageNet heads read the pooled
+   vector) -> pooling "global"; "patches" for the Shapes CNN, whose head classifies
+   each patch -> CAP, which picks the patches most like each anchor. With pairs in
+   the data (pairs, weights+pairs) head_rows is None and CAP stays: the pairs show
+   PAL real images with all their tokens, at training as at test (Shapes, tiny
+   text, weights+pairs: cap 512.9 / 100.0, global 462.3 / 96.9). --hp pooling=... wins.
    Measured, RSum / zero-shot top-1, weights only (seed 0, 1 thread, 20 epochs,
    `python align.py --method pal --align-data weights --hp pooling=P`):
      real features (issue 11: a 1280-d ImageNet CNN + MiniLM, 1,000 head rows, seen /
@@ -171,7 +173,7 @@ class PAL(nn.Module):
                  tau=0.05,         # not in the paper: choice 1
                  pooling=None,     # "cap" PAL §4.2; "mean" / "global": Table 5 ablation; None: choice 8
                  init="gaussian",  # choice 4; or "tokens"
-                 head_rows=None):  # set by align.py with head rows in the data: what the head reads (choice 8)
+                 head_rows=None):  # set by align.py when aligning on head rows alone: what the head reads (choice 8)
         super().__init__()
         assert head_rows in (None, "pooled", "patches"), head_rows
         if pooling is None:                                # choice 8: read test images as the head rows were

@@ -62,8 +62,8 @@ def test_sail_default_lr_trains_on_real_scale_features():
 
 def test_pal_on_head_rows_tests_images_as_it_trained_on_them():
     """A head row is a prototype of what its head reads. A real head reads ONE pooled
-    vector: with head_rows="pooled" (set by align.py for --align-data weights /
-    weights+pairs) PAL pools every input to its pooled vector, so a test image is
+    vector: with head_rows="pooled" (set by align.py when aligning on head rows
+    alone) PAL pools every input to its pooled vector, so a test image is
     described exactly like the head row sharing its pooled feature, where CAP reads
     its 49 tokens and lands elsewhere. The Shapes head reads each patch
     (head_rows="patches"): CAP over the patches stays (methods/pal.py choice 8)."""
