@@ -153,14 +153,17 @@ def train(method, img, txt, args, out, device):
     """Mini-batch training of method.loss with the method's optimiser, a cosine schedule,
     a checkpoint each epoch, --resume, and a clear stop on a non-finite loss."""
     d = dict(method.defaults)
-    epochs = args.epochs if args.epochs is not None else d["epochs"]
     batch_size = min(args.batch_size or d["batch_size"], len(img))
+    steps_per_epoch = len(img) // batch_size  # drop the last partial batch: InfoNCE wants full batches
+    if args.epochs is not None:
+        epochs = args.epochs
+    else:  # a method's default is epochs, or a step budget whatever the data size (methods/__init__.py)
+        epochs = d["epochs"] if "epochs" in d else math.ceil(d["steps"] / steps_per_epoch)
     lr = args.lr if args.lr is not None else d["lr"]
     wd = args.weight_decay if args.weight_decay is not None else d.get("weight_decay", 0.0)
     opt_cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[d.get("optimizer", "adamw")]
     params = [p for p in method.parameters() if p.requires_grad]
     opt = opt_cls(params, lr=lr, weight_decay=wd, betas=d.get("betas", (0.9, 0.999)))
-    steps_per_epoch = len(img) // batch_size  # drop the last partial batch: InfoNCE wants full batches
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, epochs * steps_per_epoch))
     start, ckpt = 0, out / "checkpoint.pt"
     if args.resume and ckpt.exists():
@@ -248,6 +251,10 @@ def main(argv=None):
     (out / "config.json").write_text(json.dumps(config, indent=2, default=str))
 
     F = load_features(args, device)
+    head_rows_only = args.align_data == "weights" or (args.align_data == "weights+pairs" and args.num_pairs == 0)
+    if head_rows_only and "head_rows" in inspect.signature(method_cls.__init__).parameters:
+        hp.setdefault("head_rows", getattr(F["image_encoder"], "head_reads", "pooled"))  # what the head rows are
+        (out / "config.json").write_text(json.dumps(dict(config, hp=hp), indent=2, default=str))  # (methods/pal.py choice 8)
     img, txt = alignment_data(args, F)
     seed_everything(args.seed)
     method = method_cls(F["train", "image"].pooled.shape[-1], F["train", "text"].pooled.shape[-1], **hp).to(device)
@@ -315,7 +322,7 @@ def recycling_analyses(F, args, device):
     mlp = MLP(W.shape[1], names_txt.tokens.shape[-1])
     opt = torch.optim.Adam(mlp.parameters(), lr=MLP.defaults["lr"])
     w_img, w_txt = recycling.weight_pairs(W, names_txt)
-    for _ in range(MLP.defaults["epochs"]):                               # one full batch = one epoch
+    for _ in range(MLP.defaults["steps"]):                                # full batch: one step per epoch
         loss, _ = mlp.loss(w_img, w_txt)
         opt.zero_grad()
         loss.backward()

@@ -203,6 +203,7 @@ class ShapesImageEncoder:
     background row dropped: what the weight-recycling paper recycles.
     """
     name = "shapes-cnn"
+    head_reads = "patches"  # its head classifies each patch token; real heads read `pooled` (note 3)
 
     n_layers = 4  # layer l = the feature map after block l (3 and 4 keep the 8x8 grid); -1 = 4
 

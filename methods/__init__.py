@@ -4,7 +4,9 @@ The interface (duck-typed; align.py and evaluate.py use only this):
 
     method = METHODS[name](d_image, d_text, **hp)      # hp: keyword hyperparameters (--hp NAME=VALUE)
     method.defaults -> dict                            # the paper's lr / epochs / batch_size / weight_decay /
-                                                       # optimizer ("adam" | "adamw"), optional betas, grad_clip
+                                                       # optimizer ("adam" | "adamw"), optional betas, grad_clip;
+                                                       # "steps" instead of "epochs": a step budget whatever the
+                                                       # data size, epochs = ceil(steps / steps per epoch)
     method.fit(img, txt)            # optional: closed-form methods (CSA, ASIF); img, txt = Features of all train pairs
     method.loss(img, txt) -> (loss, logs)   # optional: trained methods; img, txt = Features of a batch of pairs
     method.embed_image(img) -> emb  # (B, K) global, or (B, Q, K) token-level (CoV)

@@ -25,7 +25,8 @@ Deviations / choices:
    registers; for text every non-padding token including CLS/BOS/EOS.
 3. pooling (Table 5 ablation): "cap" = Eqs. (5)-(6); "mean" = masked mean of R
    over tokens ("+ full tokens"); "global" = the relative representation of one
-   vector ("global only": image token 0, the text's pooled vector).
+   vector ("global only"): each side's pooled vector, what a classifier head reads
+   (the CLS token for DINOv2 / ViT, the mean token for CNNs; BEiT's pooler).
 4. Anchor init (the paper does not say): init="gaussian" (default) draws
    N(0, I) anchors; init="tokens" copies K random real tokens of the FIRST
    training batch. The constructor sees no data, so the copy happens lazily in
@@ -49,6 +50,26 @@ Deviations / choices:
    activations (each set's p values, clamped >= 0, normalised to sum 1):
    sum_k min(u_k, w_k), which reduces to the set Dice for equal weights.
 7. dense_image returns each patch's r_t (Eq. 4), L2-normalised, for segmentation.
+8. Aligned on classifier-head rows alone (--align-data weights; the paper does not
+   do this): a head row is a prototype of what its head reads, so test images are
+   pooled the same way. align.py passes head_rows = the image encoder's
+   `head_reads`: "pooled" for real classifiers (ImageNet heads read the pooled
+   vector) -> pooling "global"; "patches" for the Shapes CNN, whose head classifies
+   each patch -> CAP, which picks the patches most like each anchor. With pairs in
+   the data (pairs, weights+pairs) head_rows is None and CAP stays: the pairs show
+   PAL real images with all their tokens, at training as at test (Shapes,
+   weights+pairs: cap 512.9 / 100.0, global 462.3 / 96.9 with the tiny text
+   encoder; cap 522.4 / 100.0, global 484.2 / 98.3 with MiniLM). --hp pooling=... wins.
+   Measured, RSum / zero-shot top-1, weights only (seed 0, 1 thread, 20 epochs,
+   `python align.py --method pal --align-data weights --hp pooling=P`):
+     real features (issue 11: a 1280-d ImageNet CNN + MiniLM, 1,000 head rows, seen /
+     novel objects): cap 22 / 26 (zero-shot 1.2 / 3.3), global 53.9 / 56.5 (9.8 / 27.9);
+     Shapes, tiny text: cap 56.2 / 64.2, global 70.6 / 53.8;
+     Shapes, all-MiniLM-L6-v2 text: cap 209.9 / 66.7, global 145.4 / 67.5,
+     mean 116.6 / 47.7.
+   On a pooled head, global wins everything, by 2-8x. On the Shapes per-patch head
+   CAP wins zero-shot with both text encoders and retrieval with MiniLM (global
+   wins retrieval with the tiny text encoder, 70.6 vs 56.2), so CAP stays there.
 """
 from pathlib import Path
 
@@ -151,9 +172,13 @@ class PAL(nn.Module):
                  K=512,            # PAL §5.1
                  tau_p=0.03,       # PAL §5.1, Table 7
                  tau=0.05,         # not in the paper: choice 1
-                 pooling="cap",    # PAL §4.2; "mean" / "global": Table 5 ablation
-                 init="gaussian"):  # choice 4; or "tokens"
+                 pooling=None,     # "cap" PAL §4.2; "mean" / "global": Table 5 ablation; None: choice 8
+                 init="gaussian",  # choice 4; or "tokens"
+                 head_rows=None):  # set by align.py when aligning on head rows alone: what the head reads (choice 8)
         super().__init__()
+        assert head_rows in (None, "pooled", "patches"), head_rows
+        if pooling is None:                                # choice 8: read test images as the head rows were
+            pooling = "global" if head_rows == "pooled" else "cap"
         assert pooling in ("cap", "mean", "global"), pooling
         assert init in ("tokens", "gaussian"), init
         self.A_v = nn.Parameter(torch.randn(K, d_image))   # Eq. (2), (K, D_v)
@@ -164,7 +189,7 @@ class PAL(nn.Module):
     def tokens(self, x, modality):
         """The token sequence the pooling reads: Z (B, T, D) and its mask (B, T)."""
         if self.pooling == "global":                       # one vector per sample (choice 3)
-            g = x.tokens[:, 0] if modality == "image" else x.pooled
+            g = x.pooled                                   # (B, D) what a classifier head reads
             return g[:, None], torch.ones(len(g), 1, dtype=torch.bool, device=g.device)
         return x.tokens, x.mask
 

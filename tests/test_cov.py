@@ -150,6 +150,34 @@ def test_threshold_mask_matches_loop():
     assert (out > 0).sum() < out.numel()          # the mask does drop patches
 
 
+def test_threshold_mask_keeps_the_top_patch_of_a_constant_row():
+    # a constant row is 0/0 in the min-max: every patch is a top patch, so all are kept
+    attn = torch.full((2, 3, 6), 1 / 6)
+    attn[1, 2] = torch.tensor([0.5, 0.1, 0.1, 0.1, 0.1, 0.1])
+    out = threshold_mask(attn, eps=0.7)
+    torch.testing.assert_close(out[0], torch.full((3, 6), 1 / 6))
+    torch.testing.assert_close(out[1, 2], torch.tensor([1.0, 0, 0, 0, 0, 0]))
+    torch.testing.assert_close(out.sum(-1), torch.ones(2, 3))
+
+
+def test_cov_blank_image_gives_finite_scores_and_loss():
+    """An image whose patches are all alike (a blank frame) makes every assign-attention
+    row uniform. Each region is then the mean of V F over the patches, here V F of the one
+    patch vector: check it, and that S and the loss stay finite (they were -inf / nan)."""
+    m, (img, txt) = small(CoV), feats()
+    img.tokens[0, 1:] = img.tokens[0, 1]          # image 0: 16 identical patch tokens
+    r, attn, attn_bar = m.regions(img)
+    torch.testing.assert_close(attn[0], torch.full((8, 16), 1 / 16))
+    expect = m.V(m.P_v(img.tokens[0, 1]))         # (K,) the region every query must give
+    torch.testing.assert_close(r[0], expect.expand(8, -1))
+    S = m.score(m.embed_image(img), m.embed_text(txt))
+    assert torch.isfinite(S).all()
+    loss, _ = m.loss(img, txt)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
+
+
 def test_max_sum_matches_loop_with_padding():
     g = torch.Generator().manual_seed(0)
     r = torch.nn.functional.normalize(torch.randn(3, 4, 8, generator=g), dim=-1)

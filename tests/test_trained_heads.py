@@ -98,13 +98,26 @@ def test_siglip_loss_matches_loop():
     assert math.isclose(siglip_loss(h_v, h_l, 20.0, -10.0).item(), naive / 5, rel_tol=1e-5)
 
 
-def test_mlp_and_t2c_text_inputs_normalised_and_image_side_identity():
+def test_mlp_text_input_is_f_T_as_the_paper_writes_and_t2c_normalises():
+    """MLP-alignment (§4.1, App. E): g_bar(f_T(t)) on the raw text feature, the same in
+    training and inference (methods/mlp.py choice 1), reimplemented here from its
+    weights; text_input="l2" feeds y / ||y||. T2C normalises (the authors' code does,
+    in training and at inference). Both keep the image side the identity."""
     img, txt = random_features(4, 1, D_V, seed=4), random_features(4, 1, D_L, seed=5)
-    for m in (MLP(D_V, D_L).eval(), T2C(D_V, D_L)):
-        scaled = Features.from_vectors(7.0 * txt.pooled)
-        assert torch.allclose(m.embed_text(scaled), m.embed_text(txt), atol=1e-5)
+    mlp = MLP(D_V, D_L).eval()
+    W1, W2, ln = mlp.g_bar[0], mlp.g_bar[3], mlp.g_bar[4]
+    paper = lambda y: F.normalize(ln(W2(F.gelu(W1(y)))), dim=1)          # g_bar(y), Eq. (2), eval mode
+    torch.testing.assert_close(mlp.embed_text(txt), paper(txt.pooled))
+    loss, _ = mlp.loss(img, txt)                                           # training reads the same input
+    torch.testing.assert_close(loss, (1 - (paper(txt.pooled) * F.normalize(img.pooled, dim=1)).sum(1)).mean())
+    l2 = MLP(D_V, D_L, text_input="l2").eval()
+    l2.load_state_dict(mlp.state_dict())
+    torch.testing.assert_close(l2.embed_text(txt), paper(F.normalize(txt.pooled, dim=1)))
+    for m in (mlp, T2C(D_V, D_L)):
         assert torch.allclose(m.embed_image(img), F.normalize(img.pooled, dim=1))
     t2c = T2C(D_V, D_L)
+    scaled = Features.from_vectors(7.0 * txt.pooled)
+    assert torch.allclose(t2c.embed_text(scaled), t2c.embed_text(txt), atol=1e-5)
     loss, _ = t2c.loss(img, txt)
     mapped = F.normalize(txt.pooled, dim=1) @ t2c.W.weight.T
     assert torch.isclose(loss, ((mapped - F.normalize(img.pooled, dim=1)) ** 2).mean())
