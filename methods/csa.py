@@ -38,6 +38,8 @@ import torch.nn.functional as F
 
 def covariances(X, Y, chunk=8192):
     """Means and (co)variances of paired rows X (N, D_v), Y (N, D_l), in float64."""
+    # EXERCISE 7 (CCA): means mu_x (D_v,), mu_y (D_l,) and the covariances S_xx, S_yy, S_xy of the mean-centred
+    #   views, in float64, accumulated over chunks of rows
     N = len(X)
     mu_x = sum(X[i:i + chunk].double().sum(0) for i in range(0, N, chunk)) / N   # (D_v,)
     mu_y = sum(Y[i:i + chunk].double().sum(0) for i in range(0, N, chunk)) / N   # (D_l,)
@@ -51,6 +53,7 @@ def covariances(X, Y, chunk=8192):
         S_yy += y.T @ y
         S_xy += x.T @ y
     return mu_x, mu_y, S_xx / (N - 1), S_yy / (N - 1), S_xy / (N - 1)
+    # END EXERCISE 7
 
 
 class CSA(nn.Module):
@@ -72,6 +75,8 @@ class CSA(nn.Module):
         # ridge r = ridge * (mean variance): S + r I is positive definite
         S_xx += self.ridge * S_xx.trace() / len(S_xx) * torch.eye(len(S_xx), dtype=S_xx.dtype)
         S_yy += self.ridge * S_yy.trace() / len(S_yy) * torch.eye(len(S_yy), dtype=S_yy.dtype)
+        # EXERCISE 7 (CCA): S_xx = L_x L_x^T (Cholesky), T = L_x^-1 S_xy L_y^-T = U diag(rho) V^T (SVD); d =
+        #   min(self.d, N - 1); A = L_x^-T U[:, :d] (D_v, d), B = L_y^-T V[:, :d] (D_l, d)
         L_x = torch.linalg.cholesky(S_xx)                  # S_xx = L_x L_x^T
         L_y = torch.linalg.cholesky(S_yy)
         # T = L_x^{-1} S_xy L_y^{-T}: the cross-covariance of the whitened views
@@ -82,6 +87,7 @@ class CSA(nn.Module):
         # back from whitened to raw coordinates: A = L_x^{-T} U, B = L_y^{-T} V
         A = torch.linalg.solve_triangular(L_x.T, U[:, :d], upper=True)           # (D_v, d)
         B = torch.linalg.solve_triangular(L_y.T, Vh[:d].T, upper=True)           # (D_l, d)
+        # END EXERCISE 7
         self.mu_v.copy_(mu_x)
         self.mu_l.copy_(mu_y)
         self.A.zero_()[:, :d] = A.float()
