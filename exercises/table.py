@@ -78,7 +78,8 @@ EXERCISES = {
                "tests/test_csa.py::test_matches_generalised_eigenproblem",
                "tests/test_csa.py::test_one_dimensional_views_give_absolute_pearson",
                "tests/test_csa.py::test_score_is_rho_weighted_dot_and_permutes_with_batch",
-               "tests/test_csa.py::test_few_samples_and_dense_image"],
+               "tests/test_csa.py::test_few_samples_and_dense_image",
+               "tests/test_csa.py::test_covariances_in_chunks_match_the_whole_set"],
         hint="centring with the wrong mean (the mean over samples, dim 0, of the WHOLE set, not per row or per "
              "chunk); whitening with L instead of L^T on the way back (A = L_x^-T U); using U for both views "
              "(B comes from V = Vh.T); keeping more than N - 1 directions"),
@@ -86,7 +87,8 @@ EXERCISES = {
         title="Weight recycling: the cosine-classifier check of neural collapse (Table 1)",
         regions=["recycling.py"],
         tests=["tests/test_recycling.py::test_neural_collapse_exact_collapse_gives_100",
-               "tests/test_recycling.py::test_neural_collapse_bias_and_norm_change_the_answer"],
+               "tests/test_recycling.py::test_neural_collapse_bias_and_norm_change_the_answer",
+               "tests/test_recycling.py::test_neural_collapse_check_matches_naive_loop"],
         hint="head rows not normalised in the cosine classifier (cos needs BOTH w_i and f unit length); "
              "normalising along the wrong dim (rows of W, dim -1); the bias added to the cosine or left in "
              "the bias-free head"),
@@ -105,7 +107,8 @@ EXERCISES = {
                "tests/test_evaluate.py::test_miou_accumulates_over_the_set_not_per_image",
                "tests/test_evaluate.py::test_segmentation_one_hot_dense_is_perfect_and_matches_known_swap",
                "tests/test_evaluate.py::test_segmentation_with_token_level_method_runs_per_patch",
-               "tests/test_evaluate.py::test_segmentation_upsamples_logits_bilinearly"],
+               "tests/test_evaluate.py::test_segmentation_upsamples_logits_bilinearly",
+               "tests/test_evaluate.py::test_segmentation_sums_intersections_and_unions_over_all_batches"],
         hint="nearest instead of bilinear upsampling, or align_corners=True (upsample the LOGITS bilinearly "
              "with align_corners=False, then argmax); averaging IoU per image instead of summing intersections "
              "and unions over the set; counting ignored (background) pixels; classes absent from both "

@@ -344,6 +344,28 @@ def test_segmentation_upsamples_logits_bilinearly():
         assert (other != masks)[valid].float().mean() > 0.05, kw                     # the test can tell them apart
 
 
+def test_segmentation_sums_intersections_and_unions_over_all_batches():
+    """Batches of 2 over 5 images whose masks disagree with the prediction differently: mIoU from the
+    intersections and unions of ALL pixels, computed here with the per-pixel bilinear reference."""
+    g = torch.Generator().manual_seed(1)
+    N, C, H, W, Hm, Wm = 5, 3, 2, 3, 5, 7
+    patches = torch.randn(N, H * W, C, generator=g)
+    tokens = torch.cat([patches.mean(1, keepdim=True), patches], 1)
+    img = Features(tokens=tokens, mask=torch.ones(N, 1 + H * W, dtype=torch.bool), pooled=tokens[:, 0], grid=(H, W))
+    logits = F.normalize(patches, dim=-1).view(N, H, W, C).permute(0, 3, 1, 2)
+    pred = torch.stack([naive_bilinear(l, Hm, Wm).argmax(0) for l in logits])     # (N, Hm, Wm)
+    masks = torch.randint(0, C, (N, Hm, Wm), generator=g)
+    masks[:, :, 0] = 255
+    valid = masks != 255
+    inter = [int(((pred == c) & (masks == c) & valid).sum()) for c in range(C)]
+    union = [int((((pred == c) | (masks == c)) & valid).sum()) for c in range(C)]
+    expect = 100 * sum(i / u for i, u in zip(inter, union)) / C
+    prompts = Features.from_vectors(torch.eye(C))
+    assert ev.segmentation(Cosine(), img, masks, prompts, 1, batch_size=2)["miou_fg"] == pytest.approx(expect, abs=1e-4)
+    last = ev.segmentation(Cosine(), img[4:], masks[4:], prompts, 1)["miou_fg"]
+    assert abs(last - expect) > 1                                                   # the last batch alone differs
+
+
 # ----------------------------------------------------------------------------- binding
 
 def test_binding_on_constructed_case():
