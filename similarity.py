@@ -22,8 +22,8 @@ def knn_indices(X, k):
 def mutual_knn(X, Y, k):
     """Mutual k-NN alignment m_NN (Huh et al. 2024; the paper's Fig. 1 metric):
     X (N, Dx), Y (N, Dy) paired rows; mean over i of |kNN_X(i) ∩ kNN_Y(i)| / k."""
-    # EXERCISE 9 (Fig. 1, Huh et al.): m_NN = mean over i of |kNN_X(i) ∩ kNN_Y(i)| / k for paired rows X (N, Dx), Y
-    #   (N, Dy)
+    # EXERCISE 9 (Fig. 1, Huh et al.): m_NN = mean over i of |kNN_X(i) ∩ kNN_Y(i)| / k
+    #   for paired rows X (N, Dx), Y (N, Dy)
     N = len(X)
     assert len(Y) == N and 0 < k < N
     in_X = torch.zeros(N, N, dtype=torch.bool).scatter_(1, knn_indices(X, k), True)

@@ -75,8 +75,8 @@ class CSA(nn.Module):
         # ridge r = ridge * (mean variance): S + r I is positive definite
         S_xx += self.ridge * S_xx.trace() / len(S_xx) * torch.eye(len(S_xx), dtype=S_xx.dtype)
         S_yy += self.ridge * S_yy.trace() / len(S_yy) * torch.eye(len(S_yy), dtype=S_yy.dtype)
-        # EXERCISE 7 (CCA): S_xx = L_x L_x^T (Cholesky), T = L_x^-1 S_xy L_y^-T = U diag(rho) V^T (SVD); d =
-        #   min(self.d, N - 1); A = L_x^-T U[:, :d] (D_v, d), B = L_y^-T V[:, :d] (D_l, d)
+        # EXERCISE 7 (CCA): S_xx = L_x L_x^T (Cholesky), T = L_x^-1 S_xy L_y^-T = U diag(rho) V^T (SVD);
+        #   d = min(self.d, N - 1); A = L_x^-T U[:, :d] (D_v, d), B = L_y^-T V[:, :d] (D_l, d)
         L_x = torch.linalg.cholesky(S_xx)                  # S_xx = L_x L_x^T
         L_y = torch.linalg.cholesky(S_yy)
         # T = L_x^{-1} S_xy L_y^{-T}: the cross-covariance of the whitened views

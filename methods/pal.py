@@ -78,8 +78,8 @@ def relative(Z, A):
 
 def cap(R, mask, tau_p):
     """Cross-attention pooling: each anchor attends over the real tokens.  Eq. (5)-(6)"""
-    # EXERCISE 3 (PAL Eq. 5-6): alpha[b, t, k] = softmax over the REAL tokens t of R / tau_p (padding masked), p =
-    #   sum_t alpha R; R (B, T, K), mask (B, T) -> p (B, K), alpha (B, T, K)
+    # EXERCISE 3 (PAL Eq. 5-6): alpha[b, t, k] = softmax over the REAL tokens t of R / tau_p (padding masked),
+    #   p = sum_t alpha R; R (B, T, K), mask (B, T) -> p (B, K), alpha (B, T, K)
     R = R.masked_fill(~mask[..., None], 0.0)                                   # padding -> 0
     logits = (R / tau_p).masked_fill(~mask[..., None], float("-inf"))
     alpha = logits.softmax(dim=1)                    # Eq. (5), (B, T, K), sums to 1 over t
