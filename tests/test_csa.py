@@ -1,8 +1,17 @@
-"""CSA (methods/csa.py): CCA against a planted correlation structure and closed forms."""
+"""CSA (methods/csa.py): CCA against a planted correlation structure and closed forms.
+
+The planted structures are linear, so the tests of the CCA itself turn CSA's input
+normalisation off (normalize=False); test_one_input_normalisation checks it."""
 import torch
 
 from features import Features
-from methods.csa import CSA
+from methods.csa import CSA, covariances
+
+
+def projected_corr(A, B, S_xx, S_yy, S_xy):
+    """(d,) correlations of the projected views A_i^T x, B_i^T y under covariances S."""
+    cov = (A * (S_xy @ B)).sum(0)                                              # diag(A^T S_xy B)
+    return cov / ((A * (S_xx @ A)).sum(0) * (B * (S_yy @ B)).sum(0)).sqrt()
 
 
 def planted_views(N, rho, extra_v=3, extra_l=2, seed=0):
@@ -27,7 +36,7 @@ def corr(a, b):
 def test_planted_correlations_are_recovered():
     rho = [0.9, 0.7, 0.5, 0.3]
     img, txt = planted_views(20000, rho)
-    csa = CSA(img.pooled.shape[1], txt.pooled.shape[1], d=4).fit(img, txt)
+    csa = CSA(img.pooled.shape[1], txt.pooled.shape[1], d=4, normalize=False).fit(img, txt)
     assert torch.allclose(csa.rho, torch.tensor(rho), atol=0.02), csa.rho
     # the projected (un-normalised) views correlate per dimension at rho_i, across dims at 0
     u = (img.pooled - csa.mu_v) @ csa.A
@@ -40,7 +49,7 @@ def test_planted_correlations_are_recovered():
 
 def test_matches_generalised_eigenproblem():
     img, txt = planted_views(300, [0.8, 0.4], extra_v=2, extra_l=1, seed=1)
-    csa = CSA(4, 3, ridge=0.0).fit(img, txt)               # d = min(200, 4, 3) = 3
+    csa = CSA(4, 3, ridge=0.0, normalize=False).fit(img, txt)               # d = min(200, 4, 3) = 3
     X = img.pooled.double() - img.pooled.double().mean(0)
     Y = txt.pooled.double() - txt.pooled.double().mean(0)
     S_xx, S_yy, S_xy = X.T @ X, Y.T @ Y, X.T @ Y
@@ -54,13 +63,13 @@ def test_one_dimensional_views_give_absolute_pearson():
     g = torch.Generator().manual_seed(2)
     x = torch.randn(500, 1, generator=g)
     y = -0.6 * x + torch.randn(500, 1, generator=g)
-    csa = CSA(1, 1, ridge=0.0).fit(Features.from_vectors(x), Features.from_vectors(y))
+    csa = CSA(1, 1, ridge=0.0, normalize=False).fit(Features.from_vectors(x), Features.from_vectors(y))
     assert torch.allclose(csa.rho, corr(x, y).abs(), atol=1e-5)
 
 
 def test_score_is_rho_weighted_dot_and_permutes_with_batch():
     img, txt = planted_views(2000, [0.9, 0.5])
-    csa = CSA(5, 4).fit(img, txt)
+    csa = CSA(5, 4, normalize=False).fit(img, txt)
     e_v, e_l = csa.embed_image(img[:7]), csa.embed_text(txt[:5])
     assert torch.allclose(e_v.norm(dim=1), torch.ones(7), atol=1e-5)
     S = csa.score(e_v, e_l)
@@ -87,6 +96,89 @@ def test_few_samples_and_dense_image():
     assert torch.allclose(csa.dense_image(img)[:, 0], csa.embed_image(img), atol=1e-5)
     small = CSA(6, 8).fit(img[:4], txt[:4])               # N - 1 = 3 canonical pairs only
     assert (small.rho[3:] == 0).all() and (small.A[:, 3:] == 0).all()
+
+
+def anisotropic_views(N, rho, extra_v, extra_l, signal_var=1.0, noise_var=1.0, cond=None, seed=0):
+    """Planted pairs as in planted_views, mixed so that each view's covariance has condition number ~cond:
+    cond given: random rotations with singular values log-spaced over sqrt(cond) (signal and noise mixed);
+    else the signal dims have variance signal_var, the noise dims noise_var (a spiked covariance).
+    The mixing depends only on the dimensions, so two calls draw from the same distribution."""
+    g = torch.Generator().manual_seed(seed)
+    rho = torch.tensor(rho, dtype=torch.float64)
+    s_x = torch.randn(N, len(rho), generator=g, dtype=torch.float64)
+    s_y = rho * s_x + (1 - rho ** 2).sqrt() * torch.randn(N, len(rho), generator=g, dtype=torch.float64)
+    z_x = torch.cat([signal_var ** 0.5 * s_x, noise_var ** 0.5 * torch.randn(N, extra_v, generator=g, dtype=torch.float64)], 1)
+    z_y = torch.cat([signal_var ** 0.5 * s_y, noise_var ** 0.5 * torch.randn(N, extra_l, generator=g, dtype=torch.float64)], 1)
+
+    def mix(D):
+        h = torch.Generator().manual_seed(100 + D)
+        Q1 = torch.linalg.qr(torch.randn(D, D, generator=h, dtype=torch.float64))[0]
+        if cond is None:
+            return Q1
+        Q2 = torch.linalg.qr(torch.randn(D, D, generator=h, dtype=torch.float64))[0]
+        return Q1 @ torch.diag(torch.logspace(0, 0.5 * torch.log10(torch.tensor(cond)).item(), D,
+                                              dtype=torch.float64)) @ Q2
+    X, Y = z_x @ mix(z_x.shape[1]), z_y @ mix(z_y.shape[1])
+    return Features.from_vectors(X.float()), Features.from_vectors(Y.float())
+
+
+def test_default_ridge_recovers_planted_correlations_on_anisotropic_views():
+    """Issue 11.2: covariance condition number ~2000, signal spread over all directions.
+    A ridge fixed relative to the mean variance (the old 1e-3) shrank rho here by up to 10% (0.9 -> 0.81);
+    the held-out choice takes a tiny ridge and recovers them."""
+    rho = [0.9, 0.7, 0.5, 0.3]
+    img, txt = anisotropic_views(20000, rho, 3, 2, cond=2000.0)
+    c = torch.linalg.cond(torch.cov(img.pooled.double().T))
+    assert 1500 < c < 2500, c
+    csa = CSA(7, 6, d=4, normalize=False).fit(img, txt)
+    assert csa.chosen_ridge <= 1e-3
+    assert torch.allclose(csa.rho, torch.tensor(rho), rtol=0.03), csa.rho
+
+
+def test_default_ridge_generalises_with_few_pairs_in_many_dimensions():
+    """Issue 11.2: 400 pairs, ~200 dims per view, the correlated pairs on the high-variance
+    directions (condition number ~2000): a small ridge fits noise (training rho ~0.99, held-out
+    collapse); the held-out choice picks a large one and the NEW pairs correlate as planted."""
+    rho = [0.9, 0.7, 0.5, 0.3]
+    kw = dict(extra_v=200, extra_l=150, noise_var=1 / 2000)
+    img, txt = anisotropic_views(400, rho, **kw, seed=0)
+    new_img, new_txt = anisotropic_views(5000, rho, **kw, seed=1)      # same distribution, unseen pairs
+    held_out = lambda csa: projected_corr(csa.A[:, :4].double(), csa.B[:, :4].double(),
+                                          *covariances(new_img.pooled, new_txt.pooled)[2:])
+    csa = CSA(204, 154, d=4, normalize=False).fit(img, txt)
+    assert csa.chosen_ridge >= 0.1
+    assert torch.allclose(held_out(csa).float(), torch.tensor(rho), atol=0.06), held_out(csa)
+    small = CSA(204, 154, d=4, ridge=1e-3, normalize=False).fit(img, txt)
+    assert (small.rho > 0.9).all() and held_out(small)[2:].abs().max() < 0.15   # over-fitted: no signal left
+
+
+def test_projected_corr_is_the_correlation_of_the_projected_rows():
+    img, txt = planted_views(500, [0.8, 0.4], seed=4)
+    A, B = torch.randn(5, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    _, _, *S = covariances(img.pooled, txt.pooled)
+    u, v = img.pooled.double() @ A, txt.pooled.double() @ B
+    assert torch.allclose(projected_corr(A, B, *S), corr(u, v), atol=1e-10)
+
+
+def test_one_input_normalisation_at_fit_and_at_test():
+    """Issue 11.1: every input row is L2-normalised before centring, at fit and at test: a per-row
+    scale (raw image features of norm ~28 next to unit head rows) changes nothing."""
+    img, txt = planted_views(300, [0.9, 0.6], seed=5)
+    g = torch.Generator().manual_seed(0)
+    scale = lambda f, s: Features.from_vectors(f.pooled * s)
+    s_img, s_txt = 28 * torch.rand(300, 1, generator=g) + 0.5, torch.rand(300, 1, generator=g) + 0.1
+    unit = lambda f: Features.from_vectors(torch.nn.functional.normalize(f.pooled, dim=-1))
+    ref = CSA(5, 4).fit(unit(img), unit(txt))                            # fitted on unit rows
+    raw = CSA(5, 4).fit(scale(img, s_img), scale(txt, s_txt))            # the same rows at other scales
+    assert ref.chosen_ridge == raw.chosen_ridge
+    for name in ("mu_v", "mu_l", "rho"):
+        assert torch.allclose(getattr(ref, name), getattr(raw, name), atol=1e-5), name
+    # applied to raw test features (norm ~28): the embedding of the unit rows
+    q = Features.from_vectors(img.pooled[:20])
+    e_unit = ref.embed_image(unit(q))
+    assert torch.allclose(ref.embed_image(scale(q, 28.0)), e_unit, atol=1e-5)
+    assert torch.allclose(raw.embed_image(q), e_unit, atol=1e-4)
+    assert torch.allclose(ref.embed_text(scale(txt[:20], 3.0)), ref.embed_text(unit(txt[:20])), atol=1e-5)
 
 
 def test_covariances_in_chunks_match_the_whole_set():
