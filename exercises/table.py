@@ -81,8 +81,8 @@ EXERCISES = {
                "tests/test_csa.py::test_few_samples_and_dense_image",
                "tests/test_csa.py::test_covariances_in_chunks_match_the_whole_set"],
         hint="centring with the wrong mean (the mean over samples, dim 0, of the WHOLE set, not per row or per "
-             "chunk); whitening with L instead of L^T on the way back (A = L_x^-T U); using U for both views "
-             "(B comes from V = Vh.T); keeping more than N - 1 directions"),
+             "chunk); whitening with L instead of L^T on the way back (A = L_x^-T U); whitening one view only; "
+             "using U for both views (B comes from V = Vh.T)"),
     8: dict(
         title="Weight recycling: the cosine-classifier check of neural collapse (Table 1)",
         regions=["recycling.py"],
