@@ -44,7 +44,10 @@ Deviations / choices (the digest is silent on these):
    temperature tau = 0.1 does not depend on the feature scale.
 6. Threshold mask: min-max normalise each query's attention over the patches, keep
    hatAttn >= eps (the arg-max patch always survives), then RENORMALISE the kept
-   hatAttn values to sum 1, so r_q is a weighted mean of V F.
+   hatAttn values to sum 1, so r_q is a weighted mean of V F. The arg-max gets
+   hatAttn = 1 explicitly: on a constant attention row (all patches alike) the
+   min-max is 0/0, which gave hatAttn = 0 everywhere, every patch masked, r_q = 0
+   and S = -inf (a non-finite loss); now such a row keeps all its patches.
 7. L_conc uses the full softmax attention (before the mask), so its gradient reaches
    every patch; patch centres are ((j+.5)/W, (i+.5)/H) in [0,1].
 8. Temperatures: tau_1 = 0.1 (L_v2v), tau_g = 0.05 (InfoNCE over S, which lies in [-2, 2]).
@@ -99,12 +102,18 @@ def deformable_sample(value, loc, A):
 
 
 def threshold_mask(attn, eps):
-    """Eq. (3): min-max normalise each row to [0,1], keep >= eps, renormalise to sum 1."""
-    # EXERCISE 5 (CoV Eq. 3): min-max normalise each row of attn (..., N) over the patches to hatAttn in [0,1],
-    #   keep hatAttn >= eps, renormalise the kept values to sum 1 -> (..., N)
+    """Eq. (3): min-max normalise each row to [0,1], keep >= eps, renormalise to sum 1.
+
+    The arg-max patch(es) get hatAttn = 1 by definition, so every row keeps at least
+    its top patch: a constant row (0/0 in the min-max, e.g. a blank image whose
+    patches are all alike) keeps every patch, r_q = the mean of V F (choice 6)."""
+    # EXERCISE 5 (CoV Eq. 3): min-max normalise each row of attn (..., N) over the patches to hatAttn in [0,1]
+    #   (the arg-max patch gets hatAttn = 1, even on a constant row), keep hatAttn >= eps, renormalise the kept
+    #   values to sum 1 -> (..., N)
     lo = attn.amin(-1, keepdim=True)
     hi = attn.amax(-1, keepdim=True)
     attn_hat = (attn - lo) / (hi - lo).clamp_min(1e-12)                # hatAttn, (..., N)
+    attn_hat = attn_hat.masked_fill(attn >= hi, 1.0)                   # top patch survives any eps <= 1
     attn_bar = attn_hat * (attn_hat >= eps)                            # barAttn, (..., N)
     return attn_bar / attn_bar.sum(-1, keepdim=True).clamp_min(1e-12)
     # END EXERCISE 5
