@@ -109,6 +109,8 @@ def retrieval_metrics(S, txt_to_img, chunk=512):
     #relevant in the top 5 / 5. These four are fractions in [0, 1].
     Ties: non-relevant items scored equal to a relevant one are ranked before it.
     """
+    # EXERCISE 1 (retrieval protocol): ranks from S (N_img, N_txt) and txt_to_img (N_txt,), ties count against the
+    #   truth -> i2t/t2i R@1/5/10 (%), rsum, i2t_map, i2t_p1, i2t_p5, t2i_p1 (fractions)
     N_img, N_txt = S.shape
     R_q = torch.bincount(txt_to_img, minlength=N_img)               # captions per image, (N_img,)
     if (R_q == 0).any():
@@ -146,6 +148,7 @@ def retrieval_metrics(S, txt_to_img, chunk=512):
     out["i2t_p5"] = p5.mean().item()
     out["t2i_p1"] = (t2i_rank == 0).float().mean().item()
     return out
+    # END EXERCISE 1
 
 
 def retrieval(method, img, txt, txt_to_img, batch_size=256, device="cpu"):
@@ -170,19 +173,25 @@ def template_average(txt_emb, n_templates):
     again -> (C, K). Token-level (C*n, L, K): returned unchanged, because words of
     different prompts do not line up; class_logits averages their scores instead.
     """
+    # EXERCISE 13 (zero-shot prompts): global (C*n, K) -> normalise each template, average over its n templates,
+    #   normalise again -> (C, K); token-level (C*n, L, K) unchanged
     if txt_emb.dim() != 2:
         return txt_emb
     C = len(txt_emb) // n_templates
     w = F.normalize(txt_emb, dim=-1).view(C, n_templates, -1).mean(1)    # (C, K)
     return F.normalize(w, dim=-1)
+    # END EXERCISE 13
 
 
 def class_logits(method, img_emb, cls_emb, n_templates, device="cpu"):
     """(N, C) zero-shot logits of images against the output of template_average."""
+    # EXERCISE 13 (zero-shot logits): S = score_matrix(...) (N, C) for global class embeddings; token-level: scores
+    #   (N, C*n) averaged over each class's n templates -> (N, C)
     S = score_matrix(method, img_emb, cls_emb, device=device)          # (N, C) or (N, C*n)
     if cls_emb.dim() == 2:
         return S
     return S.view(len(img_emb), -1, n_templates).mean(2)               # average over templates, (N, C)
+    # END EXERCISE 13
 
 
 def classification(method, img, labels, class_txt, n_templates, batch_size=256, device="cpu"):
@@ -206,6 +215,8 @@ def iou_counts(pred, gt, C, ignore_index=255):
     pred, gt: integer tensors of the same shape; pred in 0..C-1 (background is never
     predicted), gt in 0..C-1 or ignore_index (background / unlabelled).
     """
+    # EXERCISE 10 (segmentation, IoU): over pixels whose gt != ignore_index, per-class intersection and union (C,)
+    #   of pred vs gt
     valid = gt != ignore_index
     p, g = pred[valid].long(), gt[valid].long()
     if len(g) and (g.min() < 0 or g.max() >= C):
@@ -213,12 +224,15 @@ def iou_counts(pred, gt, C, ignore_index=255):
     inter = torch.bincount(g[p == g], minlength=C)
     union = torch.bincount(p, minlength=C) + torch.bincount(g, minlength=C) - inter
     return inter, union
+    # END EXERCISE 10
 
 
 def miou_from_counts(inter, union):
     """Mean IoU in percent over the classes that appear (union > 0)."""
+    # EXERCISE 10 (segmentation, mIoU): mean IoU (%) over the classes with union > 0
     present = union > 0
     return 100 * (inter[present] / union[present]).mean().item()
+    # END EXERCISE 10
 
 
 def miou_from_predictions(pred, gt, C, ignore_index=255):
@@ -245,12 +259,16 @@ def segmentation(method, img, masks, class_txt, n_templates, ignore_index=255, b
             dense = method.dense_image(img[i:i + batch_size].to(device))     # (B, H*W, ...) one image emb per patch
             B = len(dense)
             logits = class_logits(method, dense.flatten(0, 1), cls_emb, n_templates, device)   # (B*H*W, C)
+            # EXERCISE 10 (segmentation): logits (B*H*W, C) -> (B, C, H, W), bilinear upsampling to (Hm, Wm) with
+            #   align_corners=False, argmax -> pred (B, Hm, Wm); add iou_counts to inter, union (summed over
+            #   the whole set)
             logits = logits.view(B, H, W, C).permute(0, 3, 1, 2)            # (B, C, H, W)
             # upsample one image at a time: (B, C, Hm, Wm) at once can be GBs for ADE20K's 150 classes
             pred = torch.stack([F.interpolate(l[None], size=(Hm, Wm), mode="bilinear", align_corners=False)[0].argmax(0)
                                 for l in logits])                           # (B, Hm, Wm)
             I, U = iou_counts(pred, masks[i:i + B], C, ignore_index)
             inter, union = inter + I, union + U
+            # END EXERCISE 10
     return {"miou_fg": miou_from_counts(inter, union)}
 
 

@@ -11,20 +11,25 @@ import torch.nn.functional as F
 
 def knn_indices(X, k):
     """(N, k) indices of each row's k nearest rows by cosine, self excluded."""
+    # EXERCISE 9 (Fig. 1): the k nearest OTHER rows of each row of X (N, D) by cosine -> (N, k) indices
     Xn = F.normalize(X.float(), dim=-1)
     sim = Xn @ Xn.T                                          # (N, N) cosine
     sim.fill_diagonal_(float("-inf"))                        # a row is not its own neighbour
     return sim.topk(k, dim=1).indices
+    # END EXERCISE 9
 
 
 def mutual_knn(X, Y, k):
     """Mutual k-NN alignment m_NN (Huh et al. 2024; the paper's Fig. 1 metric):
     X (N, Dx), Y (N, Dy) paired rows; mean over i of |kNN_X(i) ∩ kNN_Y(i)| / k."""
+    # EXERCISE 9 (Fig. 1, Huh et al.): m_NN = mean over i of |kNN_X(i) ∩ kNN_Y(i)| / k
+    #   for paired rows X (N, Dx), Y (N, Dy)
     N = len(X)
     assert len(Y) == N and 0 < k < N
     in_X = torch.zeros(N, N, dtype=torch.bool).scatter_(1, knn_indices(X, k), True)
     in_Y = torch.zeros(N, N, dtype=torch.bool).scatter_(1, knn_indices(Y, k), True)
     return ((in_X & in_Y).sum(1).float() / k).mean().item()
+    # END EXERCISE 9
 
 
 def cka(X, Y, normalize=True):

@@ -56,11 +56,14 @@ class ASIF(nn.Module):
 
     def relative(self, x, anchors):
         """Sparse, sharpened relative representation of x (..., D) against anchors (N_a, D)."""
+        # EXERCISE 12 (ASIF): cosines of x (..., D) to anchors (N_a, D); keep the k = min(self.k, N_a) largest per
+        #   row (the rest 0), clamp at 0, THEN raise to the power p, L2-normalise -> (..., N_a)
         r = F.normalize(x, dim=-1) @ anchors.T                            # (..., N_a) cosine similarities
         k = min(self.k, anchors.shape[0])
         top = r.topk(k, dim=-1)                                           # k largest per row
         r = torch.zeros_like(r).scatter(-1, top.indices, top.values)      # (..., N_a), k non-zeros
         return F.normalize(r.clamp_min(0) ** self.p, dim=-1)              # (..., N_a)
+        # END EXERCISE 12
 
     def embed_image(self, img):
         return self.relative(img.pooled, self.anchors_v)                  # (B, N_a)

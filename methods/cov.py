@@ -87,6 +87,9 @@ def deformable_sample(value, loc, A):
     A (B, Q, M, K) weights.  Returns (B, Q, M, Dh) = sum_k A_mqk value_m(loc_mqk).
     Points outside the grid read zeros; pixel centres sit at (j+.5)/W (align_corners=False).
     """
+    # EXERCISE 4 (CoV Eq. 1, Deformable-DETR's core): grid_sample value (B, M, Dh, H, W) bilinearly at loc (B, Q,
+    #   M, K, 2) in [0,1] (x, y), align_corners=False, zeros outside; sum over k weighted by A (B, Q, M, K)
+    #   -> (B, Q, M, Dh)
     B, M, Dh, H, W = value.shape
     Q = loc.shape[1]
     grid = (2 * loc - 1).permute(0, 2, 1, 3, 4).flatten(0, 1)          # (B*M, Q, K, 2) in [-1,1]
@@ -95,6 +98,7 @@ def deformable_sample(value, loc, A):
     w = A.permute(0, 2, 1, 3).flatten(0, 1)[:, None]                   # (B*M, 1, Q, K)
     out = (sampled * w).sum(-1)                                         # (B*M, Dh, Q)
     return out.view(B, M, Dh, Q).permute(0, 3, 1, 2)                    # (B, Q, M, Dh)
+    # END EXERCISE 4
 
 
 def threshold_mask(attn, eps):
@@ -103,12 +107,16 @@ def threshold_mask(attn, eps):
     The arg-max patch(es) get hatAttn = 1 by definition, so every row keeps at least
     its top patch: a constant row (0/0 in the min-max, e.g. a blank image whose
     patches are all alike) keeps every patch, r_q = the mean of V F (choice 6)."""
+    # EXERCISE 5 (CoV Eq. 3): min-max normalise each row of attn (..., N) over the patches to hatAttn in [0,1]
+    #   (the arg-max patch gets hatAttn = 1, even on a constant row), keep hatAttn >= eps, renormalise the kept
+    #   values to sum 1 -> (..., N)
     lo = attn.amin(-1, keepdim=True)
     hi = attn.amax(-1, keepdim=True)
     attn_hat = (attn - lo) / (hi - lo).clamp_min(1e-12)                # hatAttn, (..., N)
     attn_hat = attn_hat.masked_fill(attn >= hi, 1.0)                   # top patch survives any eps <= 1
     attn_bar = attn_hat * (attn_hat >= eps)                            # barAttn, (..., N)
     return attn_bar / attn_bar.sum(-1, keepdim=True).clamp_min(1e-12)
+    # END EXERCISE 5
 
 
 def max_sum(r, w):
@@ -116,6 +124,8 @@ def max_sum(r, w):
 
     All-zero rows are padding: excluded from the max and from the mean.
     """
+    # EXERCISE 6 (CoV Eq. 6): S = mean over real regions of max over real words of s_ij + mean over real words of
+    #   max over real regions; r (I, Q, K), w (T, L, K), all-zero rows are padding -> S (I, T)
     r_ok = r.abs().sum(-1) > 0                                          # (I, Q)
     w_ok = w.abs().sum(-1) > 0                                          # (T, L)
     s = torch.einsum("iqk,tlk->itql", r, w)                             # s_ij, (I, T, Q, L)
@@ -125,6 +135,7 @@ def max_sum(r, w):
     i2t = (best_word * r_ok[:, None]).sum(-1) / r_ok.sum(-1, keepdim=True).clamp_min(1)
     t2i = (best_region * w_ok[None]).sum(-1) / w_ok.sum(-1)[None].clamp_min(1)
     return i2t + t2i                                                    # S(I,T), (I, T)
+    # END EXERCISE 6
 
 
 def info_nce(logits):
@@ -217,11 +228,14 @@ class CoV(nn.Module):
         z = self.z.expand(len(F_img), -1, -1)                    # z_q, (B, Q, K)
         if self.deform is not None:
             z = self.norm(z + self.deform(z, self.ref, F_img, img.grid))  # Eq. (1), (B, Q, K)
+        # EXERCISE 5 (CoV Eq. 2-3): attn = softmax over the patches of cos(W z, W F) / tau with the ONE shared W
+        #   (B, Q, N); attn_bar = threshold_mask(attn, eps); r = attn_bar V F (B, Q, K)
         zW = F.normalize(self.W_assign(z), dim=-1)               # (B, Q, K)
         FW = F.normalize(self.W_assign(F_img), dim=-1)           # (B, N, K)
         attn = (zW @ FW.transpose(1, 2) / self.tau).softmax(-1)  # Eq. (2), (B, Q, N)
         attn_bar = threshold_mask(attn, self.eps)                # Eq. (3), (B, Q, N)
         r = attn_bar @ self.V(F_img)                             # Eq. (3), r_q, (B, Q, K)
+        # END EXERCISE 5
         return r, attn, attn_bar
 
     def embed_image(self, img):
@@ -261,18 +275,24 @@ class CoV(nn.Module):
             l_v = F.cross_entropy(rr.flatten(0, 1), target.flatten())  # Eq. (5)
             loss, logs["v2v"] = loss + self.lambda_v * l_v, l_v.item()
         if self.use_conc:
+            # EXERCISE 5 (CoV Eq. 4): L_conc = the spread of the FULL softmax attention attn (B, Q, N), mean over
+            #   queries and batch
             l_c = self.spread(attn, img.grid).mean()             # Eq. (4), mean over queries and batch
+            # END EXERCISE 5
             loss, logs["conc"] = loss + self.lambda_c * l_c, l_c.item()
         return loss, logs
 
     @staticmethod
     def spread(a, grid):
         """Eq. (4): a (B, Q, H*W) weights summing to 1 -> (B, Q) sum_ij a ||p_ij - c_q||."""
+        # EXERCISE 5 (CoV Eq. 4): c_q = sum_ij a_q(i,j) p_ij with patch centres p_ij in [0,1] (grid_centres),
+        #   spread_q = sum_ij a_q(i,j) ||p_ij - c_q||; a (B, Q, H*W) -> (B, Q)
         H, W = grid
         p = grid_centres(H, W, device=a.device).to(a.dtype)      # p_ij in [0,1], (H*W, 2)
         c = a @ p                                                # c_q, (B, Q, 2)
         dist = ((p[None, None] - c[:, :, None]).pow(2).sum(-1) + 1e-12).sqrt()  # (B, Q, H*W)
         return (a * dist).sum(-1)
+        # END EXERCISE 5
 
     # --- optional analysis hook: region maps
     @torch.no_grad()

@@ -72,6 +72,8 @@ MIN_SELECT = 50                                # fewer training pairs: no held-o
 
 def covariances(X, Y, chunk=8192):
     """Means and (co)variances of paired rows X (N, D_v), Y (N, D_l), in float64 on X's device."""
+    # EXERCISE 7 (CCA): means mu_x (D_v,), mu_y (D_l,) and the covariances S_xx, S_yy, S_xy of the mean-centred
+    #   views, in float64, accumulated over chunks of rows
     N, dev = len(X), X.device
     mu_x = sum(X[i:i + chunk].double().sum(0) for i in range(0, N, chunk)) / N   # (D_v,)
     mu_y = sum(Y[i:i + chunk].double().sum(0) for i in range(0, N, chunk)) / N   # (D_l,)
@@ -85,11 +87,14 @@ def covariances(X, Y, chunk=8192):
         S_yy += y.T @ y
         S_xy += x.T @ y
     return mu_x, mu_y, S_xx / (N - 1), S_yy / (N - 1), S_xy / (N - 1)
+    # END EXERCISE 7
 
 
 def cca(S_xx, S_yy, S_xy, d, ridge):
     """Canonical directions A (D_v, d), B (D_l, d) and correlations rho (d,) of covariances S,
     with ridge r = ridge * tr(S) / D per view."""
+    # EXERCISE 7 (CCA): S + r I = L L^T (Cholesky, r = ridge * tr(S) / D), T = L_x^-1 S_xy L_y^-T = U diag(rho) V^T
+    #   (SVD); A = L_x^-T U[:, :d] (D_v, d), B = L_y^-T V[:, :d] (D_l, d), rho[:d]
     eye = lambda S: torch.eye(len(S), dtype=S.dtype, device=S.device)
     L_x = torch.linalg.cholesky(S_xx + ridge * S_xx.trace() / len(S_xx) * eye(S_xx))   # S_xx + r I = L_x L_x^T
     L_y = torch.linalg.cholesky(S_yy + ridge * S_yy.trace() / len(S_yy) * eye(S_yy))
@@ -101,6 +106,7 @@ def cca(S_xx, S_yy, S_xy, d, ridge):
     A = torch.linalg.solve_triangular(L_x.T, U[:, :d], upper=True)           # (D_v, d)
     B = torch.linalg.solve_triangular(L_y.T, Vh[:d].T, upper=True)           # (D_l, d)
     return A, B, rho[:d]
+    # END EXERCISE 7
 
 
 def select_ridge(X, Y, d, ridges=RIDGES, held_out=0.2, max_held_out=2000, seed=0):

@@ -82,23 +82,31 @@ import torch.nn.functional as F
 
 def info_nce(h_v, h_l, tau):
     """Symmetric InfoNCE over a batch of L2-normalised pairs (B, K), (B, K).  Eq. (8)"""
+    # EXERCISE 2 (PAL Eq. 8): symmetric InfoNCE of h_v (B, K), h_l (B, K) at temperature tau: the mean of the
+    #   image->text and text->image cross-entropies with targets on the diagonal -> scalar
     logits = h_v @ h_l.T / tau                      # (B, B) cosine similarity as logits
     target = torch.arange(len(h_v), device=h_v.device)
     return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
+    # END EXERCISE 2
 
 
 def relative(Z, A):
     """Token-to-anchor cosines R[b, t, k] = cos(z_bt, a_k).  Eq. (3)-(4), (B, T, K)"""
+    # EXERCISE 3 (PAL Eq. 3-4): R[b, t, k] = cos(z_bt, a_k); Z (B, T, D), A (K, D) -> R (B, T, K)
     return F.normalize(Z, dim=-1) @ F.normalize(A, dim=-1).T
+    # END EXERCISE 3
 
 
 def cap(R, mask, tau_p):
     """Cross-attention pooling: each anchor attends over the real tokens.  Eq. (5)-(6)"""
+    # EXERCISE 3 (PAL Eq. 5-6): alpha[b, t, k] = softmax over the REAL tokens t of R / tau_p (padding masked),
+    #   p = sum_t alpha R; R (B, T, K), mask (B, T) -> p (B, K), alpha (B, T, K)
     R = R.masked_fill(~mask[..., None], 0.0)                                   # padding -> 0
     logits = (R / tau_p).masked_fill(~mask[..., None], float("-inf"))
     alpha = logits.softmax(dim=1)                    # Eq. (5), (B, T, K), sums to 1 over t
     p = (alpha * R).sum(dim=1)                       # Eq. (6), (B, K)
     return p, alpha
+    # END EXERCISE 3
 
 
 def masked_mean(R, mask):

@@ -48,16 +48,22 @@ def info_nce(h_v, h_l, tau):
 
 def neighbour_distribution(H, tau):
     """P = softmax_row(H_bar H_bar^T / tau) with H_bar the normalised, batch-centred rows of H (B, D)."""
+    # EXERCISE 11 (STRUCTURE R_S): L2-normalise the rows of H (B, D), THEN centre over the batch;
+    #   P = softmax_row(H H^T / tau) (B, B)
     H = F.normalize(H.float(), dim=-1)
     H = H - H.mean(0, keepdim=True)                             # (B, D) centred
     return (H @ H.T / tau).softmax(dim=1)                       # (B, B), rows sum to 1
+    # END EXERCISE 11
 
 
 def js_divergence(P, Q, eps=1e-12):
     """JS(P || Q) between row distributions, averaged over rows (batch-mean KL)."""
+    # EXERCISE 11 (STRUCTURE R_S): JS(P || Q) = (KL(P || M) + KL(Q || M)) / 2 with M = (P + Q) / 2,
+    #   KL summed over each row, mean over rows
     M = (P + Q) / 2
     kl = lambda A, B: (A * ((A + eps).log() - (B + eps).log())).sum(1).mean()
     return (kl(P, M) + kl(Q, M)) / 2
+    # END EXERCISE 11
 
 
 def structure_reg(X, Z, tau):

@@ -32,6 +32,19 @@ def test_relative_representation_matches_loop():
         assert torch.allclose(emb_l[b], naive_relative(txt.pooled[b], txt.pooled, 7, 3), atol=1e-5)
 
 
+def test_relative_representation_at_the_default_even_power():
+    """p = 8 (even): the top-k keeps the most SIMILAR anchors and negative cosines are clamped before the
+    power; a power taken first would rank an anchor at cosine -0.9 like one at +0.9."""
+    img, txt = random_features(30, 1, 6, seed=0), random_features(30, 1, 5, seed=1)
+    q = random_features(4, 1, 6, seed=2)
+    for k in (5, 25):                                      # k = 25 of 30 keeps negative cosines too
+        asif = ASIF(6, 5, k=k).fit(img, txt)
+        assert asif.p == 8
+        emb = asif.embed_image(q)
+        for b in range(4):
+            assert torch.allclose(emb[b], naive_relative(q.pooled[b], img.pooled, k, 8), atol=1e-5)
+
+
 def test_k_capped_by_anchor_count_and_n_anchors():
     img, txt = random_features(10, 1, 4, seed=3), random_features(10, 1, 4, seed=4)
     asif = ASIF(4, 4).fit(img, txt)                        # k = 800 > 10 anchors

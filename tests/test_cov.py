@@ -228,6 +228,64 @@ def test_cov_conc_loss_is_the_attention_weighted_spread():
     torch.testing.assert_close(CoV.spread(a, (2, 2)), torch.tensor([[0.0, math.sqrt(2) / 4]]), atol=1e-5, rtol=0)
 
 
+def naive_assign(m, img):
+    """Eq. (2)-(3) one image and one query at a time (deformable=False, so z' = z): attention over the
+    patches = softmax of cos(W z_q, W F_p) / tau with the ONE shared W; min-max threshold mask at eps,
+    kept weights renormalised; r_q = sum_p barAttn_p V F_p. Lists of float64 tensors per image."""
+    F_img = m.P_v(img.patches()).double()                              # (B, N, K)
+    W, V, z = m.W_assign.weight.double(), m.V.weight.double(), m.z.double()
+    attn, attn_bar, r = [], [], []
+    for b in range(len(F_img)):
+        A, A_bar, R = [], [], []
+        for q in range(len(z)):
+            wz = W @ z[q]
+            cos = [float(wz @ (W @ f)) / float(wz.norm() * (W @ f).norm()) for f in F_img[b]]
+            e = [math.exp(c / m.tau) for c in cos]
+            a = [x / sum(e) for x in e]
+            lo, hi = min(a), max(a)
+            kept = [(x - lo) / (hi - lo) if (x - lo) / (hi - lo) >= m.eps else 0.0 for x in a]
+            bar = [k / sum(kept) for k in kept]
+            A.append(torch.tensor(a, dtype=torch.float64))
+            A_bar.append(torch.tensor(bar, dtype=torch.float64))
+            R.append(sum(bar[p] * (V @ F_img[b, p]) for p in range(len(bar))))
+        attn.append(torch.stack(A)), attn_bar.append(torch.stack(A_bar)), r.append(torch.stack(R))
+    return torch.stack(attn), torch.stack(attn_bar), torch.stack(r)
+
+
+def naive_spread(a, H, W):
+    """Eq. (4) by loops: a (Q, H*W) -> (Q,) sum_p a_p ||p - c||, patch centres ((j+.5)/W, (i+.5)/H)."""
+    centres = [((j + 0.5) / W, (i + 0.5) / H) for i in range(H) for j in range(W)]
+    out = []
+    for row in a.tolist():
+        cx = sum(w * x for w, (x, _) in zip(row, centres))
+        cy = sum(w * y for w, (_, y) in zip(row, centres))
+        out.append(sum(w * math.hypot(x - cx, y - cy) for w, (x, y) in zip(row, centres)))
+    return out
+
+
+def test_regions_match_naive_loop():
+    m, (img, _) = small(CoV, deformable=False, eps=0.5), feats()
+    with torch.no_grad():
+        r, attn, attn_bar = m.regions(img)
+        ref_attn, ref_bar, ref_r = naive_assign(m, img)
+    torch.testing.assert_close(attn.double(), ref_attn, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(attn_bar.double(), ref_bar, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(r.double(), ref_r, atol=1e-5, rtol=1e-4)
+    assert 0 < (attn_bar > 0).float().mean() < 0.5                    # the mask drops most patches here
+
+
+def test_conc_loss_reads_the_full_softmax_attention():
+    """L_conc (Eq. 4, choice 7) is the spread of the full softmax attention, not of the masked one."""
+    m, (img, txt) = small(CoV, deformable=False, use_v2v=False), feats()
+    _, logs = m.loss(img, txt)
+    with torch.no_grad():
+        ref_attn, ref_bar, _ = naive_assign(m, img)
+    full = sum(sum(naive_spread(a, 4, 4)) for a in ref_attn) / ref_attn.shape[:2].numel()
+    masked = sum(sum(naive_spread(a, 4, 4)) for a in ref_bar) / ref_bar.shape[:2].numel()
+    assert abs(full - masked) > 0.05                                    # the two readings differ here
+    assert logs["conc"] == pytest.approx(full, rel=1e-4)
+
+
 # ----------------------------------------------------------------------------- baselines vs loops
 
 def test_text_guided_score_matches_loop():

@@ -179,3 +179,16 @@ def test_one_input_normalisation_at_fit_and_at_test():
     assert torch.allclose(ref.embed_image(scale(q, 28.0)), e_unit, atol=1e-5)
     assert torch.allclose(raw.embed_image(q), e_unit, atol=1e-4)
     assert torch.allclose(ref.embed_text(scale(txt[:20], 3.0)), ref.embed_text(unit(txt[:20])), atol=1e-5)
+
+
+def test_covariances_in_chunks_match_the_whole_set():
+    """Centring uses the mean of the WHOLE set, whatever the chunk size: rows with a drift (chunk means
+    differ from the global mean) against torch.cov."""
+    from methods.csa import covariances
+    g = torch.Generator().manual_seed(3)
+    X = torch.randn(50, 4, generator=g) + torch.linspace(0, 5, 50)[:, None]       # mean drifts along the rows
+    Y = torch.randn(50, 3, generator=g) - torch.linspace(0, 3, 50)[:, None]
+    mu_x, mu_y, S_xx, S_yy, S_xy = covariances(X, Y, chunk=7)
+    C = torch.cov(torch.cat([X, Y], 1).double().T)                                # (7, 7), divides by N - 1
+    assert torch.allclose(mu_x, X.double().mean(0)) and torch.allclose(mu_y, Y.double().mean(0))
+    assert torch.allclose(S_xx, C[:4, :4]) and torch.allclose(S_yy, C[4:, 4:]) and torch.allclose(S_xy, C[:4, 4:])

@@ -306,6 +306,66 @@ def test_segmentation_with_token_level_method_runs_per_patch():
     assert ev.segmentation(Dense(), img, masks, prompts, 1)["miou_fg"] == pytest.approx(100)
 
 
+def naive_bilinear(logits, Hm, Wm):
+    """(C, H, W) -> (C, Hm, Wm) per output pixel, align_corners=False: source coordinate
+    (y + .5) H / Hm - .5, clamped at 0 (PyTorch's rule), blend of the 4 neighbours."""
+    C, H, W = logits.shape
+    out = torch.zeros(C, Hm, Wm, dtype=torch.float64)
+    for y in range(Hm):
+        sy = max((y + 0.5) * H / Hm - 0.5, 0.0)
+        y0, wy = int(sy), sy - int(sy)
+        y1 = min(y0 + 1, H - 1)
+        for x in range(Wm):
+            sx = max((x + 0.5) * W / Wm - 0.5, 0.0)
+            x0, wx = int(sx), sx - int(sx)
+            x1 = min(x0 + 1, W - 1)
+            out[:, y, x] = ((1 - wy) * (1 - wx) * logits[:, y0, x0] + (1 - wy) * wx * logits[:, y0, x1]
+                            + wy * (1 - wx) * logits[:, y1, x0] + wy * wx * logits[:, y1, x1]).double()
+    return out
+
+
+def test_segmentation_upsamples_logits_bilinearly():
+    """Random patch logits at a non-integer scale (3x4 grid -> 10x11 masks): the ground truth is the argmax
+    of the per-pixel bilinear reference, so the protocol must score 100; nearest upsampling or
+    align_corners=True change many pixels (checked below) and score less."""
+    g = torch.Generator().manual_seed(0)
+    N, C, H, W, Hm, Wm = 4, 3, 3, 4, 10, 11
+    patches = torch.randn(N, H * W, C, generator=g)
+    tokens = torch.cat([patches.mean(1, keepdim=True), patches], 1)
+    img = Features(tokens=tokens, mask=torch.ones(N, 1 + H * W, dtype=torch.bool), pooled=tokens[:, 0], grid=(H, W))
+    logits = F.normalize(patches, dim=-1).view(N, H, W, C).permute(0, 3, 1, 2)     # Cosine vs one-hot prompts
+    masks = torch.stack([naive_bilinear(l, Hm, Wm).argmax(0) for l in logits])     # (N, Hm, Wm)
+    masks[:, 0, :3] = 255                                                           # a few ignored pixels
+    prompts = Features.from_vectors(torch.eye(C))
+    assert ev.segmentation(Cosine(), img, masks, prompts, 1, batch_size=3)["miou_fg"] == pytest.approx(100)
+    valid = masks != 255
+    for kw in (dict(mode="nearest"), dict(mode="bilinear", align_corners=True)):
+        other = F.interpolate(logits, size=(Hm, Wm), **kw).argmax(1)
+        assert (other != masks)[valid].float().mean() > 0.05, kw                     # the test can tell them apart
+
+
+def test_segmentation_sums_intersections_and_unions_over_all_batches():
+    """Batches of 2 over 5 images whose masks disagree with the prediction differently: mIoU from the
+    intersections and unions of ALL pixels, computed here with the per-pixel bilinear reference."""
+    g = torch.Generator().manual_seed(1)
+    N, C, H, W, Hm, Wm = 5, 3, 2, 3, 5, 7
+    patches = torch.randn(N, H * W, C, generator=g)
+    tokens = torch.cat([patches.mean(1, keepdim=True), patches], 1)
+    img = Features(tokens=tokens, mask=torch.ones(N, 1 + H * W, dtype=torch.bool), pooled=tokens[:, 0], grid=(H, W))
+    logits = F.normalize(patches, dim=-1).view(N, H, W, C).permute(0, 3, 1, 2)
+    pred = torch.stack([naive_bilinear(l, Hm, Wm).argmax(0) for l in logits])     # (N, Hm, Wm)
+    masks = torch.randint(0, C, (N, Hm, Wm), generator=g)
+    masks[:, :, 0] = 255
+    valid = masks != 255
+    inter = [int(((pred == c) & (masks == c) & valid).sum()) for c in range(C)]
+    union = [int((((pred == c) | (masks == c)) & valid).sum()) for c in range(C)]
+    expect = 100 * sum(i / u for i, u in zip(inter, union)) / C
+    prompts = Features.from_vectors(torch.eye(C))
+    assert ev.segmentation(Cosine(), img, masks, prompts, 1, batch_size=2)["miou_fg"] == pytest.approx(expect, abs=1e-4)
+    last = ev.segmentation(Cosine(), img[4:], masks[4:], prompts, 1)["miou_fg"]
+    assert abs(last - expect) > 1                                                   # the last batch alone differs
+
+
 # ----------------------------------------------------------------------------- binding
 
 def test_binding_on_constructed_case():

@@ -115,6 +115,21 @@ def test_anchor_gradient_matches_finite_differences_with_padding():
     assert torch.autograd.gradcheck(h, (A,))
 
 
+def test_info_nce_is_the_mean_of_both_directions():
+    """Eq. (8) against a loop: (CE over each image's row + CE over each caption's column) / 2."""
+    from methods.pal import info_nce
+    g = torch.Generator().manual_seed(0)
+    h_v, h_l = F.normalize(torch.randn(6, 5, generator=g), dim=-1), F.normalize(torch.randn(6, 5, generator=g), dim=-1)
+    tau = 0.05
+    s = [[float(h_v[i] @ h_l[j]) / tau for j in range(6)] for i in range(6)]       # s[i][j], image i, caption j
+
+    def cross_entropy(rows):                       # mean over i of -log softmax(rows[i])_i
+        return sum(math.log(sum(math.exp(x) for x in row)) - row[i] for i, row in enumerate(rows)) / len(rows)
+    i2t, t2i = cross_entropy(s), cross_entropy([list(col) for col in zip(*s)])
+    assert abs(i2t - t2i) > 0.1                    # the directions differ here: one of them alone fails
+    assert info_nce(h_v, h_l, tau).item() == pytest.approx((i2t + t2i) / 2, rel=1e-5)
+
+
 def test_token_init_happens_once_in_the_first_loss_call():
     img, txt = text_and_image(B=4)
     m = PAL(5, 4, K=6, init="tokens")

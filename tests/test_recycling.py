@@ -114,6 +114,26 @@ def test_cka_ignores_a_per_row_scale_as_the_reference_does():
     assert abs(S.cka(X * scale, Y, normalize=False) - S.cka(X, Y, normalize=False)) > 0.05
 
 
+def test_neural_collapse_check_matches_naive_loop():
+    """Table 1 on random rows of different norms, one image at a time: argmax_i of w_i . f + b_i,
+    of cos(w_i, f) and of w_i . f."""
+    g = torch.Generator().manual_seed(2)
+    W = torch.randn(6, 5, generator=g) * torch.rand(6, 1, generator=g).add(0.2) * 3
+    b = torch.randn(6, generator=g)
+    feats = torch.randn(40, 5, generator=g)
+    cos = lambda u, v: float(u @ v) / (float(u.norm()) * float(v.norm()))
+    labels = torch.tensor([max(range(6), key=lambda i: cos(W[i], f)) for f in feats])   # cosine = 100 by design
+    labels[:8] = (labels[:8] + 1) % 6                                                     # ... but for 8 images
+    top1 = lambda score: 100 * sum(max(range(6), key=lambda i: score(i, f)) == int(y)
+                                   for f, y in zip(feats, labels)) / len(labels)
+    expect = {"linear_top1": top1(lambda i, f: float(W[i] @ f) + float(b[i])),
+              "cosine_top1": top1(lambda i, f: cos(W[i], f)),
+              "nobias_top1": top1(lambda i, f: float(W[i] @ f))}
+    assert len(set(expect.values())) == 3                     # the three classifiers differ here
+    got = R.neural_collapse_check(W, b, feats, labels)
+    assert got.keys() == expect.keys() and all(abs(got[k] - expect[k]) < 1e-4 for k in expect), (got, expect)
+
+
 # ---------------------------------------------------------------- Fig. 1
 
 def test_prototype_alignment_head_rows_vs_noisy_means():

@@ -1,0 +1,129 @@
+"""Grade the exercises by running the project's own tests on the code in a folder.
+
+    python exercises/grade.py                 # every exercise, on this copy
+    python exercises/grade.py 3 5             # only these
+    python exercises/grade.py --root DIR      # grade another copy (e.g. a student's)
+
+For each exercise, the tests listed in exercises/table.py (pytest node ids) are run
+in ONE pytest call inside the graded folder; one line per exercise says passed or
+FAILED, with the first failing test, its assertion and the hint naming the classic
+mistakes. Exits 1 if any graded exercise fails. Nothing here checks an answer
+itself: the tests do.
+"""
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from table import EXERCISES  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def node_of(case):
+    """junit <testcase> -> the table's node id form: tests/test_x.py::test_name[param]."""
+    return case.get("classname").replace(".", "/") + ".py::" + case.get("name")
+
+
+def matches(node, table_id):
+    """A table id without [param] covers every parametrisation of that test."""
+    return node == table_id or ("[" not in table_id and node.startswith(table_id + "["))
+
+
+def run_tests(root, node_ids, timeout=900):
+    """Run the tests in root -> ({node: (outcome, message)}, {test file: import error}, pytest's output tail).
+
+    One pytest call over the tests' files with -k selecting their names (not the node ids
+    themselves: one node id in a file that does not import would stop pytest before any
+    test runs); a file that does not import leaves the other files' tests running."""
+    files = sorted({n.split("::")[0] for n in node_ids if (Path(root) / n.split("::")[0]).is_file()})
+    names = sorted({n.split("::")[1].split("[")[0] for n in node_ids})
+    if not files:                                             # (pytest with no file would run every test)
+        return {}, {}, "none of the test files exist in this copy"
+    with tempfile.TemporaryDirectory() as tmp:
+        xml = Path(tmp) / "report.xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=line",
+               "--continue-on-collection-errors", f"--junitxml={xml}", "-o", "junit_family=xunit1",
+               "-k", " or ".join(names), *files]
+        env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+        results, broken = {}, {}
+        if xml.exists():
+            for case in ET.parse(xml).getroot().iter("testcase"):
+                bad = next((c for c in case if c.tag in ("failure", "error")), None)
+                skipped = next((c for c in case if c.tag == "skipped"), None)
+                if not case.get("classname"):                 # a test file that did not import
+                    lines = [l[1:].strip() for l in (bad.text or "").splitlines() if l.startswith("E ")] if bad is not None else []
+                    broken[case.get("name").replace(".", "/") + ".py"] = " ".join(lines[-4:]) or "collection failure"
+                elif bad is not None:
+                    results[node_of(case)] = ("failed", (bad.get("message") or bad.text or "").strip())
+                elif skipped is not None:
+                    results[node_of(case)] = ("failed", "skipped: " + (skipped.get("message") or "").strip())
+                else:
+                    results[node_of(case)] = ("passed", "")
+    return results, broken, (proc.stdout + proc.stderr)[-2000:]
+
+
+def one_line(msg, width=220):
+    msg = " ".join(msg.split())
+    return msg if len(msg) <= width else msg[:width - 3] + "..."
+
+
+def grade(root, numbers):
+    """-> [(n, passed, line)] and the pytest output tail."""
+    ids = [t for n in numbers for t in EXERCISES[n]["tests"]]
+    results, broken, tail = run_tests(root, list(dict.fromkeys(ids)))
+    report = []
+    for n in numbers:
+        ex = EXERCISES[n]
+        n_ok, n_all, first = 0, 0, None
+        for table_id in ex["tests"]:
+            got = [(node, res) for node, res in results.items() if matches(node, table_id)]
+            if not got:                                       # not collected: its file did not import, or no such test
+                why = broken.get(table_id.split("::")[0])
+                got = [(table_id, ("failed", f"not run: its file did not import: {why}" if why else
+                                   "not run: no such test in this copy"))]
+            for node, (outcome, msg) in got:
+                n_all += 1
+                n_ok += outcome == "passed"
+                if outcome != "passed" and first is None:
+                    first = f"{node}: {one_line(msg)}"
+        ok = n_ok == n_all
+        line = f"exercise {n:2d}  {'passed' if ok else 'FAILED'}  {ex['title']}  ({n_ok}/{n_all} tests)"
+        if not ok:
+            line += f"  first failure: {first}  hint: {ex['hint']}"
+        report.append((n, ok, line))
+    return report, tail
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("numbers", type=int, nargs="*", metavar="N", help="exercises to grade (default: all)")
+    p.add_argument("--root", default=str(ROOT), help="the project copy to grade (default: the one holding this file)")
+    p.add_argument("--show-pytest", action="store_true", help="print the tail of pytest's output too")
+    args = p.parse_args(argv)
+    numbers = args.numbers or sorted(EXERCISES)
+    unknown = [n for n in numbers if n not in EXERCISES]
+    if unknown:
+        raise SystemExit(f"error: no exercise {unknown}; the exercises are {sorted(EXERCISES)}")
+    root = Path(args.root).resolve()
+    if not (root / "tests").is_dir():
+        raise SystemExit(f"error: {root} has no tests/ folder: is it a copy of the project?")
+    t0 = time.time()
+    report, tail = grade(root, numbers)
+    for _, _, line in report:
+        print(line)
+    n_ok = sum(ok for _, ok, _ in report)
+    print(f"{n_ok}/{len(report)} exercises passed in {time.time() - t0:.0f}s ({root})")
+    if args.show_pytest:
+        print(tail)
+    sys.exit(0 if n_ok == len(report) else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Write a student copy of the project: every exercise region blanked, the answers left out.
+
+    python exercises/make_student_copy.py OUT_DIR              # all exercises
+    python exercises/make_student_copy.py OUT_DIR --only 3 5   # only these
+
+A region is everything between `# EXERCISE N ...` (plus its `#   ...` continuation
+lines) and `# END EXERCISE N` in a .py file; in the copy it becomes one
+`raise NotImplementedError("Exercise N ...")` at the marker's indentation, the
+markers stay. Every other byte is copied verbatim; exercises/answers.md and
+.git, .cache, results, __pycache__, .pytest_cache are left out. OUT_DIR must not
+exist or be empty (a student's work is never overwritten).
+"""
+import argparse
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SKIP_DIRS = {".git", ".cache", "results", "__pycache__", ".pytest_cache"}
+SKIP_FILES = {Path("exercises/answers.md")}
+START = re.compile(r"^(?P<indent>[ \t]*)# EXERCISE (?P<n>\d+)\b(?P<text>.*)$")
+MORE = re.compile(r"^[ \t]*#   (?P<text>\S.*)$")                # continuation of the marker text
+END = re.compile(r"^[ \t]*# END EXERCISE (?P<n>\d+)\s*$")
+
+
+def find_regions(lines, where="<text>"):
+    """[(n, body_start, body_end, indent, text)]: lines[body_start:body_end] is the code to blank."""
+    regions, i = [], 0
+    while i < len(lines):
+        m = START.match(lines[i])
+        if END.match(lines[i]):
+            raise ValueError(f"{where}:{i + 1}: END EXERCISE without its EXERCISE marker")
+        if not m:
+            i += 1
+            continue
+        n, indent, text = int(m["n"]), m["indent"], m["text"].strip()
+        j = i + 1
+        while j < len(lines) and MORE.match(lines[j]):
+            text += " " + MORE.match(lines[j])["text"].strip()
+            j += 1
+        body_start = j
+        while j < len(lines) and not END.match(lines[j]):
+            if START.match(lines[j]):
+                raise ValueError(f"{where}:{j + 1}: EXERCISE marker inside exercise {n} (line {i + 1})")
+            j += 1
+        if j == len(lines) or int(END.match(lines[j])["n"]) != n:
+            raise ValueError(f"{where}:{i + 1}: EXERCISE {n} has no matching '# END EXERCISE {n}'")
+        regions.append((n, body_start, j, indent, text))
+        i = j + 1
+    return regions
+
+
+def blank(source, only=None, where="<text>"):
+    """source with the bodies of the chosen exercises' regions replaced by a raise."""
+    lines = source.split("\n")
+    for n, start, end, indent, text in reversed(find_regions(lines, where)):
+        if only is None or n in only:
+            lines[start:end] = [f"{indent}raise NotImplementedError({f'Exercise {n} {text}'!r})"]
+    return "\n".join(lines)
+
+
+def project_files(root):
+    """Relative paths of the files a copy holds (sorted)."""
+    out = []
+    for path in sorted(Path(root).rglob("*")):
+        rel = path.relative_to(root)
+        if any(part in SKIP_DIRS for part in rel.parts) or rel in SKIP_FILES or path.is_dir():
+            continue
+        out.append(rel)
+    return out
+
+
+def make_copy(out_dir, only=None, root=ROOT):
+    """Write the student copy; returns {exercise: number of regions blanked}."""
+    out_dir = Path(out_dir).resolve()
+    if out_dir == Path(root).resolve() or Path(root).resolve() in out_dir.parents:
+        raise SystemExit(f"error: {out_dir} is inside the project; choose a folder outside it")
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise SystemExit(f"error: {out_dir} exists and is not empty (a student copy is never overwritten)")
+    blanked = {}
+    for rel in project_files(root):
+        src, dst = Path(root) / rel, out_dir / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if rel.suffix == ".py" and "# EXERCISE" in (text := src.read_text()):
+            for n, *_ in find_regions(text.split("\n"), str(rel)):
+                if only is None or n in only:
+                    blanked[n] = blanked.get(n, 0) + 1
+            dst.write_text(blank(text, only, str(rel)))
+            shutil.copymode(src, dst)
+        else:
+            shutil.copy2(src, dst)
+    return blanked
+
+
+def paste_back(copy_root, ref_root=ROOT, only=None):
+    """Put the reference bodies of the chosen exercises' regions back into a copy (region by region, in order)."""
+    for rel in project_files(ref_root):
+        if rel.suffix != ".py" or "# EXERCISE" not in (ref := (Path(ref_root) / rel).read_text()):
+            continue
+        ref_lines = ref.split("\n")
+        ref_regions = find_regions(ref_lines, str(rel))
+        dst = Path(copy_root) / rel
+        lines = dst.read_text().split("\n")
+        regions = find_regions(lines, str(dst))
+        if [r[0] for r in regions] != [r[0] for r in ref_regions]:
+            raise ValueError(f"{dst}: its exercise regions differ from the reference's")
+        for (n, s, e, *_), (_, rs, re_, *_) in reversed(list(zip(regions, ref_regions))):
+            if only is None or n in only:
+                lines[s:e] = ref_lines[rs:re_]
+        dst.write_text("\n".join(lines))
+
+
+def main(argv=None):
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from table import EXERCISES
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out_dir", help="folder to write the copy to (must not exist, or be empty)")
+    p.add_argument("--only", type=int, nargs="+", default=None, metavar="N", help="blank only these exercises")
+    args = p.parse_args(argv)
+    unknown = set(args.only or []) - set(EXERCISES)
+    if unknown:
+        raise SystemExit(f"error: no exercise {sorted(unknown)}; the exercises are {sorted(EXERCISES)}")
+    t0 = time.time()
+    blanked = make_copy(args.out_dir, set(args.only) if args.only else None)
+    missing = set(args.only or EXERCISES) - set(blanked)
+    if missing:
+        raise SystemExit(f"error: no marked region found for exercise(s) {sorted(missing)}")
+    print(f"student copy in {args.out_dir} ({time.time() - t0:.1f}s): blanked "
+          + ", ".join(f"exercise {n} ({k} region{'s' if k > 1 else ''})" for n, k in sorted(blanked.items())))
+    print(f"grade it with: python exercises/grade.py   (inside {args.out_dir})")
+
+
+if __name__ == "__main__":
+    main()
