@@ -55,11 +55,12 @@ EXERCISES = {
         tests=["tests/test_cov.py::test_threshold_mask_matches_loop",
                "tests/test_cov.py::test_regions_match_naive_loop",
                "tests/test_cov.py::test_cov_conc_loss_is_the_attention_weighted_spread",
-               "tests/test_cov.py::test_conc_loss_reads_the_full_softmax_attention"],
+               "tests/test_cov.py::test_conc_loss_reads_the_full_softmax_attention",
+               "tests/test_cov.py::test_threshold_mask_keeps_the_top_patch_of_a_constant_row"],
         hint="softmax over the queries instead of over the patches; min-max over the wrong axis; two different "
              "W for queries and patches (Eq. 2 shares ONE W); forgetting to renormalise the kept weights; "
              "L_conc on the masked attention attn_bar instead of the full softmax attn; patch centres at "
-             "j/W instead of (j+.5)/W"),
+             "j/W instead of (j+.5)/W; a constant row (max = min) masking every patch"),
     6: dict(
         title="CoV: region-word max-sum score with padding (Eq. 6)",
         regions=["methods/cov.py"],
