@@ -55,6 +55,7 @@ def covariances(X, Y, chunk=8192):
 
 class CSA(nn.Module):
     defaults = dict(epochs=0)  # closed form: fit() only, no training loop
+    ranges = dict(d="[1, inf)", ridge="[0, inf)")  # valid --hp values (align.py)
 
     def __init__(self, d_image, d_text, d=200, ridge=1e-3):  # d: weight-recycling App. E; ridge: our choice
         super().__init__()
