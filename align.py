@@ -159,9 +159,9 @@ def check_texts(texts, where):
 def load_features(args, device):
     """Everything the method and evaluation need, as Features (encoders run once, then cached)."""
     t0 = time.time()
-    sets = data.DATASETS[args.data](**({"root": args.data_root} if args.data != "shapes" else {}))
     image_enc, text_enc = encoders.load_encoders(args.image_encoder, args.text_encoder, args.cache_dir,
-                                                 args.image_layer, args.text_layer)
+                                                 args.image_layer, args.text_layer)   # a wrong name fails first
+    sets = data.DATASETS[args.data](**({"root": args.data_root} if args.data != "shapes" else {}))
     if args.select_layers:
         encoders.select_layers(image_enc, text_enc, sets["train"], args.select_layers, n=args.select_pairs, device=device)
     ext = lambda enc, inputs, split, modality: features.extract(enc, inputs, args.cache_dir, device=device,
@@ -252,21 +252,21 @@ def train(method, img, txt, args, out, device, settings=None):
     if not in_range(batch_size, low):
         raise SystemExit(f"error: a batch of {batch_size} pair(s) ({len(img)} alignment pairs): "
                          f"{type(method).__name__} takes batch_size {describe(low)}; use more pairs")
-    settings = {**(settings or {}), **loop, "method_class": type(method).__name__,
+    settings = {**(settings or {}), **loop,
                 "shapes": {k: list(v.shape) for k, v in method.state_dict().items()}}
     opt_cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[d.get("optimizer", "adamw")]
     params = [p for p in method.parameters() if p.requires_grad]
     opt = opt_cls(params, lr=lr, weight_decay=wd, betas=d.get("betas", (0.9, 0.999)))
     steps_per_epoch = len(img) // batch_size  # drop the last partial batch: InfoNCE wants full batches
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, epochs * steps_per_epoch))
-    start, ckpt = 0, out / "checkpoint.pt"
+    start, ckpt, last = 0, out / "checkpoint.pt", None
     if args.resume and ckpt.exists():
         state = load_checkpoint(ckpt, settings)
         method.load_state_dict(state["method"])
         opt.load_state_dict(state["opt"])
         sched.load_state_dict(state["sched"])
         torch.set_rng_state(state["rng"])                    # dropout continues as in an uninterrupted run
-        start = state["epoch"] + 1
+        start, last = state["epoch"] + 1, state.get("loss")
         print(f"[train] resumed from {ckpt} after epoch {start}")
     elif args.resume:
         print(f"[train] --resume: no checkpoint at {ckpt} yet; starting at epoch 1")
@@ -295,9 +295,10 @@ def train(method, img, txt, args, out, device, settings=None):
         dt = time.time() - t_epoch
         print(f"[train] epoch {epoch + 1:3d}/{epochs}  loss {total / max(1, steps_per_epoch):.4f}  "
               f"{steps_per_epoch / max(dt, 1e-9):.1f} steps/s  {time.time() - t0:.0f}s")
+        last = float(loss.item())
         features.atomic_save({"method": method.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                              "epoch": epoch, "rng": torch.get_rng_state(), "settings": settings}, ckpt)
-    return {"seconds": round(time.time() - t0, 2), "final_loss": float(loss.item()) if epochs > start else None}
+                              "epoch": epoch, "rng": torch.get_rng_state(), "loss": last, "settings": settings}, ckpt)
+    return {"seconds": round(time.time() - t0, 2), "final_loss": last}  # a resumed finished run: the checkpoint's
 
 
 # ---------------------------------------------------------------------------

@@ -481,7 +481,13 @@ def hub_unreachable(timeout=3.0):
     from urllib.parse import urlparse
     host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname
     found = []
-    lookup = threading.Thread(target=lambda: found.append(bool(socket.getaddrinfo(host, 443))), daemon=True)
+
+    def resolve():
+        try:
+            found.append(bool(socket.getaddrinfo(host, 443)))
+        except OSError:
+            pass
+    lookup = threading.Thread(target=resolve, daemon=True)                # a resolver that hangs: give up after timeout
     lookup.start()
     lookup.join(timeout)
     return not found
