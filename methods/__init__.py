@@ -5,6 +5,11 @@ The interface (duck-typed; align.py and evaluate.py use only this):
     method = METHODS[name](d_image, d_text, **hp)      # hp: keyword hyperparameters (--hp NAME=VALUE)
     method.defaults -> dict                            # the paper's lr / epochs / batch_size / weight_decay /
                                                        # optimizer ("adam" | "adamw"), optional betas, grad_clip
+    method.ranges -> dict                              # valid values, declared once next to the defaults:
+                                                       # {hp name or loop setting: "[lo, hi)" interval | (choices)};
+                                                       # align.py checks every --hp (type of the __init__ default,
+                                                       # then range) and --batch-size / --lr / ... before anything
+                                                       # runs. Loop default: batch_size "[2, inf)" (contrastive).
     method.fit(img, txt)            # optional: closed-form methods (CSA, ASIF); img, txt = Features of all train pairs
     method.loss(img, txt) -> (loss, logs)   # optional: trained methods; img, txt = Features of a batch of pairs
     method.embed_image(img) -> emb  # (B, K) global, or (B, Q, K) token-level (CoV)

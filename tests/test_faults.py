@@ -7,6 +7,7 @@ the two encoder checkpoints into a fresh cache folder.
 """
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -160,15 +161,29 @@ BAD_INPUTS = {
     "hp zero": (["--hp", "K=0"], ["--hp K=0: PAL takes K in [5, inf)"]),
     "eval images 0": (["--eval-images", "0"], ["--eval-images 0"]),
     "missing model folder": (["--image-encoder", "/no/such/model"], ["--image-encoder /no/such/model: no such directory"]),
+    "hub name not downloaded": (["--text-encoder", "org/not-downloaded"], ["--text-encoder", "not available offline"]),
 }
 
 
+@pytest.fixture(scope="module")
+def bad_input_runs(shared, tmp_path_factory):
+    """All the bad-input runs started at once (each stops within seconds)."""
+    root = tmp_path_factory.mktemp("bad")
+    procs = {row: subprocess.Popen(align_cmd(shared, root / str(i), *extra), cwd=ROOT, env=env(), text=True,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for i, (row, (extra, _)) in enumerate(BAD_INPUTS.items())}
+    done = {}
+    for row, p in procs.items():
+        out, err = p.communicate(timeout=600)
+        done[row] = subprocess.CompletedProcess(p.args, p.returncode, out, err)
+    return done
+
+
 @pytest.mark.parametrize("row", list(BAD_INPUTS))
-def test_bad_inputs_stop_with_one_line_before_any_work(row, shared, tmp_path):
-    extra, needles = BAD_INPUTS[row]
-    r = run(shared, tmp_path / "out", *extra)
-    one_line_error(r, *needles)
-    assert "[features]" not in r.stdout and not (tmp_path / "out" / "config.json").exists()
+def test_bad_inputs_stop_with_one_line_before_any_work(row, bad_input_runs):
+    r = bad_input_runs[row]
+    one_line_error(r, *BAD_INPUTS[row][1])
+    assert "[features]" not in r.stdout
 
 
 def test_batch_of_one_is_allowed_where_the_loss_is_per_pair_and_refused_from_too_few_pairs(tmp_path):
@@ -216,8 +231,6 @@ def test_hub_names_never_touch_the_network_when_offline(tmp_path, monkeypatch, s
         encoders.load_hf_text("org/not-downloaded")
     assert "hf download org/not-downloaded" in str(e.value) and time.time() - t0 < 10
     assert connections == [] and len(lookups) <= 1          # a DNS lookup at most, never a connection
-    r = run(shared, tmp_path / "out", "--text-encoder", "org/not-downloaded")   # HF_HUB_OFFLINE=1: the CLI row
-    one_line_error(r, "--text-encoder", "not available offline")
 
 
 # ----------------------------------------------------------------------------- 7 + 9. interrupted and concurrent runs
@@ -248,6 +261,37 @@ def test_a_run_killed_mid_extraction_then_two_concurrent_reruns_match_an_uninter
         assert r.returncode == 0, out[-2000:] + err[-3000:]
         assert metrics(tmp_path / f"run{i}") == reference[1]
     assert not list(cache.glob("features/**/*.tmp*"))                # no half file left behind
+
+
+class CountingEncoder:
+    name, layer, preprocess, fingerprint = "counting", -1, "none", "w0"
+
+    def __init__(self):
+        self.calls = 0
+
+    def encode(self, texts, device="cpu"):
+        self.calls += 1
+        return random_features(len(texts), 3, 4, seed=len(texts))
+
+
+def test_a_run_waits_for_the_run_writing_the_same_cache_file_then_reads_it(tmp_path):
+    """Another run holds the lock of a cache entry: extract() waits, encodes nothing, reads that run's file."""
+    import threading
+    enc, texts = CountingEncoder(), ["x"] * 6
+    parts = dict(encoder=enc.name, weights=enc.fingerprint, layer=-1, preprocess="none", n=6,
+                 dataset="d", split="s", modality="text")
+    key, got, logs = features.cache_key(**parts), [], []
+    theirs = random_features(6, 3, 4, seed=99)
+    with features.file_lock(tmp_path / "locks" / f"{key}.lock"):          # the other run, mid-write
+        t = threading.Thread(target=lambda: got.append(features.extract(enc, texts, tmp_path, dataset="d",
+                                                                       split="s", modality="text")))
+        t.start()
+        time.sleep(0.5)
+        assert t.is_alive() and enc.calls == 0                             # waiting, not encoding
+        features.atomic_save({"key": key, "tokens": theirs.tokens.half(), "mask": theirs.mask,
+                              "pooled": theirs.pooled.half(), "grid": None}, tmp_path / "features" / f"{key}.pt")
+    t.join(30)
+    assert enc.calls == 0 and torch.equal(got[0].tokens, theirs.tokens.half())
 
 
 def test_ctrl_c_mid_training_then_resume_matches_an_uninterrupted_run(reference, shared, tmp_path):
@@ -394,3 +438,14 @@ def test_a_planted_pickle_in_a_checkpoint_is_refused_and_never_run(shared, tmp_p
     r = run(shared, out, *RUN, "--resume")
     one_line_error(r, "refusing to load", str(out / "checkpoint.pt"))
     assert not marker.exists() and "[features]" not in r.stdout
+
+
+def test_the_readme_table_and_this_module_name_the_same_tests():
+    """Every row of README.md's "What happens when..." table names tests of this module, and every test
+    of this module is named there."""
+    section = (ROOT / "README.md").read_text().split("## What happens when...")[1].split("\n## ")[0]
+    rows = [l for l in section.splitlines() if l.startswith("| ") and not l.startswith("| When")]
+    named = {t for row in rows for t in re.findall(r"`(test_\w+)`", row.rsplit("|", 2)[1])}
+    assert len(rows) == 13 and all(re.findall(r"`test_\w+`", row) for row in rows)
+    mine = {n for n in globals() if n.startswith("test_")} - {"test_the_readme_table_and_this_module_name_the_same_tests"}
+    assert named == mine
