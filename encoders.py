@@ -523,6 +523,14 @@ def hf_source(name, flag):
 HF_SAFE = dict(trust_remote_code=False)  # never run a checkpoint's own Python code; weights: safetensors first
 
 
+def remote_code_refused(name, flag, e):
+    """transformers' ValueError for a checkpoint that ships its own code (auto_map), as one line."""
+    if "custom code" not in str(e) and "trust_remote_code" not in str(e):
+        return e
+    return SystemExit(f"error: {flag} {name}: this checkpoint needs its own Python code to load (auto_map in its "
+                      f"config.json); this project never runs a model folder's code (trust_remote_code=False)")
+
+
 class HFImageEncoder:
     """A transformers vision model (DINOv2, ViT, DeiT, BEiT, CLIP vision) -> Features (module notes 1-5)."""
 
@@ -653,6 +661,8 @@ def load_hf_image(name, layer=-1):
             model = AutoModel.from_pretrained(source, **HF_SAFE)
     except OSError:
         raise not_available(name, "--image-encoder") from None
+    except ValueError as e:
+        raise remote_code_refused(name, "--image-encoder", e) from None
     for p in model.parameters():
         p.requires_grad_(False)
     name = str(Path(name).resolve()) if Path(name).is_dir() else name  # the cache key names the checkpoint itself
@@ -673,6 +683,8 @@ def load_hf_text(name, layer=-1):
         tokenizer = AutoTokenizer.from_pretrained(source, **HF_SAFE)
     except OSError:
         raise not_available(name, "--text-encoder") from None
+    except ValueError as e:
+        raise remote_code_refused(name, "--text-encoder", e) from None
     for p in model.parameters():
         p.requires_grad_(False)
     name = str(Path(name).resolve()) if Path(name).is_dir() else name  # the cache key names the checkpoint itself

@@ -449,3 +449,15 @@ def test_the_readme_table_and_this_module_name_the_same_tests():
     assert len(rows) == 13 and all(re.findall(r"`test_\w+`", row) for row in rows)
     mine = {n for n in globals() if n.startswith("test_")} - {"test_the_readme_table_and_this_module_name_the_same_tests"}
     assert named == mine
+
+
+def test_a_model_folder_with_its_own_code_is_refused_and_never_run(tmp_path):
+    marker, folder = tmp_path / "MARKER", tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "evilnet", "auto_map": {
+        "AutoConfig": "code.EvilConfig", "AutoModel": "code.EvilModel"}}))
+    (folder / "code.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    for load, flag in ((encoders.load_hf_image, "--image-encoder"), (encoders.load_hf_text, "--text-encoder")):
+        with pytest.raises(SystemExit, match=f"{flag} {folder}: this checkpoint needs its own Python code"):
+            load(str(folder))
+    assert not marker.exists()
