@@ -252,8 +252,7 @@ def train(method, img, txt, args, out, device, settings=None):
     if not in_range(batch_size, low):
         raise SystemExit(f"error: a batch of {batch_size} pair(s) ({len(img)} alignment pairs): "
                          f"{type(method).__name__} takes batch_size {describe(low)}; use more pairs")
-    settings = {**(settings or {}), **loop,
-                "shapes": {k: list(v.shape) for k, v in method.state_dict().items()}}
+    settings = {**(settings or {}), **loop, **{f"shape.{k}": list(v.shape) for k, v in method.state_dict().items()}}
     opt_cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[d.get("optimizer", "adamw")]
     params = [p for p in method.parameters() if p.requires_grad]
     opt = opt_cls(params, lr=lr, weight_decay=wd, betas=d.get("betas", (0.9, 0.999)))
