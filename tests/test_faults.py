@@ -173,9 +173,13 @@ def bad_input_runs(shared, tmp_path_factory):
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
              for i, (row, (extra, _)) in enumerate(BAD_INPUTS.items())}
     done = {}
-    for row, p in procs.items():
-        out, err = p.communicate(timeout=600)
-        done[row] = subprocess.CompletedProcess(p.args, p.returncode, out, err)
+    try:
+        for row, p in procs.items():
+            out, err = p.communicate(timeout=300)
+            done[row] = subprocess.CompletedProcess(p.args, p.returncode, out, err)
+    finally:
+        for p in procs.values():                             # a run that did not stop (a missed check) ends here
+            p.kill()
     return done
 
 
@@ -250,13 +254,19 @@ def test_a_run_killed_mid_extraction_then_two_concurrent_reruns_match_an_uninter
     log = open(tmp_path / "killed.log", "w")
     p = subprocess.Popen(align_cmd(cache, tmp_path / "killed", *RUN), cwd=ROOT, stdout=log, stderr=log,
                          env=env(ALIGN_MEMMAP_GB="1e-9"))
-    wait_for(p, lambda: list(cache.glob("features/*/00000.pt")))    # the first set done, the others not yet
-    p.kill()
+    try:
+        wait_for(p, lambda: list(cache.glob("features/*/00000.pt")))  # the first set done, the others not yet
+    finally:
+        p.kill()
     p.wait()
     assert not (tmp_path / "killed" / "metrics.json").exists()
     runs = [subprocess.Popen(align_cmd(cache, tmp_path / f"run{i}", *RUN), cwd=ROOT, env=env(),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-    outs = [r.communicate(timeout=900) for r in runs]
+    try:
+        outs = [r.communicate(timeout=900) for r in runs]
+    finally:
+        for r in runs:
+            r.kill()
     for i, (r, (out, err)) in enumerate(zip(runs, outs)):
         assert r.returncode == 0, out[-2000:] + err[-3000:]
         assert metrics(tmp_path / f"run{i}") == reference[1]
@@ -297,9 +307,12 @@ def test_a_run_waits_for_the_run_writing_the_same_cache_file_then_reads_it(tmp_p
 def test_ctrl_c_mid_training_then_resume_matches_an_uninterrupted_run(reference, shared, tmp_path):
     p = subprocess.Popen(align_cmd(shared, tmp_path / "out", *RUN), cwd=ROOT, env=env(),
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for(p, lambda: (tmp_path / "out" / "checkpoint.pt").exists())  # epoch 1 of 3 saved
-    p.send_signal(signal.SIGINT)
-    p.wait()
+    try:
+        wait_for(p, lambda: (tmp_path / "out" / "checkpoint.pt").exists())  # epoch 1 of 3 saved
+        p.send_signal(signal.SIGINT)
+        p.wait(60)
+    finally:
+        p.kill()
     assert p.returncode != 0 and not (tmp_path / "out" / "metrics.json").exists()
     assert torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=True)["epoch"] < 2
     r = run(shared, tmp_path / "out", *RUN, "--resume")
