@@ -62,19 +62,81 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+# Valid ranges: an interval string ("[1, inf)", "(0, 1]") or a tuple of choices. The training
+# loop's settings are checked here; a method declares its hyperparameters' ranges ONCE, next to
+# its defaults, as the class attribute `ranges` (methods/__init__.py), and may override these.
+LOOP_RANGES = dict(epochs="[0, inf)", lr="(0, inf)", weight_decay="[0, inf)",
+                   batch_size="[2, inf)")  # contrastive losses need another pair in the batch as a negative
+FLAGS = dict(epochs="--epochs", batch_size="--batch-size", lr="--lr", weight_decay="--weight-decay")
+
+
+def in_range(value, spec):
+    """value within spec: a tuple of choices, or an interval string such as "[1, inf)"."""
+    if isinstance(spec, (tuple, list)):
+        return value in spec
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    lo, hi = (float(v) for v in spec[1:-1].split(","))
+    return (lo <= value if spec[0] == "[" else lo < value) and (value <= hi if spec[-1] == "]" else value < hi)
+
+
+def describe(spec):
+    return f"one of {', '.join(map(repr, spec))}" if isinstance(spec, (tuple, list)) else f"in {spec}"
+
+
+def checked_value(what, value, default):
+    """value converted to the type of the __init__ default, or a one-line error."""
+    kinds = [(bool, "a boolean (True / False)"), (int, "an integer"), (float, "a number"), (str, "a word")]
+    for kind, words in kinds:
+        if default is not None and isinstance(default, kind):
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                return float(value)
+            if isinstance(value, kind) and (kind is bool or not isinstance(value, bool)):
+                return value
+            sys.exit(f"error: {what}: {words} is expected (the default is {default!r}), not {value!r}")
+    return value  # a None default (e.g. ASIF's n_anchors): the declared range decides
+
+
 def parse_hp(method_cls, items):
-    """--hp NAME=VALUE pairs -> kwargs, checked against the method's __init__ signature."""
-    allowed = [n for n in inspect.signature(method_cls.__init__).parameters if n not in ("self", "d_image", "d_text")]
+    """--hp NAME=VALUE pairs -> kwargs, checked against the method's __init__ signature: the name,
+    the default's type and the range the method declares, before anything runs."""
+    params = inspect.signature(method_cls.__init__).parameters
+    allowed = [n for n in params if n not in ("self", "d_image", "d_text")]
+    ranges = getattr(method_cls, "ranges", {})
     hp = {}
     for item in items:
-        name, sep, value = item.partition("=")
+        name, sep, text = item.partition("=")
         if not sep or name not in allowed:
             sys.exit(f"error: --hp {item!r}: {method_cls.__name__} takes NAME=VALUE with NAME one of {allowed}")
         try:
-            hp[name] = ast.literal_eval(value)
+            value = ast.literal_eval(text)
         except (ValueError, SyntaxError):
-            hp[name] = value  # a bare word, e.g. pooling=mean
+            value = text  # a bare word, e.g. pooling=mean
+        value = checked_value(f"--hp {item}: {method_cls.__name__}'s {name}", value, params[name].default)
+        spec = ranges.get(name)
+        if spec is not None and value is not None and not in_range(value, spec):
+            sys.exit(f"error: --hp {item}: {method_cls.__name__} takes {name} {describe(spec)}")
+        hp[name] = value
     return hp
+
+
+def check_flags(args, method_cls):
+    """The run's numeric flags against their valid ranges, before anything runs."""
+    if args.eval_images is not None and args.eval_images < 1:
+        sys.exit(f"error: --eval-images {args.eval_images}: evaluate on at least 1 image (leave it out for all)")
+    if args.num_pairs is not None and args.num_pairs < 0:
+        sys.exit(f"error: --num-pairs {args.num_pairs}: a count of pairs cannot be negative")
+    if args.threads < 0:
+        sys.exit(f"error: --threads {args.threads}: give a positive count (0 = torch's default)")
+    if not hasattr(method_cls, "loss"):
+        return  # closed form: no training loop
+    ranges = {**LOOP_RANGES, **getattr(method_cls, "ranges", {})}
+    for name, flag in FLAGS.items():
+        value = getattr(args, name)
+        if value is not None and not in_range(value, ranges[name]):
+            why = " (its contrastive loss needs another pair in the batch as a negative: a batch of one gives " \
+                  "loss 0 and nothing learns)" if name == "batch_size" and value < 2 else ""
+            sys.exit(f"error: {flag} {value}: {method_cls.__name__} takes {name} {describe(ranges[name])}{why}")
 
 
 def seed_everything(seed):
@@ -97,9 +159,9 @@ def check_texts(texts, where):
 def load_features(args, device):
     """Everything the method and evaluation need, as Features (encoders run once, then cached)."""
     t0 = time.time()
-    sets = data.DATASETS[args.data](**({"root": args.data_root} if args.data != "shapes" else {}))
     image_enc, text_enc = encoders.load_encoders(args.image_encoder, args.text_encoder, args.cache_dir,
-                                                 args.image_layer, args.text_layer)
+                                                 args.image_layer, args.text_layer)   # a wrong name fails first
+    sets = data.DATASETS[args.data](**({"root": args.data_root} if args.data != "shapes" else {}))
     if args.select_layers:
         encoders.select_layers(image_enc, text_enc, sets["train"], args.select_layers, n=args.select_pairs, device=device)
     ext = lambda enc, inputs, split, modality: features.extract(enc, inputs, args.cache_dir, device=device,
@@ -149,30 +211,66 @@ def alignment_data(args, F):
 # ---------------------------------------------------------------------------
 # The one training loop
 # ---------------------------------------------------------------------------
-def train(method, img, txt, args, out, device):
+def loop_settings(args, defaults):
+    """The training loop's resolved settings: the flags, else the method's defaults."""
+    pick = lambda flag, name, fallback=None: flag if flag is not None else defaults.get(name, fallback)
+    return dict(epochs=pick(args.epochs, "epochs"), batch_size=args.batch_size or defaults.get("batch_size"),
+                lr=pick(args.lr, "lr"), weight_decay=pick(args.weight_decay, "weight_decay", 0.0), seed=args.seed)
+
+
+def load_checkpoint(ckpt, settings):
+    """A --resume checkpoint, refused with one line when it is truncated, holds code, or was
+    written under other settings (listing what differs); only the keys in `settings` are compared."""
+    try:
+        state = features.load_plain(ckpt)
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        sys.exit(f"error: --resume: {ckpt} is truncated or corrupt ({type(e).__name__}); delete it to start over, "
+                 f"or run without --resume")
+    old = state.get("settings") if isinstance(state, dict) else None
+    if old is None:
+        sys.exit(f"error: --resume: {ckpt} records no settings (an older version wrote it), so it cannot be checked "
+                 f"against this run; delete it to start over")
+    diff = [f"{k} {old.get(k)!r} there, {v!r} now" for k, v in settings.items() if old.get(k) != v]
+    if diff:
+        sys.exit(f"error: --resume: {ckpt} was written under other settings: {'; '.join(diff)}. Rerun with its "
+                 f"settings, or without --resume (or with another --out) to start over")
+    return state
+
+
+def train(method, img, txt, args, out, device, settings=None):
     """Mini-batch training of method.loss with the method's optimiser, a cosine schedule,
-    a checkpoint each epoch, --resume, and a clear stop on a non-finite loss."""
+    a checkpoint each epoch, --resume, and a clear stop on a non-finite loss.
+
+    settings: what the run depends on besides the loop's own settings (method, hp, data,
+    encoders' weights, ...); stored in the checkpoint, and a --resume under other settings
+    is refused with what differs (load_checkpoint)."""
     d = dict(method.defaults)
-    batch_size = min(args.batch_size or d["batch_size"], len(img))
+    loop = loop_settings(args, d)
+    lr, wd = loop["lr"], loop["weight_decay"]
+    batch_size = min(loop["batch_size"], len(img))
+    low = getattr(method, "ranges", {}).get("batch_size", LOOP_RANGES["batch_size"])
+    if not in_range(batch_size, low):
+        raise SystemExit(f"error: a batch of {batch_size} pair(s) ({len(img)} alignment pairs): "
+                         f"{type(method).__name__} takes batch_size {describe(low)}; use more pairs")
     steps_per_epoch = len(img) // batch_size  # drop the last partial batch: InfoNCE wants full batches
-    if args.epochs is not None:
-        epochs = args.epochs
-    else:  # a method's default is epochs, or a step budget whatever the data size (methods/__init__.py)
-        epochs = d["epochs"] if "epochs" in d else math.ceil(d["steps"] / steps_per_epoch)
-    lr = args.lr if args.lr is not None else d["lr"]
-    wd = args.weight_decay if args.weight_decay is not None else d.get("weight_decay", 0.0)
+    # a method's default is epochs, or a step budget whatever the data size (methods/__init__.py)
+    epochs = loop["epochs"] if loop["epochs"] is not None else math.ceil(d["steps"] / steps_per_epoch)
+    settings = {**(settings or {}), **loop, **{f"shape.{k}": list(v.shape) for k, v in method.state_dict().items()}}
     opt_cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[d.get("optimizer", "adamw")]
     params = [p for p in method.parameters() if p.requires_grad]
     opt = opt_cls(params, lr=lr, weight_decay=wd, betas=d.get("betas", (0.9, 0.999)))
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, epochs * steps_per_epoch))
-    start, ckpt = 0, out / "checkpoint.pt"
+    start, ckpt, last = 0, out / "checkpoint.pt", None
     if args.resume and ckpt.exists():
-        state = torch.load(ckpt, map_location=device, weights_only=False)
+        state = load_checkpoint(ckpt, settings)
         method.load_state_dict(state["method"])
         opt.load_state_dict(state["opt"])
         sched.load_state_dict(state["sched"])
-        start = state["epoch"] + 1
+        torch.set_rng_state(state["rng"])                    # dropout continues as in an uninterrupted run
+        start, last = state["epoch"] + 1, state.get("loss")
         print(f"[train] resumed from {ckpt} after epoch {start}")
+    elif args.resume:
+        print(f"[train] --resume: no checkpoint at {ckpt} yet; starting at epoch 1")
     print(f"[train] {epochs} epochs x {steps_per_epoch} steps, batch {batch_size}, {opt_cls.__name__} lr {lr:g} wd {wd:g}")
     t0, loss = time.time(), torch.tensor(float("nan"))
     for epoch in range(start, epochs):
@@ -198,9 +296,10 @@ def train(method, img, txt, args, out, device):
         dt = time.time() - t_epoch
         print(f"[train] epoch {epoch + 1:3d}/{epochs}  loss {total / max(1, steps_per_epoch):.4f}  "
               f"{steps_per_epoch / max(dt, 1e-9):.1f} steps/s  {time.time() - t0:.0f}s")
-        features.atomic_save({"method": method.state_dict(), "opt": opt.state_dict(),
-                              "sched": sched.state_dict(), "epoch": epoch}, ckpt)
-    return {"seconds": round(time.time() - t0, 2), "final_loss": float(loss.item()) if epochs > start else None}
+        last = float(loss.item())
+        features.atomic_save({"method": method.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                              "epoch": epoch, "rng": torch.get_rng_state(), "loss": last, "settings": settings}, ckpt)
+    return {"seconds": round(time.time() - t0, 2), "final_loss": last}  # a resumed finished run: the checkpoint's
 
 
 # ---------------------------------------------------------------------------
@@ -235,6 +334,15 @@ def evaluate_all(method, F, args, out, device):
     return metrics
 
 
+def run_settings(args, method_cls, hp):
+    """What a checkpoint depends on besides the loop's settings (compared on --resume)."""
+    params = inspect.signature(method_cls.__init__).parameters
+    full_hp = {n: p.default for n, p in params.items() if n not in ("self", "d_image", "d_text")} | hp
+    return dict(method=args.method, data=args.data, image_encoder=args.image_encoder, text_encoder=args.text_encoder,
+                image_layer=args.image_layer, text_layer=args.text_layer, select_layers=args.select_layers,
+                align_data=args.align_data, num_pairs=args.num_pairs, **{f"hp.{k}": v for k, v in full_hp.items()})
+
+
 def main(argv=None):
     args = parse_args(argv)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
@@ -243,12 +351,21 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out or f"results/{args.method}-{args.data}-seed{args.seed}")
-    out.mkdir(parents=True, exist_ok=True)
     method_cls = METHODS[args.method]
-    hp = parse_hp(method_cls, args.hp)
+    hp = parse_hp(method_cls, args.hp)              # every bad input stops here, before any long work
+    check_flags(args, method_cls)
+    for name, flag in ((args.image_encoder, "--image-encoder"), (args.text_encoder, "--text-encoder")):
+        encoders.check_path(name, flag)
+    features.check_writable(args.cache_dir, "--cache-dir")
+    features.check_writable(out, "--out")
+    settings = run_settings(args, method_cls, hp)
+    if args.resume and (out / "checkpoint.pt").exists():   # refuse a wrong checkpoint before the features
+        loop = {k: v for k, v in loop_settings(args, method_cls.defaults).items()
+                if not isinstance(v, str)}                 # a default set per instance (SAIL's lr) is checked in train()
+        load_checkpoint(out / "checkpoint.pt", {**settings, **loop})
     config = dict(vars(args), device=device, hp=hp, out=str(out), method_defaults=method_cls.defaults)
     print("[config] " + json.dumps(config, default=str))
-    (out / "config.json").write_text(json.dumps(config, indent=2, default=str))
+    features.atomic_write_text(json.dumps(config, indent=2, default=str), out / "config.json")
 
     F = load_features(args, device)
     head_rows_only = args.align_data == "weights" or (args.align_data == "weights+pairs" and args.num_pairs == 0)
@@ -258,6 +375,9 @@ def main(argv=None):
     img, txt = alignment_data(args, F)
     seed_everything(args.seed)
     method = method_cls(F["train", "image"].pooled.shape[-1], F["train", "text"].pooled.shape[-1], **hp).to(device)
+    settings.update(image_layer_used=F["image_encoder"].layer, text_layer_used=F["text_encoder"].layer,  # --select-layers
+                    image_weights=getattr(F["image_encoder"], "fingerprint", None),
+                    text_weights=getattr(F["text_encoder"], "fingerprint", None))
     print(f"[method] {args.method}: {sum(p.numel() for p in method.parameters() if p.requires_grad):,} trainable parameters, "
           f"{len(img)} alignment pairs ({args.align_data})")
     metrics = {"train": {"seconds": 0.0, "final_loss": None}}
@@ -267,16 +387,16 @@ def main(argv=None):
         metrics["train"] = {"seconds": round(time.time() - t0, 2), "final_loss": None}
     if hasattr(method, "loss"):
         try:
-            metrics["train"] = train(method, img, txt, args, out, device)
+            metrics["train"] = train(method, img, txt, args, out, device, settings)
         except FloatingPointError as e:
             sys.exit(f"error: {e}")
-    torch.save(method.state_dict(), out / "method.pt")
+    features.atomic_save(method.state_dict(), out / "method.pt")
     metrics.update(evaluate_all(method, F, args, out, device))
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))  # saved before anything else can fail
+    features.atomic_write_text(json.dumps(metrics, indent=2), out / "metrics.json")  # before anything else can fail
     print(evaluate.results_table(metrics))
     if args.analyses:
         metrics["recycling"] = recycling_analyses(F, args, device)
-        (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        features.atomic_write_text(json.dumps(metrics, indent=2), out / "metrics.json")
     print(f"[done] results in {out}/")
     return metrics
 

@@ -8,13 +8,17 @@ transformers models, torchvision classifiers); layer selection; load_encoders.
 The feature cache (extract, shards, StoredFeatures) is in features.py; the
 similarity measures layer selection uses (CKA, mutual kNN) in similarity.py.
 Every encoder has .name, .layer, .dim, .preprocess (a string in the cache key),
+.fingerprint (its weights', also in the cache key: see "Weights fingerprints"),
 .encode(batch, device) -> Features, .pooled_layers(batch, device) -> {layer: (B, D)};
 text encoders .words(texts); image encoders .head().
 """
 
 import contextlib
+import hashlib
 import math
 import os
+import pickle
+import re
 import time
 from pathlib import Path
 
@@ -23,7 +27,56 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from features import Features, atomic_save, safe_load
+from features import Features, atomic_save, file_lock, safe_load
+
+
+# ---------------------------------------------------------------------------
+# Weights fingerprints: what the feature cache is keyed by, besides the name
+# ---------------------------------------------------------------------------
+# The same name can hold other weights (a re-pretrained tiny encoder, another
+# revision downloaded into the same folder), so features are keyed by the weights:
+# - the tiny encoders: a hash of their state_dict (and vocabulary), exact;
+# - a Hugging Face snapshot folder (hub cache) or a model loaded by hub name: its
+#   commit hash, as the Hugging Face cache itself keys files by revision;
+# - any other model folder: every file's name and size, plus its content hash
+#   (files up to 16 MB: config, tokenizer, small weights) or, for larger weight
+#   files, its modification time and a hash of its first and last MB: reading a
+#   1.2 GB checkpoint in full on every run would cost seconds, while another
+#   revision written into the folder changes the mtime (and nearly always the size
+#   or the first tensors);
+# - torchvision: the weights enum and its URL (whose name carries the file's hash).
+FULL_HASH_BYTES = 16 * 2**20
+
+
+def state_fingerprint(state, *extra):
+    """sha1 of a state_dict's names, dtypes, shapes and values (plus extra plain values), exact."""
+    h = hashlib.sha1()
+    for name, t in sorted(state.items()):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())       # the raw bytes, any dtype
+    for e in extra:
+        h.update(repr(e).encode())
+    return h.hexdigest()[:16]
+
+
+def folder_fingerprint(folder):
+    """The weights fingerprint of a model folder (module comment above)."""
+    folder = Path(folder).absolute()
+    if folder.parent.name == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", folder.name):
+        return f"commit {folder.name}"                                    # a Hugging Face cache snapshot
+    h = hashlib.sha1()
+    for f in sorted(p for p in folder.iterdir() if p.is_file()):
+        st = f.stat()
+        h.update(f"{f.name} {st.st_size}".encode())
+        with open(f, "rb") as fh:
+            if st.st_size <= FULL_HASH_BYTES:
+                h.update(fh.read())
+            else:
+                h.update(f" {st.st_mtime_ns}".encode() + fh.read(2**20))
+                fh.seek(-2**20, os.SEEK_END)
+                h.update(fh.read())
+    return "files " + h.hexdigest()[:16]
 
 
 SPECIALS = ["[PAD]", "[CLS]", "[MASK]", "[UNK]"]
@@ -210,6 +263,7 @@ class ShapesImageEncoder:
     def __init__(self, model, layer=-1):
         self.model, self.layer = model.eval(), layer
         self.preprocess = "uint8/255, mean 0.5, std 0.25"
+        self.fingerprint = state_fingerprint(model.state_dict())
 
     @property
     def dim(self):
@@ -246,6 +300,7 @@ class ShapesTextEncoder:
         self.model, self.tokenizer, self.layer = model.eval(), tokenizer, layer
         self.dim = model.embed.embedding_dim
         self.preprocess = "lowercase words"
+        self.fingerprint = state_fingerprint(model.state_dict(), tokenizer.vocab)
 
     @torch.no_grad()
     def encode(self, texts, device="cpu"):
@@ -274,6 +329,11 @@ class ShapesTextEncoder:
 
 def load_shapes_encoders(cache_dir, seed=0, image_layer=-1, text_layer=-1, log=print):
     """The two tiny encoders, pretrained unimodally on first use and cached in cache_dir/encoders."""
+    with file_lock(Path(cache_dir) / "locks" / f"shapes-encoders-seed{seed}.lock", log):  # concurrent runs pretrain once
+        return _load_shapes_encoders(cache_dir, seed, image_layer, text_layer, log)
+
+
+def _load_shapes_encoders(cache_dir, seed, image_layer, text_layer, log):
     path_i = Path(cache_dir) / "encoders" / f"shapes-cnn-seed{seed}.pt"
     path_t = Path(cache_dir) / "encoders" / f"shapes-text-seed{seed}.pt"
     import data
@@ -388,7 +448,7 @@ def hf_preprocess(source, config):
     from transformers import AutoImageProcessor
     size = getattr(config, "image_size", 224)
     try:
-        p = AutoImageProcessor.from_pretrained(source)
+        p = AutoImageProcessor.from_pretrained(source, **HF_SAFE)
     except (OSError, ValueError):
         return ImagePreprocess(round(size * 256 / 224), size)  # the ViT default, scaled to the model
     crop = p.crop_size if getattr(p, "do_center_crop", False) else p.size
@@ -405,18 +465,71 @@ def not_available(name, flag):
         f"(huggingface_hub < 1.0: huggingface-cli download ...), copy {local} here and pass {flag} {local}.")
 
 
+def looks_like_path(name):
+    """A name written as a filesystem path (absolute, ~, ./ or ../), never a hub name."""
+    return os.path.isabs(name) or name in (".", "..") or name.startswith(("./", "../", "~", ".\\", "..\\"))
+
+
+def hub_unreachable(timeout=3.0):
+    """True when the hub must not or cannot be contacted: HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE set,
+    or its host name does not resolve (a machine without network). Only a DNS lookup, no connection;
+    without it transformers retries a HEAD request five times (~40 s) before failing."""
+    if any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+           for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
+        return True
+    import socket
+    import threading
+    from urllib.parse import urlparse
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname
+    found = []
+
+    def resolve():
+        try:
+            found.append(bool(socket.getaddrinfo(host, 443)))
+        except OSError:
+            pass
+    lookup = threading.Thread(target=resolve, daemon=True)                # a resolver that hangs: give up after timeout
+    lookup.start()
+    lookup.join(timeout)
+    return not found
+
+
+def check_path(name, flag):
+    """A name written as a path must be an existing directory: say so at once, before any long work."""
+    if looks_like_path(name) and not Path(name).expanduser().is_dir():
+        raise SystemExit(f"error: {flag} {name}: no such directory")
+
+
 def hf_source(name, flag):
-    """A local directory, or a hub name found in the local Hugging Face cache; else the offline error."""
-    if Path(name).is_dir():
-        return str(name)
+    """Where a model is read from, without touching the network when it is on disk:
+    a local directory; a hub name found in the local Hugging Face cache -> its snapshot
+    folder (loaded from there, so transformers makes no request); else the hub name
+    itself when the hub is reachable (from_pretrained downloads it). A path that does not
+    exist says so; an unreachable hub gives the offline error at once."""
+    check_path(name, flag)
+    if Path(name).expanduser().is_dir():
+        return str(Path(name).expanduser())
     try:
         from huggingface_hub import try_to_load_from_cache
         cached = try_to_load_from_cache(name, "config.json")  # looks on disk only
-    except Exception:
+    except Exception:  # not a valid hub name either
         cached = None
-    if isinstance(cached, str) or os.environ.get("HF_HUB_OFFLINE", "0") in ("0", "", "false", "False"):
-        return name  # cached, or the user is online: from_pretrained finds / downloads it
-    raise not_available(name, flag)
+    if isinstance(cached, str):
+        return str(Path(cached).parent)                       # .../snapshots/<commit>
+    if hub_unreachable():
+        raise not_available(name, flag)
+    return name
+
+
+HF_SAFE = dict(trust_remote_code=False)  # never run a checkpoint's own Python code; weights: safetensors first
+
+
+def remote_code_refused(name, flag, e):
+    """transformers' ValueError for a checkpoint that ships its own code (auto_map), as one line."""
+    if "custom code" not in str(e) and "trust_remote_code" not in str(e):
+        return e
+    return SystemExit(f"error: {flag} {name}: this checkpoint needs its own Python code to load (auto_map in its "
+                      f"config.json); this project never runs a model folder's code (trust_remote_code=False)")
 
 
 class HFImageEncoder:
@@ -524,46 +637,61 @@ class HFTextEncoder:
         return [self.tokenizer.convert_ids_to_tokens(i) for i in ids]
 
 
+def hf_fingerprint(source, model):
+    """A model folder's fingerprint, or the commit a hub download resolved to."""
+    if Path(source).is_dir():
+        return folder_fingerprint(source)
+    return f"commit {getattr(model.config, '_commit_hash', None) or source}"
+
+
 def load_hf_image(name, layer=-1):
     from transformers import AutoConfig, AutoModel, AutoModelForImageClassification, CLIPVisionModel
     source = hf_source(name, "--image-encoder")
     try:
-        config = AutoConfig.from_pretrained(source)
+        config = AutoConfig.from_pretrained(source, **HF_SAFE)
         if config.model_type not in IMAGE_FAMILIES:
             raise SystemExit(f"error: {name} is a {config.model_type!r} model; image encoders: {sorted(IMAGE_FAMILIES)}")
         classifier, names = None, None
         if config.model_type in ("clip", "clip_vision_model"):
-            model = CLIPVisionModel.from_pretrained(source)
+            model = CLIPVisionModel.from_pretrained(source, **HF_SAFE)
         elif any(a.endswith("ForImageClassification") for a in (config.architectures or [])):
-            full = AutoModelForImageClassification.from_pretrained(source)   # keep the head (e.g. ImageNet-21K)
+            full = AutoModelForImageClassification.from_pretrained(source, **HF_SAFE)   # keep the head (e.g. ImageNet-21K)
             model, classifier = full.base_model, full.classifier
             names = [full.config.id2label[i] for i in range(len(full.config.id2label))]
         else:
-            model = AutoModel.from_pretrained(source)
+            model = AutoModel.from_pretrained(source, **HF_SAFE)
     except OSError:
         raise not_available(name, "--image-encoder") from None
+    except ValueError as e:
+        raise remote_code_refused(name, "--image-encoder", e) from None
     for p in model.parameters():
         p.requires_grad_(False)
     name = str(Path(name).resolve()) if Path(name).is_dir() else name  # the cache key names the checkpoint itself
-    return HFImageEncoder(name, model, hf_preprocess(source, model.config), layer, classifier, names)
+    enc = HFImageEncoder(name, model, hf_preprocess(source, model.config), layer, classifier, names)
+    enc.fingerprint = hf_fingerprint(source, model)
+    return enc
 
 
 def load_hf_text(name, layer=-1):
     from transformers import AutoConfig, AutoModel, AutoTokenizer, CLIPTextModel
     source = hf_source(name, "--text-encoder")
     try:
-        config = AutoConfig.from_pretrained(source)
+        config = AutoConfig.from_pretrained(source, **HF_SAFE)
         if config.model_type not in TEXT_FAMILIES:
             raise SystemExit(f"error: {name} is a {config.model_type!r} model; text encoders: {sorted(TEXT_FAMILIES)}")
         clip = config.model_type in ("clip", "clip_text_model")
-        model = (CLIPTextModel if clip else AutoModel).from_pretrained(source)
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = (CLIPTextModel if clip else AutoModel).from_pretrained(source, **HF_SAFE)
+        tokenizer = AutoTokenizer.from_pretrained(source, **HF_SAFE)
     except OSError:
         raise not_available(name, "--text-encoder") from None
+    except ValueError as e:
+        raise remote_code_refused(name, "--text-encoder", e) from None
     for p in model.parameters():
         p.requires_grad_(False)
     name = str(Path(name).resolve()) if Path(name).is_dir() else name  # the cache key names the checkpoint itself
-    return HFTextEncoder(name, model, tokenizer, layer)
+    enc = HFTextEncoder(name, model, tokenizer, layer)
+    enc.fingerprint = hf_fingerprint(source, model)
+    return enc
 
 
 class TorchvisionEncoder:
@@ -624,8 +752,15 @@ def load_torchvision(name, layer=-1, weights="DEFAULT"):
         raise SystemExit(f"error: {name}: the torchvision encoder takes ResNet-family classifiers "
                          f"(resnet50, resnext50_32x4d, wide_resnet50_2, ...)")
     try:
-        meta = torchvision.models.get_model_weights(arch).DEFAULT
-        model = torchvision.models.get_model(arch, weights=weights)
+        enum = torchvision.models.get_model_weights(arch)
+        meta = enum.DEFAULT if weights == "DEFAULT" else enum[weights]
+        model = torchvision.models.get_model(arch, weights=None)
+        # torchvision's own loader unpickles with weights_only=False; load the same file safely
+        model.load_state_dict(meta.get_state_dict(progress=False, check_hash=True, weights_only=True))
+    except pickle.UnpicklingError:
+        raise SystemExit(f"error: refusing to load the weights file of {name} ({meta.url.rsplit('/', 1)[-1]} in "
+                         f"$TORCH_HOME/hub/checkpoints): it holds pickled Python objects besides tensors, and "
+                         f"unpickling them could run code. Delete it and download it again.") from None
     except Exception as e:  # no network and no file in $TORCH_HOME/hub/checkpoints
         raise SystemExit(
             f"error: the weights of {name} are not available offline ({type(e).__name__}). On a machine with network "
@@ -636,7 +771,9 @@ def load_torchvision(name, layer=-1, weights="DEFAULT"):
         p.requires_grad_(False)
     t = meta.transforms()
     transform = ImagePreprocess(t.resize_size[0], t.crop_size[0], tuple(t.mean), tuple(t.std), resample=2)
-    return TorchvisionEncoder(arch, model, layer, transform, meta.meta["categories"])
+    enc = TorchvisionEncoder(arch, model, layer, transform, meta.meta["categories"])
+    enc.fingerprint = f"{meta} {meta.url}"   # the weights enum, e.g. ResNet50_Weights.IMAGENET1K_V2, and its file
+    return enc
 
 
 # ---------------------------------------------------------------------------

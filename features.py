@@ -8,11 +8,15 @@ COCO-scale sets, memory-mapped shards read back as StoredFeatures.
 Shape alphabet (used in every file): B batch, T tokens, D features,
 K anchors / output dim, Q regions, L words, C classes, H x W patch grid.
 """
+import contextlib
+import errno
 import hashlib
 import json
 import math
 import mmap
 import os
+import pickle
+import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -79,31 +83,120 @@ class Features:
 
 
 # ---------------------------------------------------------------------------
-# Writing and reading cache files
+# Writing and reading cache files: atomic, locked, and never unpickling code
 # ---------------------------------------------------------------------------
+# Every file this project writes holds only tensors and plain values (dict, list,
+# tuple, str, int, float, bool, None), so every file is read with
+# torch.load(weights_only=True): a cache folder or checkpoint someone else made
+# cannot run code here. A file that needs more is refused, never loaded.
+def no_space(folder):
+    return SystemExit(f"error: no space left in {folder}: free some space there, or point "
+                      f"--cache-dir / --out at a disk with room, then rerun (finished work is kept)")
+
+
 def atomic_save(obj, path):
-    """torch.save to a temporary name, then rename: an interrupted run leaves no half file."""
+    """torch.save to a temporary name, then rename: an interrupted run leaves no half file.
+
+    The temporary file is removed when the save fails (Ctrl-C, disk full); a full disk
+    stops the run with one line naming the folder."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:  # through a Python file, so a full disk raises OSError(ENOSPC)
+            torch.save(obj, f)
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise no_space(path.parent) from None
+        raise
+
+
+def atomic_write_text(text, path):
+    """Path.write_text through a temporary name and a rename (config.json, metrics.json)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise no_space(path.parent) from None
+        raise
+
+
+def load_plain(path):
+    """torch.load(weights_only=True); a file holding anything but tensors and plain values is
+    refused with one line (unpickling it could run code). Other errors (a truncated file) propagate."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise SystemExit(f"error: refusing to load {path}: it holds pickled Python objects besides tensors and "
+                         f"plain values, and unpickling them could run code. This project never writes such "
+                         f"files; delete it (a cache file is rebuilt) and find out where it came from.") from None
 
 
 def safe_load(path, expect_key=None):
-    """Load a cache file, or None when missing, unreadable or written for another key (then it is rebuilt)."""
+    """Load a cache file, or None when missing, unreadable or written for another key (then it is rebuilt).
+
+    A file that would need code to unpickle stops the run (load_plain), it is never rebuilt over silently."""
     path = Path(path)
     if not path.exists():
         return None
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # truncated / corrupt file
+        obj = load_plain(path)
+    except (RuntimeError, EOFError, OSError, ValueError) as e:  # truncated / corrupt file
         print(f"[cache] {path} is unreadable ({type(e).__name__}); rebuilding it")
         return None
     if expect_key is not None and (not isinstance(obj, dict) or obj.get("key") != expect_key):
         print(f"[cache] {path} was written for other settings; rebuilding it")
         return None
     return obj
+
+
+@contextlib.contextmanager
+def file_lock(path, log=print):
+    """Hold an exclusive lock on `path` (a lock file) across processes, e.g. two runs sharing a cache:
+    the second waits until the first has written what both need, then reads it. The kernel
+    releases the lock when a process dies, so a killed run never blocks the next one.
+    A no-op where fcntl is missing (Windows): there, do not share a cache between concurrent runs."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"[cache] another run is writing {path.stem}; waiting for it")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def check_writable(folder, flag):
+    """Stop with one line naming the folder when it cannot be written (read-only, full, not a
+    folder), before any long work: a probe file of 1 MB is written, synced and removed."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-probe-") as f:
+            f.write(b"\0" * 2**20)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise SystemExit(f"error: {flag} {folder} is full (no space left on its disk); free some space "
+                             f"or pass {flag} on another disk") from None
+        why = "is on a read-only file system" if e.errno == errno.EROFS else f"cannot be written ({e.strerror})"
+        raise SystemExit(f"error: {flag} {folder} {why}; pass {flag} a folder you can write to") from None
 
 
 # ---------------------------------------------------------------------------
@@ -117,7 +210,11 @@ SHARD_BYTES = 256 * 2**20                                                    # a
 
 
 def cache_key(**parts):
-    """A readable file stem plus a hash of every setting, so a changed setting never reads stale features."""
+    """A readable file stem plus a hash of every setting, so a changed setting never reads stale features.
+
+    extract() puts the encoder's weights fingerprint in it (encoders.py: the tiny encoders'
+    content hash, a Hugging Face snapshot's commit or its files' hashes, torchvision's weights
+    enum), so new weights under the same name never read the old weights' features."""
     text = repr(sorted(parts.items()))
     return f"{parts.get('dataset')}-{parts.get('split')}-{parts.get('modality')}-" + hashlib.sha1(text.encode()).hexdigest()[:12]
 
@@ -136,7 +233,7 @@ class StoredFeatures:
         self.tokens_files, self.offsets, metas = [], [], []
         for s in range(plan["n_shards"]):
             self.tokens_files.append(np.load(Path(folder) / f"{s:05d}.tokens.npy", mmap_mode="r"))  # (sum_len_s, D) fp16
-            metas.append(torch.load(Path(folder) / f"{s:05d}.pt", weights_only=False))
+            metas.append(load_plain(Path(folder) / f"{s:05d}.pt"))
             self.offsets.append([0] + metas[-1]["lengths"].cumsum(0).tolist())                  # row r: [off[r], off[r+1])
         self.starts = torch.tensor([0] + [len(m["lengths"]) for m in metas]).cumsum(0)          # (S + 1,) first row of shard
         self.pooled = torch.cat([m["pooled"] for m in metas])                                   # (N, D) fp16
@@ -253,8 +350,14 @@ def extract_shards(encoder, inputs, folder, key, batch_size, device, first=None,
         parts = [half(first if (i == 0 and first is not None) else batch(i)) for i in range(start, stop, batch_size)]
         f = Features.cat(parts)
         tmp = folder / f"{s:05d}.tokens.tmp{os.getpid()}.npy"
-        np.save(tmp, f.tokens[f.mask].numpy())                                   # (sum of lengths, D), ragged
-        os.replace(tmp, folder / f"{s:05d}.tokens.npy")
+        try:
+            np.save(tmp, f.tokens[f.mask].numpy())                               # (sum of lengths, D), ragged
+            os.replace(tmp, folder / f"{s:05d}.tokens.npy")
+        except BaseException as e:
+            tmp.unlink(missing_ok=True)
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise no_space(folder) from None
+            raise
         atomic_save({"key": key, "lengths": f.mask.sum(1), "pooled": f.pooled, "grid": f.grid}, meta)  # marks it done
         done += stop - start
         log(f"[features] {folder.name}: shard {s + 1}/{plan['n_shards']} ({stop}/{len(inputs)} rows, "
@@ -265,23 +368,30 @@ def extract_shards(encoder, inputs, folder, key, batch_size, device, first=None,
 def extract(encoder, inputs, cache_dir, batch_size=256, device="cpu", **key_parts):
     """Features of all inputs (images or texts), from the cache when present.
 
-    Stored fp16 (tokens, pooled) with the mask and grid; written atomically; a file
-    that is unreadable or was written for other settings is rebuilt, never read.
+    Stored fp16 (tokens, pooled) with the mask and grid; written atomically under a
+    per-key lock (concurrent runs sharing cache_dir wait for one writer); a file that is
+    unreadable or was written for other settings is rebuilt, never read.
     Sets larger than MEMMAP_BYTES come back as StoredFeatures (memory-mapped shards).
     """
-    key = cache_key(encoder=encoder.name, layer=encoder.layer, preprocess=encoder.preprocess, n=len(inputs), **key_parts)
+    key = cache_key(encoder=encoder.name, weights=getattr(encoder, "fingerprint", None), layer=encoder.layer,
+                    preprocess=encoder.preprocess, n=len(inputs), **key_parts)
     path = Path(cache_dir) / "features" / f"{key}.pt"
     folder = Path(cache_dir) / "features" / key
-    saved = safe_load(path, expect_key=key)
+    saved = safe_load(path, expect_key=key)                 # a renamed file is complete: no lock to read it
     if saved is not None:
         return Features(saved["tokens"], saved["mask"], saved["pooled"], saved["grid"])
-    if (folder / "plan.json").exists():                                          # a large set: done or interrupted
-        return extract_shards(encoder, inputs, folder, key, batch_size, device)
-    first = encoder.encode(inputs[:batch_size], device)
-    if len(inputs) * 2 * first.tokens.shape[1] * first.tokens.shape[2] > MEMMAP_BYTES:
-        return extract_shards(encoder, inputs, folder, key, batch_size, device, first)
-    parts = [first] + [encoder.encode(inputs[i:i + batch_size], device) for i in range(batch_size, len(inputs), batch_size)]
-    feats = Features.cat(parts)
-    atomic_save({"key": key, "tokens": feats.tokens.half(), "mask": feats.mask, "pooled": feats.pooled.half(),
-                 "grid": feats.grid}, path)
+    with file_lock(Path(cache_dir) / "locks" / f"{key}.lock"):   # one writer per key; others wait, then read
+        saved = safe_load(path, expect_key=key)             # another run may have written it meanwhile
+        if saved is not None:
+            return Features(saved["tokens"], saved["mask"], saved["pooled"], saved["grid"])
+        if (folder / "plan.json").exists():                                      # a large set: done or interrupted
+            return extract_shards(encoder, inputs, folder, key, batch_size, device)
+        first = encoder.encode(inputs[:batch_size], device)
+        if len(inputs) * 2 * first.tokens.shape[1] * first.tokens.shape[2] > MEMMAP_BYTES:
+            return extract_shards(encoder, inputs, folder, key, batch_size, device, first)
+        parts = [first] + [encoder.encode(inputs[i:i + batch_size], device)
+                           for i in range(batch_size, len(inputs), batch_size)]
+        feats = Features.cat(parts)
+        atomic_save({"key": key, "tokens": feats.tokens.half(), "mask": feats.mask, "pooled": feats.pooled.half(),
+                     "grid": feats.grid}, path)
     return Features(feats.tokens.half(), feats.mask, feats.pooled.half(), feats.grid)

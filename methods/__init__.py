@@ -7,6 +7,11 @@ The interface (duck-typed; align.py and evaluate.py use only this):
                                                        # optimizer ("adam" | "adamw"), optional betas, grad_clip;
                                                        # "steps" instead of "epochs": a step budget whatever the
                                                        # data size, epochs = ceil(steps / steps per epoch)
+    method.ranges -> dict                              # valid values, declared once next to the defaults:
+                                                       # {hp name or loop setting: "[lo, hi)" interval | (choices)};
+                                                       # align.py checks every --hp (type of the __init__ default,
+                                                       # then range) and --batch-size / --lr / ... before anything
+                                                       # runs. Loop default: batch_size "[2, inf)" (contrastive).
     method.fit(img, txt)            # optional: closed-form methods (CSA, ASIF); img, txt = Features of all train pairs
     method.loss(img, txt) -> (loss, logs)   # optional: trained methods; img, txt = Features of a batch of pairs
     method.embed_image(img) -> emb  # (B, K) global, or (B, Q, K) token-level (CoV)

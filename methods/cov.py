@@ -192,6 +192,10 @@ class CoV(nn.Module):
                     batch_size=128,    # digest (efficiency table)
                     weight_decay=1e-4,  # digest
                     optimizer="adam")  # digest (cosine annealing)
+    ranges = dict(dim="[1, inf)", n_regions="[1, inf)", n_heads="[1, inf)", n_points="[1, inf)",
+                  eps="[0, 1]",  # Eq. (3) thresholds the min-max normalised attention: eps > 1 keeps no patch
+                  tau="(0, inf)", tau_1="(0, inf)", tau_g="(0, inf)", lambda_g="[0, inf)", lambda_v="[0, inf)",
+                  lambda_c="[0, inf)", score_chunk="[1, inf)")  # valid --hp values (align.py)
 
     def __init__(self, d_image, d_text,
                  dim=512,            # digest: 512-d shared space

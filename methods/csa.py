@@ -135,6 +135,7 @@ def select_ridge(X, Y, d, ridges=RIDGES, held_out=0.2, max_held_out=2000, seed=0
 
 class CSA(nn.Module):
     defaults = dict(epochs=0)  # closed form: fit() only, no training loop
+    ranges = dict(d="[1, inf)", ridge="[0, inf)")  # valid --hp values (align.py)
 
     def __init__(self, d_image, d_text, d=200, ridge="auto", normalize=True):  # d: weight-recycling App. E;
         super().__init__()                                                           # ridge, normalize: choices 3, 2

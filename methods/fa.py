@@ -114,6 +114,7 @@ class FA(nn.Module):
                     batch_size=1800,    # batch_size_train: 1800 per GPU (x 8 GPUs)
                     weight_decay=0.02,  # optimizer: weight_decay 0.02
                     optimizer="adamw")
+    ranges = dict(K="[1, inf)", dropout="[0, 1)", tau_init="(0, inf)", dense=("local", "sum"))  # valid --hp
 
     def __init__(self, d_image, d_text,
                  K=512,            # PAL Table 1 parameter count (choice 1); code config: 1024

@@ -41,6 +41,7 @@ def token_max(x, y):
 
 class FILIP(nn.Module):
     defaults = dict(lr=3e-3, epochs=30, batch_size=128, weight_decay=1e-4, optimizer="adam")  # as CoV here
+    ranges = dict(K="[1, inf)", tau="(0, inf)", score_chunk="[1, inf)")  # valid --hp values (align.py)
 
     def __init__(self, d_image, d_text,
                  K=512,              # shared dim, as CoV

@@ -27,6 +27,7 @@ def info_nce(h_v, h_l, tau):
 
 class Linear(nn.Module):
     defaults = dict(lr=1e-3, epochs=20, batch_size=256, weight_decay=1e-4, optimizer="adamw")
+    ranges = dict(K="[1, inf)", tau="(0, inf)")  # valid --hp values (align.py)
 
     def __init__(self, d_image, d_text, K=512, tau=0.05):  # K, tau: STRUCTURE §4
         super().__init__()

@@ -60,6 +60,8 @@ import torch.nn.functional as F
 class MLP(nn.Module):
     # weight-recycling reference code: Adam, lr 5e-3, no weight decay, batch 512; a 400-step budget (choice 4)
     defaults = dict(lr=5e-3, steps=400, batch_size=512, weight_decay=0.0, optimizer="adam")
+    ranges = dict(hidden_mult="[1, inf)", dropout="[0, 1)", text_input=("raw", "l2"),  # valid --hp values (align.py)
+                  batch_size="[1, inf)")  # loss 1 - cos is per pair, no negatives: a batch of one still learns
 
     def __init__(self, d_image, d_text, hidden_mult=4, dropout=0.5,  # App. E: hidden 4 d_i; ref. code: dropout 0.5
                  text_input="raw"):  # choice 1: "raw" f_T(t) (§4.1) or "l2" (y / ||y||), same in training and inference

@@ -175,6 +175,8 @@ def draw_anchor_figure(image, heatmaps, anchor_ids, word_lists, caption, path, s
 
 class PAL(nn.Module):
     defaults = dict(lr=3e-2, epochs=20, batch_size=256, weight_decay=0.0, optimizer="adamw")  # choice 5
+    ranges = dict(K="[5, inf)",  # analyse() reads each pair's top-5 anchors (Table 4)
+                  tau_p="(0, inf)", tau="(0, inf)", pooling=("cap", "mean", "global"), init=("gaussian", "tokens"))
 
     def __init__(self, d_image, d_text,
                  K=512,            # PAL §5.1

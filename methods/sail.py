@@ -79,6 +79,7 @@ def siglip_loss(h_v, h_l, t, b):
 class SAIL(nn.Module):
     # our choice (choice 3); lr is set per instance from the input dimensions
     defaults = dict(lr="0.1 / max(d_image, d_text)", epochs=100, batch_size=256, weight_decay=1e-4, optimizer="adamw")
+    ranges = dict(K="[1, inf)", width="[1, inf)", t_init="(0, inf)", b_init="(-inf, inf)")  # valid --hp
 
     def __init__(self, d_image, d_text, K=512, width=8, t_init=20.0, b_init=-10.0):  # REFERENCE (SAIL)
         super().__init__()

@@ -97,6 +97,7 @@ class LinearRS(nn.Module):
     # STRUCTURE code: AdamW (0.9, 0.95), lr 1e-3, wd 1e-4, grad clip 1.0; epochs / batch: our choice
     defaults = dict(lr=1e-3, epochs=100, batch_size=256, weight_decay=1e-4, optimizer="adamw",
                     betas=(0.9, 0.95), grad_clip=1.0)
+    ranges = dict(K="[1, inf)", tau="(0, inf)", lam="[0, inf)", warmup="[1, inf)")  # valid --hp
 
     def __init__(self, d_image, d_text, K=512, tau=0.05, lam=10.0, warmup=1000):  # STRUCTURE §4 / code
         super().__init__()
@@ -128,6 +129,7 @@ class LinearRS(nn.Module):
 
 class MLPRS(LinearRS):
     """Linear_RS with the residual low-rank head on each side; everything else is Linear_RS's."""
+    ranges = dict(LinearRS.ranges, rank="[1, inf)", dropout="[0, 1)", alpha_init="(-inf, inf)")  # valid --hp
 
     def __init__(self, d_image, d_text, K=512, rank=64, dropout=0.1, alpha_init=-4.0,  # rank: REFERENCE;
                  tau=0.05, lam=10.0, warmup=1000):           # dropout: STRUCTURE code; alpha_init: ours

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 class T2C(nn.Module):
     # weight-recycling reference code (same optimiser as MLP-alignment)
     defaults = dict(lr=5e-3, epochs=500, batch_size=512, weight_decay=0.0, optimizer="adam")
+    ranges = dict(batch_size="[1, inf)")  # MSE per pair, no negatives: a batch of one still learns
 
     def __init__(self, d_image, d_text):
         super().__init__()
