@@ -30,6 +30,8 @@ and D the feature dim; N = H*W patches.
 Deviations / choices (the digest is silent on these):
 1. Encoders frozen; patches and words are projected to dim=512 by linear maps.
    The global (CLS) token takes no part: the regions come from the patch grid only.
+   The words are the caption's word tokens (encoders.py's token contract drops
+   CLS / SEP / BOS / EOS for every method), so 1/L in Eq. (6) counts words only.
 2. Stacking: ONE deformable layer updates the queries, z' = LayerNorm(z + DeformAttn(z)),
    then ONE consistent-assign attention with z' forms the regions. In this single
    layer the offsets and point weights depend on the learnable z only (a learned

@@ -12,8 +12,10 @@ tau -> self.tau.
 
 Deviations / choices:
 1. Encoders frozen; only two linear projections (patches, words) to K = 512 train.
-2. Padding words are excluded from both the max and the mean (FILIP also drops
-   padding); the image side uses every patch, not the global token.
+2. The words y_r are the caption's word tokens: encoders.py's token contract drops the
+   tokenizer's CLS / SEP / BOS / EOS for every method. Padding words are excluded from
+   both the max and the mean (FILIP also drops padding); the image side uses every
+   patch, not the global token.
 3. Fixed temperature tau = 0.05 instead of FILIP's learned one.
 4. Retrieval score = s_i2t + s_t2i (the two directions summed, as CoV's max-sum);
    training uses each direction for its own InfoNCE term as FILIP does.
