@@ -45,7 +45,7 @@ def test_pooling_matches_naive_loop(pooling):
         p_v, p_l = m.pool(img, "image"), m.pool(txt, "text")
         h_l = m.embed_text(txt)
     for b in range(len(img)):
-        assert torch.allclose(p_v[b], naive_p(img.tokens[b], img.mask[b], m.A_v, 0.3, pooling), atol=1e-5)
+        assert torch.allclose(p_v[b], naive_p(img.tokens[b, 1:], img.mask[b, 1:], m.A_v, 0.3, pooling), atol=1e-5)  # patches
         ref = naive_p(txt.tokens[b], txt.mask[b], m.A_l, 0.3, pooling)
         assert torch.allclose(p_l[b], ref, atol=1e-5)
         assert torch.allclose(h_l[b], ref / ref.norm(), atol=1e-5)                  # Eq. (7)
@@ -66,7 +66,7 @@ def test_global_pooling_is_relative_representation_of_one_vector():
     with torch.no_grad():
         p_v, p_l = m.pool(img, "image"), m.pool(txt, "text")
     for b in range(len(img)):
-        ref_v = torch.tensor([naive_cos(img.tokens[b, 0].tolist(), a) for a in m.A_v.tolist()])
+        ref_v = torch.tensor([naive_cos(img.pooled[b].tolist(), a) for a in m.A_v.tolist()])
         ref_l = torch.tensor([naive_cos(txt.pooled[b].tolist(), a) for a in m.A_l.tolist()])
         assert torch.allclose(p_v[b], ref_v, atol=1e-5) and torch.allclose(p_l[b], ref_l, atol=1e-5)
 
