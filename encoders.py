@@ -58,10 +58,10 @@ from features import Features, atomic_save, safe_load
 # shapes-cnn             feature map (D, 8, 8)      mean of the map                none
 #
 # family                 the model emits            pooled                         tokens kept
-# bert (MiniLM), distilbert [CLS, words, SEP]       masked mean of all tokens      words
-# roberta, xlm-roberta, mpnet [<s>, words, </s>]    masked mean of all tokens      words
-# clip text              [BOS, words, EOS]          EOS after final_layer_norm     words (after final_layer_norm)
-# shapes-text            [CLS, words]               masked mean of all tokens      words
+# bert, MiniLM, distilbert [CLS, words, SEP]        masked mean of all tokens      the words
+# roberta, xlm-r, mpnet  [<s>, words, </s>]         masked mean of all tokens      the words
+# clip text              [BOS, words, EOS]          EOS after final_layer_norm     the words (after final_layer_norm)
+# shapes-text            [CLS, words]               masked mean of all tokens      the words
 #
 # tests/test_token_contract.py checks each row against the Hugging Face model's own outputs.
 IMAGE_PREFIX = {"dinov2": 1, "vit": 1, "deit": 2, "beit": 1, "clip": 1, "clip_vision_model": 1}  # tokens before the patches
@@ -575,10 +575,10 @@ class HFTextEncoder:
         return out, batch["attention_mask"].bool(), special
 
     def layer_features(self, out, real, special, layer):
-        """Features of one layer, on the CPU: pooled over the whole sequence (note 4), tokens = the words."""
+        """Features of one layer, on the CPU: pooled over the whole sequence, tokens = the words (the contract)."""
         h = (out.last_hidden_state if layer in (-1, self.n_layers) else out.hidden_states[layer]).float().cpu()
         h = h * real[..., None]                                                 # padding exactly 0, (B, L, D)
-        if self.pooling == "eos":                                               # note 4: CLIP's EOS = last real token
+        if self.pooling == "eos":                                               # CLIP's EOS = last real token
             pooled = h[torch.arange(len(h)), real.sum(1) - 1]
         else:
             pooled = h.sum(1) / real.sum(1, keepdim=True)                       # sentence-transformers' mean
