@@ -24,9 +24,10 @@ Deviations / choices:
 2. CAP reads the patch tokens and the word tokens, as the paper's Z: not the
    image's global token, and (by encoders.py's token contract, which drops them
    for every method) no register, distillation token or CLS / SEP / BOS / EOS.
-   Shapes world (default PAL, 10 epochs, --threads 1), CAP over all tokens incl. the global
-   token and the tiny text encoder's [CLS] -> patches and words only: see the report figures
-   below in choice 2b.
+   Shapes world (default PAL, --epochs 10, --threads 1, seed 0), CAP over all tokens
+   (global token and the tiny text encoder's [CLS] included) -> patches and words only:
+   retrieval RSum 507.9 -> 508.2, segmentation mIoU-fg 97.6 -> 97.4, classification
+   100 -> 100, binding 49.5 -> 49.3: no measurable cost for following the paper.
 3. pooling (Table 5 ablation): "cap" = Eqs. (5)-(6); "mean" = masked mean of R
    over tokens ("+ full tokens"); "global" = the relative representation of one
    vector ("global only": image token 0, the text's pooled vector).
