@@ -133,9 +133,12 @@ def test_image_patch_r_c_is_token_1_plus_r_W_plus_c(family, tmp_path):
 
 
 def test_dinov2_head_reads_cls_and_mean_patch_so_it_is_refused(tmp_path):
-    build_image("dinov2", tmp_path)
+    build_image("dinov2", tmp_path / "cls")
     with pytest.raises(SystemExit, match="reads 64 features"):
-        encoders.load_hf_image(str(tmp_path)).head()
+        encoders.load_hf_image(str(tmp_path / "cls")).head()
+    build_image("dinov2_with_registers", tmp_path / "plain")            # a plain backbone: no head at all
+    with pytest.raises(SystemExit, match="no linear classification head"):
+        encoders.load_hf_image(str(tmp_path / "plain")).head()
 
 
 def test_torchvision_resnet_grid_pooled_and_head():
