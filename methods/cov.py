@@ -30,6 +30,11 @@ and D the feature dim; N = H*W patches.
 Deviations / choices (the digest is silent on these):
 1. Encoders frozen; patches and words are projected to dim=512 by linear maps.
    The global (CLS) token takes no part: the regions come from the patch grid only.
+   The words are the caption's word tokens (encoders.py's token contract drops
+   CLS / SEP / BOS / EOS for every method), so 1/L in Eq. (6) counts words only.
+   Shapes world, README setting (--hp dim=128 --batch-size 64 --epochs 5, seed 0), the
+   tiny text encoder's [CLS] as a word -> not: RSum 410.9 -> 402.0, zero-shot 99.6 -> 100,
+   seg mIoU-fg 95.2 -> 95.7, binding 48.2 -> 52.0 (one seed). Kept: the digest's words.
 2. Stacking: ONE deformable layer updates the queries, z' = LayerNorm(z + DeformAttn(z)),
    then ONE consistent-assign attention with z' forms the regions. In this single
    layer the offsets and point weights depend on the learnable z only (a learned

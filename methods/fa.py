@@ -11,7 +11,7 @@ The paper gives no equation numbers for the projector; (1)-(5) are numbered here
 
     P(x)   = W_a u + W_c GELU(W_b u),  u = Dropout(LayerNorm(x))          (1) token projector, D -> K
     G(p)   = LayerNorm(q + Dropout(W_e GELU(q))),  q = W_d p              (2) text head, K -> K
-    z_v    = P_cls(x_0) + 1/(T-1) sum_{t>=1} P_loc(x_t)                    (3) image: CLS + mean local
+    z_v    = P_cls(x_0) + 1/(H W) sum_{patches t} P_loc(x_t)               (3) image: CLS + mean local
     z_l    = G( sum_t m_t P_txt(y_t) / sum_t m_t )                         (4) text: masked mean, then head
     h      = z / ||z||;   L = symmetric InfoNCE of h_v,i . h_l,j / tau     (5) tau learned, clamped
 
@@ -26,10 +26,11 @@ Deviations / choices:
 2. The text head G maps K -> K: in the code it is built with input width D_l but fed
    the K-dim pooled local projection, which only works because D_l = K = 1024 there.
 3. Text has no CLS projector: with text_pooling = "mean" the code never reads the
-   pooler output; every real token, special tokens included, enters the mean (4).
+   pooler output. The mean (4) runs over the word tokens, the one rule of encoders.py's
+   token contract for every token-level method; the code's mean also counts CLS / SEP.
    (PAL's "CLS projector + local token projector" describes the image side.)
-4. The image mean (3) runs over every token after token 0 (the code's
-   image_embeds[:, 1:]): the patches, plus registers if an encoder has them.
+4. The image mean (3) runs over the patches (img.patches()): the code's
+   image_embeds[:, 1:], which for its DINOv2 (no registers) are the same tokens.
 5. tau is the temperature itself (not a log scale), init 0.07, clamped in place to
    [0.001, 0.5] before each loss, as in the code. align.py's AdamW decays every
    parameter, tau included (lr 1e-3 x wd 0.02: negligible).
@@ -131,8 +132,8 @@ class FA(nn.Module):
         self.dense = dense
 
     def embed_image(self, img):
-        x_0, x_loc = img.tokens[:, 0], img.tokens[:, 1:]                    # (B, D), (B, T-1, D)
-        z_v = self.P_cls(x_0) + masked_mean(self.P_loc(x_loc), img.mask[:, 1:])   # Eq. (3), (B, K)
+        x_0, x_loc = img.tokens[:, 0], img.patches()                        # (B, D), (B, H*W, D)
+        z_v = self.P_cls(x_0) + self.P_loc(x_loc).mean(1)                   # Eq. (3), (B, K)
         return F.normalize(z_v, dim=-1)                                     # Eq. (5), (B, K)
 
     def embed_text(self, txt):

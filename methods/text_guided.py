@@ -29,6 +29,8 @@ Deviations / choices:
    tensors, treating all-zero rows as padding on both sides.
 4. Fixed InfoNCE temperature tau = 0.05 (S lies in [-1, 1]).
 5. dense_image: each patch alone as a one-patch image, (B, H*W, 1, K).
+6. The words w_j are the caption's word tokens (encoders.py's token contract drops
+   CLS / SEP / BOS / EOS for every method), so 1/L in Eq. (3) counts words only.
 """
 import torch
 import torch.nn as nn

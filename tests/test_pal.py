@@ -45,7 +45,7 @@ def test_pooling_matches_naive_loop(pooling):
         p_v, p_l = m.pool(img, "image"), m.pool(txt, "text")
         h_l = m.embed_text(txt)
     for b in range(len(img)):
-        assert torch.allclose(p_v[b], naive_p(img.tokens[b], img.mask[b], m.A_v, 0.3, pooling), atol=1e-5)
+        assert torch.allclose(p_v[b], naive_p(img.tokens[b, 1:], img.mask[b, 1:], m.A_v, 0.3, pooling), atol=1e-5)  # patches
         ref = naive_p(txt.tokens[b], txt.mask[b], m.A_l, 0.3, pooling)
         assert torch.allclose(p_l[b], ref, atol=1e-5)
         assert torch.allclose(h_l[b], ref / ref.norm(), atol=1e-5)                  # Eq. (7)
