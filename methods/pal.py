@@ -204,10 +204,13 @@ class PAL(nn.Module):
     @staticmethod
     def Z(x, modality):
         """The patch or word tokens CAP reads (choice 2): Z (B, T, D) and its mask (B, T)."""
-        if modality == "image":
-            Z = x.patches()                                # no global token (encoders.py token contract)
-            return Z, torch.ones(Z.shape[:2], dtype=torch.bool, device=Z.device)
-        return x.tokens, x.mask                            # a text's tokens are its words (the contract)
+        if modality == "image" and x.grid is not None:
+            H, W = x.grid
+            Z, mask = x.tokens[:, 1:1 + H * W], x.mask[:, 1:1 + H * W]   # patches, no global token (token contract)
+            vector = ~mask.any(1)                          # (B,) a sample that is ONE vector (a head row in D_aug)
+            Z = torch.cat([x.tokens[:, :1], Z], 1)         # ... reads that vector as its only token
+            return Z, torch.cat([vector[:, None], mask], 1)
+        return x.tokens, x.mask                            # words (the contract); head rows alone: their one vector
 
     def tokens(self, x, modality):
         """The token sequence the pooling reads: Z (B, T, D) and its mask (B, T)."""
@@ -271,7 +274,8 @@ class PAL(nn.Module):
         out_dir.mkdir(parents=True, exist_ok=True)
         n = min(n_figures, len(img))
         # CAP attention over the patches / words (drawn whatever `pooling` is), (n, T, K)
-        alpha_v = cap(relative(img.patches()[:n], self.A_v), self.Z(img[:n], "image")[1], self.tau_p)[1]
+        Z_v, mask_v = self.Z(img[:n], "image")                                 # (n, 1 + H*W, D): slot 0 off for images
+        alpha_v = cap(relative(Z_v, self.A_v), mask_v, self.tau_p)[1][:, 1:]    # (n, H*W, K)
         alpha_l = cap(relative(txt.tokens[:n], self.A_l), txt.mask[:n], self.tau_p)[1]
         contribution = F.normalize(p_v[:n], dim=-1) * F.normalize(p_l[:n], dim=-1)  # (n, K)
         for i in range(n):

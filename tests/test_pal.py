@@ -236,3 +236,20 @@ def test_analyse_writes_figures_and_returns_overlaps(tmp_path):
     assert pngs == [f"pal_anchors_{i}.png" for i in range(4)]
     w, h = Image.open(tmp_path / "pal_anchors_0.png").size
     assert w > 4 * 160 and h > 160
+
+
+def test_cap_reads_a_head_row_in_d_aug_as_its_one_token():
+    """D_aug = pairs ∪ head rows (weights+pairs): each image is pooled over its patches,
+    each head row over its one vector, exactly as when each is pooled alone."""
+    from methods.pal import PAL
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randn(3, 1 + 16, 8, generator=g)
+    images = Features(tokens=tokens, mask=torch.ones(3, 17, dtype=torch.bool), pooled=tokens[:, 0], grid=(4, 4))
+    rows = Features.from_vectors(torch.randn(2, 8, generator=g))
+    torch.manual_seed(0)
+    m = PAL(8, 8, K=6)
+    both = m.pool(Features.cat([images, rows]), "image")                         # (5, K)
+    torch.testing.assert_close(both[:3], m.pool(images, "image"))
+    torch.testing.assert_close(both[3:], m.pool(rows, "image"))
+    R = torch.nn.functional.normalize(rows.pooled, dim=-1) @ torch.nn.functional.normalize(m.A_v, dim=-1).T
+    torch.testing.assert_close(both[3:], R)                                      # one token: p = R (Eq. 5-6)
