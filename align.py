@@ -54,6 +54,10 @@ def parse_args(argv=None):
     p.add_argument("--align-data", default="pairs", choices=["pairs", "weights", "weights+pairs"],
                    help="alignment data: image-text pairs, classifier-head rows with class names, or both")
     p.add_argument("--num-pairs", type=int, default=None, help="use only this many training pairs (default: all)")
+    p.add_argument("--hard-negatives", action="store_true",
+                   help="NegCLIP-style composition-aware hard negatives: each training caption's swapped versions "
+                        "(attributes swapped, relation reversed; data.py) join its image's InfoNCE denominator "
+                        "(contrastive methods, --align-data pairs)")
     p.add_argument("--eval-images", type=int, default=None,
                    help="evaluate on only the first N images of each test set (a quick look; default: all)")
     p.add_argument("--analyses", action="store_true", help="also run the weight-recycling analyses of the image head")
@@ -117,8 +121,61 @@ def load_features(args, device):
         if isinstance(s, data.BindingSet):
             for kind, caps in s.distractors.items():
                 F[split, kind] = ext(text_enc, caps, split, kind)
+    if args.hard_negatives:
+        F["train", "negatives"] = hard_negative_features(sets["train"], lambda caps: ext(text_enc, caps, "train", "negatives"))
     print(f"[features] ready in {time.time() - t0:.0f}s (cache: {args.cache_dir})")
     return F
+
+
+# ---------------------------------------------------------------------------
+# Composition-aware hard negatives (--hard-negatives; issue 14, NegCLIP in ARO, Yuksekgonul et al. 2023)
+# ---------------------------------------------------------------------------
+def hard_negative_features(pairs, encode):
+    """The swapped captions of every training caption, encoded once (cached like any text feature).
+
+    Shapes: the PairSet's scene swaps (data.scene_swaps); real captions: data.word_swaps.
+    Returns (Features (N_neg,), index (N, M) long: row i's swaps, -1 = none)."""
+    negs = pairs.hard_negatives if pairs.hard_negatives is not None else [data.word_swaps(c) for c in pairs.captions]
+    M = max(len(n) for n in negs)
+    if M == 0:
+        sys.exit("error: --hard-negatives: no training caption has a swap (data.word_swaps found no two colour "
+                 "words and no relation between two known nouns)")
+    flat, index = [], torch.full((len(negs), M), -1, dtype=torch.long)
+    for i, n in enumerate(negs):
+        for m, c in enumerate(n):
+            index[i, m] = len(flat)
+            flat.append(c)
+    print(f"[hard negatives] {len(flat)} swapped captions for {int((index[:, 0] >= 0).sum())}/{len(negs)} "
+          f"training captions (up to {M} each)")
+    return encode(flat), index
+
+
+def contrastive_scale(method):
+    """1 / temperature of the method's own contrastive logits, or None for a non-contrastive method."""
+    if hasattr(method, "tau_g"):
+        return 1 / method.tau_g          # CoV: its InfoNCE temperature (its tau is the assign attention's)
+    if hasattr(method, "log_t"):
+        return method.log_t.exp()        # SAIL: SigLIP's learned logit scale
+    if hasattr(method, "tau"):
+        return 1 / method.tau            # a fixed float, or FA's learned temperature
+    return None
+
+
+def hard_negative_loss(method, img, txt, neg, has_neg, scale):
+    """NegCLIP's image -> text term, computed only through the method's interface:
+
+        L_hn = -1/B sum_i log softmax_j( scale * [s(i, t_1), ..., s(i, t_B), s(i, n_i1), ..., s(i, n_iM)] )_i
+
+    s = method.score, t_j the batch's captions, n_im caption i's swaps. img, txt: B pairs;
+    neg: Features (B*M,), row i*M + m = swap m of caption i; has_neg: (B, M) bool (False = no swap)."""
+    score = inspect.unwrap(type(method).score)  # CoV marks score() no_grad (inference); the same function, with gradients
+    v = method.embed_image(img)
+    S = score(method, v, method.embed_text(txt))                                    # (B, B)
+    S_neg = score(method, v, method.embed_text(neg))                                # (B, B*M)
+    B, M = has_neg.shape
+    own = S_neg.view(B, B, M)[torch.arange(B), torch.arange(B)]                     # (B, M): s(i, n_im)
+    logits = torch.cat([S, own.masked_fill(~has_neg, float("-inf"))], 1) * scale    # (B, B + M)
+    return torch.nn.functional.cross_entropy(logits, torch.arange(B, device=logits.device))
 
 
 def class_name_features(F, names, args):
@@ -134,6 +191,8 @@ def alignment_data(args, F):
     if n < len(img):  # a fixed random subset, the same for every method and seed
         idx = torch.randperm(len(img), generator=torch.Generator().manual_seed(1234))[:n]
         img, txt = img[idx], txt[idx]
+        if ("train", "negatives") in F:                   # the swaps follow their captions
+            F["train", "negatives"] = (F["train", "negatives"][0], F["train", "negatives"][1][idx])
     if args.align_data == "pairs":
         if n == 0:
             sys.exit("error: --num-pairs 0 leaves no alignment data; add the head rows with --align-data weights")
@@ -149,9 +208,10 @@ def alignment_data(args, F):
 # ---------------------------------------------------------------------------
 # The one training loop
 # ---------------------------------------------------------------------------
-def train(method, img, txt, args, out, device):
+def train(method, img, txt, args, out, device, negatives=None):
     """Mini-batch training of method.loss with the method's optimiser, a cosine schedule,
-    a checkpoint each epoch, --resume, and a clear stop on a non-finite loss."""
+    a checkpoint each epoch, --resume, and a clear stop on a non-finite loss.
+    negatives: (Features, index (N, M)) of --hard-negatives: adds hard_negative_loss to each step."""
     d = dict(method.defaults)
     epochs = args.epochs if args.epochs is not None else d["epochs"]
     batch_size = min(args.batch_size or d["batch_size"], len(img))
@@ -180,6 +240,11 @@ def train(method, img, txt, args, out, device):
         for step in range(steps_per_epoch):
             idx = order[step * batch_size:(step + 1) * batch_size]
             loss, logs = method.loss(img[idx].to(device), txt[idx].to(device))
+            if negatives is not None:                     # --hard-negatives: L = L_method + L_hn
+                j = negatives[1][idx]                                                   # (B, M), -1 = none
+                loss = loss + hard_negative_loss(method, img[idx].to(device), txt[idx].to(device),
+                                                 negatives[0][j.clamp(min=0).flatten()].to(device),
+                                                 (j >= 0).to(device), contrastive_scale(method))
             if not torch.isfinite(loss):
                 raise FloatingPointError(
                     f"loss is {loss.item()} at epoch {epoch + 1}, step {step + 1}. "
@@ -247,6 +312,10 @@ def main(argv=None):
     print("[config] " + json.dumps(config, default=str))
     (out / "config.json").write_text(json.dumps(config, indent=2, default=str))
 
+    if args.hard_negatives and (args.align_data != "pairs" or not hasattr(method_cls, "loss")
+                                or not any(hasattr(method_cls(4, 4), a) for a in ("tau", "tau_g", "log_t"))):
+        sys.exit(f"error: --hard-negatives needs a contrastive trained method (one with a temperature) and "
+                 f"--align-data pairs; {args.method} with --align-data {args.align_data} is not one")
     F = load_features(args, device)
     img, txt = alignment_data(args, F)
     seed_everything(args.seed)
@@ -260,7 +329,7 @@ def main(argv=None):
         metrics["train"] = {"seconds": round(time.time() - t0, 2), "final_loss": None}
     if hasattr(method, "loss"):
         try:
-            metrics["train"] = train(method, img, txt, args, out, device)
+            metrics["train"] = train(method, img, txt, args, out, device, F.get(("train", "negatives")))
         except FloatingPointError as e:
             sys.exit(f"error: {e}")
     torch.save(method.state_dict(), out / "method.pt")
