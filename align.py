@@ -169,12 +169,14 @@ def hard_negative_loss(method, img, txt, neg, has_neg, scale):
     s = method.score, t_j the batch's captions, n_im caption i's swaps. img, txt: B pairs;
     neg: Features (B*M,), row i*M + m = swap m of caption i; has_neg: (B, M) bool (False = no swap)."""
     score = inspect.unwrap(type(method).score)  # CoV marks score() no_grad (inference); the same function, with gradients
+    B, M = has_neg.shape
     v = method.embed_image(img)
     S = score(method, v, method.embed_text(txt))                                    # (B, B)
-    S_neg = score(method, v, method.embed_text(neg))                                # (B, B*M)
-    B, M = has_neg.shape
-    own = S_neg.view(B, B, M)[torch.arange(B), torch.arange(B)]                     # (B, M): s(i, n_im)
-    logits = torch.cat([S, own.masked_fill(~has_neg, float("-inf"))], 1) * scale    # (B, B + M)
+    real = has_neg.flatten().nonzero().squeeze(1)                                   # (N_real,) only real swaps are encoded
+    S_neg = score(method, v, method.embed_text(neg[real])) if len(real) else S[:, :0]  # (B, N_real)
+    own = S.new_full((B * M,), float("-inf"))                                       # -inf: no swap
+    own[real] = S_neg[real // M, torch.arange(len(real), device=S.device)]          # s(i, n_im), i = row // M
+    logits = torch.cat([S, own.view(B, M)], 1) * scale                              # (B, B + M)
     return torch.nn.functional.cross_entropy(logits, torch.arange(B, device=logits.device))
 
 

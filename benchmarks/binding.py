@@ -28,7 +28,12 @@ COLUMNS = [("binding", "binding_attribute_swap", "attribute swap"), ("binding", 
 def run(method, text, minilm, hard, seed, args):
     tag = f"{method}-{text}-{'hn' if hard else 'nohn'}-seed{seed}"
     out = Path(args.out) / tag
+    claim = Path(args.out) / f"{tag}.claimed"
     if not (out / "metrics.json").exists():
+        if claim.exists():                        # another runner of this grid has it
+            print(f"  {tag}: running elsewhere (remove {claim} if it is not)", flush=True)
+            return None
+        claim.touch()
         cmd = [sys.executable, str(ROOT / "align.py"), "--method", method, "--seed", str(seed), "--out", str(out),
                "--cache-dir", str(args.cache_dir), "--threads", "1", "--no-figures", "--epochs", str(args.epochs),
                "--text-encoder", minilm if text == "minilm" else "shapes-text", *(["--hard-negatives"] if hard else [])]
@@ -36,6 +41,7 @@ def run(method, text, minilm, hard, seed, args):
         (Path(args.out) / f"{tag}.log").write_text(r.stdout + r.stderr)
         if r.returncode != 0:
             print(f"  {tag} FAILED:\n{r.stderr[-2000:]}", flush=True)
+            claim.unlink()
             return None
     m = json.loads((out / "metrics.json").read_text())
     print(f"  {tag}: " + "  ".join(f"{c} {cell(m, g, k):.1f}" for g, k, c in COLUMNS), flush=True)
