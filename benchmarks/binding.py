@@ -60,7 +60,10 @@ def ridge_probe(X, y, n_classes, seed=0):
     import torch
     X = X.float().flatten(1)
     n = len(X) // 2
-    fit = lambda A, Y, lam: torch.linalg.solve(A.T @ A + lam * torch.eye(A.shape[1]), A.T @ Y)
+    def fit(A, Y, lam):  # ridge; in its dual form when there are more features than samples
+        if A.shape[1] > A.shape[0]:
+            return A.T @ torch.linalg.solve(A @ A.T + lam * torch.eye(len(A)), Y)
+        return torch.linalg.solve(A.T @ A + lam * torch.eye(A.shape[1]), A.T @ Y)
     def design(Z, mu, sd):
         return torch.cat([(Z - mu) / sd, torch.ones(len(Z), 1)], 1)
     Y = torch.nn.functional.one_hot(y, n_classes).float()
