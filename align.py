@@ -38,7 +38,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto = cuda when available")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     p.add_argument("--seed", type=int, default=0, help="seed of the method's init and batch order")
-    p.add_argument("--image-encoder", default="shapes-cnn", help="image encoder name or local path")
+    p.add_argument("--image-encoder", default="shapes-cnn",
+                   help="image encoder name or local path (built in: shapes-cnn; shapes-cnn-pos, its tokens with a 2D position code)")
     p.add_argument("--text-encoder", default="shapes-text", help="text encoder name or local path")
     p.add_argument("--image-layer", type=int, default=-1, help="image encoder layer whose tokens are used (-1 = last)")
     p.add_argument("--text-layer", type=int, default=-1, help="text encoder layer whose tokens are used (-1 = last)")

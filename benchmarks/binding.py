@@ -5,8 +5,8 @@
     python benchmarks/binding.py --jobs 2                            # two runs at a time
 
 Runs align.py once per (method, text encoder, hard negatives, seed) in a subprocess
-(--threads 1, --epochs EPOCHS, the position-aware image encoder, features from the
-shared cache), skips a run whose metrics.json already exists (so an interrupted
+(--threads 1, --epochs EPOCHS, the position-aware image encoder shapes-cnn-pos,
+features from the shared cache), skips a run whose metrics.json already exists (so an interrupted
 grid resumes), and prints a markdown table of the medians over seeds: attribute
 swap, relation swap (both %, chance 50), retrieval RSum, zero-shot top-1.
 Text encoders: "shapes-text" (the tiny masked-word transformer) and MiniLM
@@ -36,6 +36,7 @@ def run(method, text, minilm, hard, seed, args):
         claim.touch()
         cmd = [sys.executable, str(ROOT / "align.py"), "--method", method, "--seed", str(seed), "--out", str(out),
                "--cache-dir", str(args.cache_dir), "--threads", "1", "--no-figures", "--epochs", str(args.epochs),
+               "--image-encoder", "shapes-cnn-pos",
                "--text-encoder", minilm if text == "minilm" else "shapes-text", *(["--hard-negatives"] if hard else [])]
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         (Path(args.out) / f"{tag}.log").write_text(r.stdout + r.stderr)
@@ -110,7 +111,7 @@ def probes(args):
                  (f"image, {tag}: all 64 patch tokens", ridge_probe(f.patches(), y, 4))]
     img_f = f
     for text in ("shapes-text", "minilm"):
-        _, txt_enc = encoders.load_encoders("shapes-cnn", args.minilm if text == "minilm" else "shapes-text", args.cache_dir)
+        _, txt_enc = encoders.load_encoders("shapes-cnn-pos", args.minilm if text == "minilm" else "shapes-text", args.cache_dir)
         t = enc(txt_enc, captions)
         rows += [(f"text, {text}: pooled", ridge_probe(t.pooled, y, 4)),
                  (f"text, {text}: all tokens (padded)", ridge_probe(t.tokens, y, 4))]
