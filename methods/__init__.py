@@ -32,6 +32,7 @@ from .filip import FILIP
 from .linear import Linear
 from .mlp import MLP
 from .pal import PAL
+from .pal_rel import PALRel
 from .sail import SAIL
 from .structure import LinearRS, MLPRS
 from .t2c import T2C
@@ -39,6 +40,7 @@ from .text_guided import TextGuided
 
 METHODS = {
     "pal": PAL,                # PAL: learnable anchors + cross-attention pooling
+    "pal_rel": PALRel,         # VARIANT (issue 14, not a paper's): PAL + where each anchor looks
     "cov": CoV,                # CoV-Align: text-free regions, region-word max-sum
     "text_guided": TextGuided, # LAPS/SPARC-style baseline CoV beats
     "filip": FILIP,            # FILIP late interaction, all patches x words

@@ -1,0 +1,258 @@
+"""Issue 14, binding: hard negatives (data.py swaps, align.py --hard-negatives), the
+position-aware tiny CNN, and the relation-aware variant methods/pal_rel.py.
+
+Each test checks against an independent reference: exact strings written by hand,
+naive loops over pairs / anchors / patches / words, and a linear probe.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import align
+import data
+import encoders
+from conftest import random_features
+from methods.cov import CoV
+from methods.linear import Linear
+from methods.pal import PAL
+from methods.pal_rel import PALRel, grid_positions
+
+
+# ---------------------------------------------------------------- the swaps (data.py)
+def two_object_scene(colour_b="blue", shape_b="square", size_b="large"):
+    a = dict(shape="circle", size="small", colour="red", x=10, y=30, r=6)       # left of b
+    b = dict(shape=shape_b, size=size_b, colour=colour_b, x=50, y=32, r=12)
+    return dict(objects=[a, b], background=None)
+
+
+def test_scene_swaps_are_the_minimal_pairs_written_by_hand():
+    s = two_object_scene()
+    assert data.scene_swaps(s, 0) == ["a small blue circle to the left of a large red square",
+                                      "a small red circle to the right of a large blue square"]
+    assert data.scene_swaps(s, 1) == ["a large red square to the right of a small blue circle",
+                                      "a large blue square to the left of a small red circle"]
+    # same colours: no attribute swap; identical phrases: reversing the relation would stay true
+    same = two_object_scene(colour_b="red", shape_b="circle", size_b="small")
+    assert data.scene_swaps(same, 0) == []
+    assert data.scene_swaps(dict(objects=same["objects"][:1], background=None), 0) == []
+
+
+def test_hard_negatives_never_hold_the_own_caption_and_always_differ():
+    train = data.shapes_world()["train"]
+    assert len(train.hard_negatives) == len(train.captions)
+    n_with = 0
+    for cap, negs in zip(train.captions, train.hard_negatives):
+        assert cap not in negs and len(set(negs)) == len(negs) <= 2
+        assert all(n != cap for n in negs)
+        n_with += bool(negs)
+    assert n_with > 0.6 * len(train.captions)   # every multi-object scene but the identical-object ones
+
+
+def test_binding_captions_and_distractors_are_never_training_hard_negatives():
+    world = data.shapes_world()
+    held_out = set(world["binding"].captions) | {c for d in world["binding"].distractors.values() for c in d}
+    negatives = {c for negs in world["train"].hard_negatives for c in negs}
+    assert negatives and not (negatives & held_out)
+
+
+def test_word_swap_rule_on_coco_style_captions():
+    cases = {  # caption -> the swaps of the rule, written by hand
+        "A red bus parked next to a white car.": ["A white bus parked next to a red car."],
+        "A cat sitting on a table.": ["A table sitting on a cat."],
+        "A man in a black shirt riding a brown horse.": ["A man in a brown shirt riding a black horse.",
+                                                        "A shirt in a black man riding a brown horse."],
+        "Two dogs playing in the snow.": [],          # "dogs" is not in the noun list
+        "A dog lying under a wooden bench.": ["A bench lying under a wooden dog."],
+        "A plate of food with a fork and a knife.": [],
+        "A blue and yellow train at the station.": ["A yellow and blue train at the station."],
+        "People walking down a busy street.": [],
+        "A teddy bear on top of a bed.": ["A teddy bed on top of a bear."],
+        "A kitchen with a stove and a sink.": [],
+    }
+    for caption, expected in cases.items():
+        assert data.word_swaps(caption) == expected, caption
+    applies = sum(bool(data.word_swaps(c)) for c in cases) / len(cases)
+    assert applies == 0.6                         # the README's "6 of 10 COCO-style captions"
+    shapes = data.shapes_world()["train"].captions
+    frac = sum(bool(data.word_swaps(c)) for c in shapes) / len(shapes)
+    assert abs(frac - 0.6545) < 1e-4             # the README's figure for the Shapes training captions
+
+
+# ---------------------------------------------------------------- align.py's hard-negative term
+def naive_hard_negative_loss(method, img, txt, neg, has_neg, scale):
+    """-log softmax over [the B captions, image i's own swaps] at the true caption, one image at a time."""
+    B, M = has_neg.shape
+    total = 0.0
+    for i in range(B):
+        v = method.embed_image(img[[i]])
+        logits = [method.score(v, method.embed_text(txt[[j]]))[0, 0] for j in range(B)]
+        logits += [method.score(v, method.embed_text(neg[[i * M + m]]))[0, 0] for m in range(M) if has_neg[i, m]]
+        logits = torch.stack(logits) * scale
+        total = total - logits.log_softmax(0)[i]
+    return total / B
+
+
+@pytest.mark.parametrize("make", [lambda: Linear(8, 6, K=5), lambda: PALRel(8, 6, K=7)])
+def test_hard_negative_loss_matches_a_loop(make):
+    torch.manual_seed(0)
+    method = make()
+    if isinstance(method, PALRel):
+        torch.nn.init.normal_(method.U)          # a non-zero relation part
+    B, M = 5, 2
+    img = random_features(B, 5, 8, grid=(2, 2), seed=1)
+    txt = random_features(B, 4, 6, lengths=[4, 3, 2, 4, 1], seed=2)
+    neg = random_features(B * M, 4, 6, lengths=[4, 3] * B, seed=3)
+    has_neg = torch.tensor([[True, True], [True, False], [False, False], [True, True], [False, True]])
+    got = align.hard_negative_loss(method, img, txt, neg, has_neg, align.contrastive_scale(method))
+    want = naive_hard_negative_loss(method, img, txt, neg, has_neg, align.contrastive_scale(method))
+    assert torch.allclose(got, want, atol=1e-5)
+    # the training loop's path: the embeddings method.loss made are reused, same value, same method after
+    loss, _, v, t = align.loss_and_embeddings(method, img, txt)
+    assert torch.allclose(loss, method.loss(img, txt)[0]) and "embed_image" not in vars(method)
+    reused = align.hard_negative_loss(method, img, txt, neg, has_neg, align.contrastive_scale(method), v, t)
+    assert v is not None and t is not None and torch.allclose(reused, want, atol=1e-5)
+    # no swaps at all: the term is the image -> text half of InfoNCE
+    none = align.hard_negative_loss(method, img, txt, neg, torch.zeros(B, M, dtype=torch.bool), 1 / method.tau)
+    S = method.score(method.embed_image(img), method.embed_text(txt)) / method.tau
+    assert torch.allclose(none, F.cross_entropy(S, torch.arange(B)), atol=1e-5)
+
+
+def test_hard_negative_loss_trains_cov_through_its_inference_only_score():
+    """CoV marks score() no_grad; the term must still reach its parameters, at CoV's InfoNCE temperature."""
+    torch.manual_seed(0)
+    cov = CoV(8, 6, dim=16, n_regions=2)
+    assert align.contrastive_scale(cov) == 1 / cov.tau_g
+    img = random_features(4, 5, 8, grid=(2, 2), seed=1)
+    txt = random_features(4, 3, 6, seed=2)
+    neg = random_features(4, 3, 6, seed=3)
+    loss = align.hard_negative_loss(cov, img, txt, neg, torch.ones(4, 1, dtype=torch.bool), align.contrastive_scale(cov))
+    loss.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in cov.parameters())
+
+
+def test_align_runs_with_hard_negatives_and_refuses_non_contrastive_methods(cache_dir, tmp_path, capsys):
+    m = align.main(["--method", "linear", "--hard-negatives", "--epochs", "1", "--num-pairs", "300",
+                    "--batch-size", "64", "--eval-images", "20", "--cache-dir", str(cache_dir), "--out", str(tmp_path),
+                    "--no-figures", "--threads", "1"])
+    assert math.isfinite(m["train"]["final_loss"]) and "binding_relation_swap" in m["binding"]
+    assert "[hard negatives] " in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="contrastive"):
+        align.main(["--method", "mlp", "--hard-negatives", "--cache-dir", str(cache_dir), "--out", str(tmp_path)])
+
+
+# ---------------------------------------------------------------- PAL-Rel (methods/pal_rel.py)
+def naive_pal_rel_score(m, img, txt):
+    """(R1)-(R4) with loops over images, texts, anchors, patches and words."""
+    H, W = img.grid
+    S = torch.zeros(len(img), len(txt))
+    norm = lambda v: v / v.norm()
+    for i in range(len(img)):
+        Z = img.tokens[i]
+        R = torch.stack([torch.stack([F.cosine_similarity(Z[t], m.A_v[k], dim=0) for k in range(m.K)])
+                         for t in range(len(Z))])                                        # (T, K)
+        p_v = torch.stack([(R[:, k] / m.tau_p).softmax(0) @ R[:, k] for k in range(m.K)])
+        c = []
+        for k in range(m.K):
+            beta = (R[1:1 + H * W, k] / m.tau_p).softmax(0)
+            c.append(sum(beta[r * W + q] * torch.tensor([(q + 0.5) / W * 2 - 1, (r + 0.5) / H * 2 - 1])
+                         for r in range(H) for q in range(W)))
+        c = torch.stack(c)
+        c_bar = c.mean(0)
+        for j in range(len(txt)):
+            L = int(txt.mask[j].sum())
+            Y = txt.tokens[j, :L]
+            Rl = torch.stack([torch.stack([F.cosine_similarity(Y[w], m.A_l[k], dim=0) for k in range(m.K)])
+                              for w in range(L)])                                        # (L, K)
+            p_l = torch.stack([(Rl[:, k] / m.tau_p).softmax(0) @ Rl[:, k] for k in range(m.K)])
+            rel = 0.0
+            for k in range(m.K):
+                alpha = (Rl[:, k] / m.tau_p).softmax(0)
+                d = sum(alpha[w] * (norm(Y[w]) @ m.U) for w in range(L))
+                rel = rel + (c[k] - c_bar) @ d
+            S[i, j] = norm(p_v) @ norm(p_l) + rel / m.K
+    return S
+
+
+def test_pal_rel_matches_a_loop_and_starts_as_pal():
+    torch.manual_seed(0)
+    m = PALRel(8, 6, K=4, tau_p=0.5)
+    img = random_features(3, 1 + 6, 8, grid=(2, 3), seed=1)
+    txt = random_features(4, 5, 6, lengths=[5, 2, 3, 4], seed=2)
+    pal = PAL(8, 6, K=4, tau_p=0.5)
+    pal.load_state_dict({"A_v": m.A_v, "A_l": m.A_l, "initialised": torch.tensor(True)})
+    with torch.no_grad():
+        at_init = m.score(m.embed_image(img), m.embed_text(txt))
+        assert torch.allclose(at_init, pal.score(pal.embed_image(img), pal.embed_text(txt)), atol=1e-6)  # U = 0
+        m.U.normal_()
+        got = m.score(m.embed_image(img), m.embed_text(txt))
+        assert torch.allclose(got, naive_pal_rel_score(m, img, txt), atol=1e-5)
+        assert not torch.allclose(got, at_init, atol=1e-3)
+    assert torch.allclose(grid_positions(2, 3), torch.tensor([[-2 / 3, -0.5], [0, -0.5], [2 / 3, -0.5], [-2 / 3, 0.5], [0, 0.5], [2 / 3, 0.5]]))
+
+
+def test_pal_rel_tells_left_from_right_where_pal_cannot():
+    """Planted: object A (anchor 0) in the left patch, B (anchor 1) in the right one of a 1x4 grid.
+    Caption words [is_A, is_B, r]: a contextual encoder's subject token carries r = +1 for "left of",
+    the object token r = -1 ("A right of B" flips both). U reads r as an x offset. PAL's part scores
+    both captions the same; PAL-Rel scores the true one higher."""
+    from features import Features
+    m = PALRel(4, 3, K=2, tau_p=0.05)
+    with torch.no_grad():
+        m.A_v.copy_(torch.eye(4)[:2])
+        m.A_l.copy_(torch.eye(3)[:2])
+        m.U.copy_(torch.tensor([[0.0, 0], [0, 0], [-1, 0]]))         # r -> x offset -r
+    tok = torch.zeros(1, 5, 4)
+    tok[0, 1, 0] = tok[0, 4, 1] = 1.0                                # A in patch 0 (left), B in patch 3 (right)
+    tok[0, 0, 2:] = tok[0, 2, 2:] = tok[0, 3, 2:] = 1.0              # mean token, background patches
+    img = Features(tok, torch.ones(1, 5, dtype=torch.bool), tok[:, 0], grid=(1, 4))
+
+    def caption(r):                                                  # "A <left if r = 1 else right> of B"
+        y = torch.tensor([[[1.0, 0, r], [0, 1.0, -r]]])
+        return Features(y, torch.ones(1, 2, dtype=torch.bool), y.mean(1))
+    with torch.no_grad():
+        e_v = m.embed_image(img)
+        true, swapped = (m.score(e_v, m.embed_text(caption(r))).item() for r in (1.0, -1.0))
+        pal_part = [m.embed_text(caption(r))[:, :m.K] for r in (1.0, -1.0)]
+    assert torch.allclose(pal_part[0], pal_part[1])                  # PAL alone cannot tell them apart
+    assert true > swapped + 0.1 / m.K
+
+
+# ---------------------------------------------------------------- the position-aware tiny CNN
+def position_probe(encoder, images):
+    """Ridge probe (one-hot, 64-way) of each patch token's grid cell: train on half the images, test on
+    the other half. Returns the held-out accuracy over all patches and over interior patches."""
+    X = encoder.encode(images).patches().float()                     # (N, H*W, D)
+    N, P, D = X.shape
+    y = torch.arange(P).expand(N, P)
+    h = N // 2
+    Xtr, Xte, ytr, yte = X[:h].reshape(-1, D), X[h:].reshape(-1, D), y[:h].reshape(-1), y[h:].reshape(-1)
+    mu, sd = Xtr.mean(0), Xtr.std(0) + 1e-6
+    A = lambda Z: torch.cat([(Z - mu) / sd, torch.ones(len(Z), 1)], 1)
+    Wt = torch.linalg.solve(A(Xtr).T @ A(Xtr) + 0.1 * torch.eye(D + 1), A(Xtr).T @ F.one_hot(ytr, P).float())
+    hit = (A(Xte) @ Wt).argmax(1) == yte
+    side = int(math.isqrt(P))
+    r, c = yte // side, yte % side
+    inner = (r > 0) & (r < side - 1) & (c > 0) & (c < side - 1)      # away from the zero-padded border
+    return hit.float().mean().item(), hit[inner].float().mean().item()
+
+
+def test_sincos_code_is_the_closed_form():
+    pe = encoders.sincos_2d(8, 3, 5)                                   # D/4 = 2 frequencies: 1 and 1/100
+    assert pe.shape == (8, 3, 5)
+    x, y = 4, 2
+    assert torch.allclose(pe[:, y, x], torch.tensor([math.sin(x), math.sin(x / 100), math.cos(x), math.cos(x / 100),
+                                                     math.sin(y), math.sin(y / 100), math.cos(y), math.cos(y / 100)]))
+
+
+def test_position_is_readable_from_the_new_tokens_and_not_the_old(cache_dir):
+    images, _ = data.pretrain_images(200, seed=777)                     # unseen by either pretraining
+    new, _ = encoders.load_shapes_encoders(cache_dir, image_pos=True)
+    old, _ = encoders.load_shapes_encoders(cache_dir, image_pos=False)
+    assert new.name != old.name                                         # separate feature cache keys
+    acc_new, inner_new = position_probe(new, images)
+    acc_old, inner_old = position_probe(old, images)
+    chance = 1 / 64
+    assert inner_new > 10 * chance and inner_new > 3 * inner_old        # measured 29.6% vs 6.7% (400 images)
+    assert acc_new > acc_old + 0.2                                       # measured 48.6% vs 17.5%
