@@ -29,7 +29,7 @@ Deviations / choices:
 1. Positions come from the patch grid (Features.grid), not from the tokens: the
    method knows where each patch is, as a ViT's position embedding does.
 2. beta (R1) is a softmax over the patches only (the mean token has no place);
-   CAP's alpha (Eq. 5) still reads all tokens for h_v.
+   CAP's alpha (Eq. 5) reads PAL's Z for h_v (the patches and words, pal.py choice 2).
 3. U starts at zero, so at initialisation PAL-Rel scores exactly as PAL.
    Word tokens are L2-normalised before U (R2) so the offset's scale is U's alone.
    The 1/K in (R4): Adam moves every entry of U by ~lr per step whatever the
@@ -54,7 +54,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .pal import cap, info_nce, relative
+from .pal import PAL, cap, info_nce, relative
 
 
 def grid_positions(H, W, device=None):
@@ -78,8 +78,9 @@ class PALRel(nn.Module):
         self.K, self.tau_p, self.tau = K, tau_p, tau
 
     def embed_image(self, img):
-        R = relative(img.tokens, self.A_v)                                 # Eq. (4), (B, T, K)
-        h_v = F.normalize(cap(R, img.mask, self.tau_p)[0], dim=-1)         # Eqs. (5)-(7), (B, K)
+        Z, mask = PAL.Z(img, "image")                                      # [global (masked), patches]: PAL's Z
+        R = relative(Z, self.A_v)                                          # Eq. (4), (B, 1 + H*W, K)
+        h_v = F.normalize(cap(R, mask, self.tau_p)[0], dim=-1)             # Eqs. (5)-(7), (B, K)
         H, W = img.grid
         beta = (R[:, 1:1 + H * W] / self.tau_p).softmax(dim=1)             # (R1), (B, H*W, K)
         c = beta.transpose(1, 2) @ grid_positions(H, W, R.device)          # (R1), (B, K, 2)

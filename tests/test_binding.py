@@ -149,13 +149,13 @@ def naive_pal_rel_score(m, img, txt):
     S = torch.zeros(len(img), len(txt))
     norm = lambda v: v / v.norm()
     for i in range(len(img)):
-        Z = img.tokens[i]
+        Z = img.tokens[i, 1:1 + H * W]                                                   # the patches (PAL's Z)
         R = torch.stack([torch.stack([F.cosine_similarity(Z[t], m.A_v[k], dim=0) for k in range(m.K)])
-                         for t in range(len(Z))])                                        # (T, K)
+                         for t in range(len(Z))])                                        # (H*W, K)
         p_v = torch.stack([(R[:, k] / m.tau_p).softmax(0) @ R[:, k] for k in range(m.K)])
         c = []
         for k in range(m.K):
-            beta = (R[1:1 + H * W, k] / m.tau_p).softmax(0)
+            beta = (R[:, k] / m.tau_p).softmax(0)
             c.append(sum(beta[r * W + q] * torch.tensor([(q + 0.5) / W * 2 - 1, (r + 0.5) / H * 2 - 1])
                          for r in range(H) for q in range(W)))
         c = torch.stack(c)
