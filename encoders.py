@@ -3,80 +3,31 @@
 Shape alphabet (used in every file): B batch, T tokens, D features,
 K anchors / output dim, Q regions, L words, C classes, H x W patch grid.
 
-Read top to bottom: the tiny Shapes-world encoders; real encoders (Hugging Face
-transformers models, torchvision classifiers); layer selection; load_encoders.
-The feature cache (extract, shards, StoredFeatures) is in features.py; the
+Read top to bottom: the token-layout contract (one table for every family); real
+encoders (Hugging Face transformers models, torchvision classifiers); layer
+selection; load_encoders. The built-in tiny Shapes encoders are in
+shapes_encoders.py; the feature cache (extract, shards, StoredFeatures, weights
+fingerprints, the special-token rule word_positions) in features.py; the
 similarity measures layer selection uses (CKA, mutual kNN) in similarity.py.
 Every encoder has .name, .layer, .dim, .preprocess (a string in the cache key),
-.fingerprint (its weights', also in the cache key: see "Weights fingerprints"),
+.fingerprint (its weights', also in the cache key: features.py "Weights fingerprints"),
 .encode(batch, device) -> Features, .pooled_layers(batch, device) -> {layer: (B, D)};
 text encoders .words(texts); image encoders .head().
 """
 
 import contextlib
-import hashlib
 import math
 import os
 import pickle
-import re
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from features import Features, atomic_save, file_lock, safe_load
+from features import TOKEN_RULE, Features, folder_fingerprint, word_positions, word_tokens
+from shapes_encoders import load_shapes_encoders
 
-
-# ---------------------------------------------------------------------------
-# Weights fingerprints: what the feature cache is keyed by, besides the name
-# ---------------------------------------------------------------------------
-# The same name can hold other weights (a re-pretrained tiny encoder, another
-# revision downloaded into the same folder), so features are keyed by the weights:
-# - the tiny encoders: a hash of their state_dict (and vocabulary), exact;
-# - a Hugging Face snapshot folder (hub cache) or a model loaded by hub name: its
-#   commit hash, as the Hugging Face cache itself keys files by revision;
-# - any other model folder: every file's name and size, plus its content hash
-#   (files up to 16 MB: config, tokenizer, small weights) or, for larger weight
-#   files, its modification time and a hash of its first and last MB: reading a
-#   1.2 GB checkpoint in full on every run would cost seconds, while another
-#   revision written into the folder changes the mtime (and nearly always the size
-#   or the first tensors);
-# - torchvision: the weights enum and its URL (whose name carries the file's hash).
-FULL_HASH_BYTES = 16 * 2**20
-
-
-def state_fingerprint(state, *extra):
-    """sha1 of a state_dict's names, dtypes, shapes and values (plus extra plain values), exact."""
-    h = hashlib.sha1()
-    for name, t in sorted(state.items()):
-        t = t.detach().cpu().contiguous()
-        h.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())       # the raw bytes, any dtype
-    for e in extra:
-        h.update(repr(e).encode())
-    return h.hexdigest()[:16]
-
-
-def folder_fingerprint(folder):
-    """The weights fingerprint of a model folder (module comment above)."""
-    folder = Path(folder).absolute()
-    if folder.parent.name == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", folder.name):
-        return f"commit {folder.name}"                                    # a Hugging Face cache snapshot
-    h = hashlib.sha1()
-    for f in sorted(p for p in folder.iterdir() if p.is_file()):
-        st = f.stat()
-        h.update(f"{f.name} {st.st_size}".encode())
-        with open(f, "rb") as fh:
-            if st.st_size <= FULL_HASH_BYTES:
-                h.update(fh.read())
-            else:
-                h.update(f" {st.st_mtime_ns}".encode() + fh.read(2**20))
-                fh.seek(-2**20, os.SEEK_END)
-                h.update(fh.read())
-    return "files " + h.hexdigest()[:16]
 
 
 # ---------------------------------------------------------------------------
@@ -88,7 +39,7 @@ def folder_fingerprint(folder):
 #   mean-pools) is dropped: no method reads it.
 # Features of a TEXT: tokens = the caption's WORD tokens only, in order, padded at the
 #   end. The tokenizer's special tokens (CLS / SEP, <s> / </s>, BOS / EOS) are dropped
-#   by word_positions() below, the one place this rule lives, so every token-level
+#   by features.word_positions(), the one place this rule lives, so every token-level
 #   method (CoV, FILIP, text_guided, PAL's CAP, FA) matches words, as the papers do
 #   (PAL: "Z are the patch and word tokens"). pooled is computed before that, over the
 #   whole sequence, as the family defines it (sentence-transformers' masked mean
@@ -118,340 +69,6 @@ def folder_fingerprint(folder):
 #
 # tests/test_token_contract.py checks each row against the Hugging Face model's own outputs.
 IMAGE_PREFIX = {"dinov2": 1, "vit": 1, "deit": 2, "beit": 1, "clip": 1, "clip_vision_model": 1}  # tokens before the patches
-TOKEN_RULE = "tokens: image [pooled, patches], text words only; last layer normed as pooled"  # in the cache key
-
-
-def word_positions(real, special):
-    """THE special-token rule, written once: which of a text's tokens are its words.
-
-    real (B, L) bool, the attention mask; special (B, L) bool, the tokenizer's special
-    tokens (CLS / SEP, <s> / </s>, BOS / EOS). Returns idx (B, L') the positions of the
-    word tokens, in order, padded with other positions, and mask (B, L') True for a word.
-    A text with no word token at all keeps its real tokens, so no row is ever empty.
-    """
-    word = real & ~special                                                   # (B, L)
-    word = torch.where(word.any(1, keepdim=True), word, real)
-    idx = torch.sort((~word).to(torch.uint8), dim=1, stable=True).indices   # words first, in order
-    idx = idx[:, :max(int(word.sum(1).max()), 1)]                            # (B, L')
-    return idx, word.gather(1, idx)
-
-
-def word_tokens(h, real, special):
-    """(B, L, D) encoder tokens -> the word tokens (B, L', D) (padding exactly 0) and their mask (B, L')."""
-    idx, mask = word_positions(real, special)
-    tokens = h.gather(1, idx[..., None].expand(-1, -1, h.shape[-1]))         # (B, L', D)
-    return tokens * mask[..., None], mask
-
-
-SPECIALS = ["[PAD]", "[CLS]", "[MASK]", "[UNK]"]
-PAD, CLS, MASK, UNK = range(4)
-
-
-class WordTokenizer:
-    """Whitespace word tokenizer over a fixed vocabulary; [CLS] first, padded to the batch maximum."""
-
-    def __init__(self, vocab):
-        self.vocab = list(vocab)
-        self.index = {w: i for i, w in enumerate(self.vocab)}
-
-    @staticmethod
-    def split(text):
-        return text.lower().replace(".", " ").replace(",", " , ").split()
-
-    def words(self, text):
-        """The token strings, position-aligned with the encoder's tokens."""
-        return ["[CLS]"] + self.split(text)
-
-    def __call__(self, texts):
-        ids = [[CLS] + [self.index.get(w, UNK) for w in self.split(t)] for t in texts]
-        L = max(len(i) for i in ids)
-        out = torch.full((len(ids), L), PAD, dtype=torch.long)
-        for b, i in enumerate(ids):
-            out[b, :len(i)] = torch.tensor(i)
-        return out, out != PAD  # (B, L) ids, (B, L) mask
-
-
-class TinyTextEncoder(nn.Module):
-    """A 2-layer transformer over words, pretrained by masked-word prediction on captions alone."""
-
-    def __init__(self, vocab_size, D=96, n_layers=2, n_heads=4, max_len=48):
-        super().__init__()
-        self.embed = nn.Embedding(vocab_size, D)
-        self.pos = nn.Parameter(torch.randn(max_len, D) * 0.02)
-        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(D, n_heads, 2 * D, dropout=0.0, batch_first=True,
-                                                               norm_first=True) for _ in range(n_layers))
-        self.norm = nn.LayerNorm(D)
-        self.mlm_head = nn.Linear(D, vocab_size)
-
-    def forward(self, ids, mask, layer=-1):
-        """(B, L) ids -> (B, L, D) tokens after `layer` (-1: the last, normalised)."""
-        x = self.embed(ids) + self.pos[:ids.shape[1]]
-        n = len(self.layers) if layer == -1 else layer
-        for block in self.layers[:n]:
-            x = block(x, src_key_padding_mask=~mask)
-        return self.norm(x) if n == len(self.layers) else x
-
-
-def sincos_2d(D, H, W):
-    """Fixed 2D sin-cos position code (MAE / ViT style), (D, H, W): D/2 channels for x, D/2 for y,
-    each half sin and cos at D/4 frequencies 1 / 10000^(i / (D/4)), i = 0..D/4-1."""
-    assert D % 4 == 0, D
-    n = D // 4
-    omega = 1.0 / 10000 ** (torch.arange(n) / n)                               # (D/4,)
-    def axis(size):                                                            # (D/2, size)
-        a = torch.arange(size, dtype=torch.float32)[None] * omega[:, None]
-        return torch.cat([a.sin(), a.cos()])
-    x, y = axis(W), axis(H)
-    return torch.cat([x[:, None, :].expand(-1, H, -1), y[:, :, None].expand(-1, -1, W)])  # (D, H, W)
-
-
-class TinyImageEncoder(nn.Module):
-    """A 4-layer CNN, stride 8: its 8x8 output grid is the patch tokens (DESIGN.md trial).
-
-    Pretrained as a supervised classifier: the head (a 1x1 conv = a linear layer per
-    patch) predicts the colour-shape class of each patch, plus background. Its rows
-    W (C, D) are what the weight-recycling paper recycles.
-
-    pos=True ("shapes-cnn-pos", issue 14): a fixed 2D sin-cos position code (sincos_2d)
-    is added to the feature map before the last block, the way a ViT adds its position
-    embedding before its blocks, so the tokens carry where they are. pos=False (the
-    default "shapes-cnn"): only zero padding at the border tells a token where it is.
-    Not the default: with PAL (10 epochs, seed 0) retrieval RSum fell 507.9 -> 503.5
-    and binding did not move (README, Binding).
-    """
-
-    def __init__(self, n_classes, D=96, pos=False):
-        super().__init__()
-        chans = [3, 32, 64, D, D]
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Conv2d(chans[i], chans[i + 1], 3, stride=2 if i < 3 else 1, padding=1),
-                                                  nn.BatchNorm2d(chans[i + 1]), nn.ReLU()) for i in range(4))
-        self.head = nn.Linear(D, n_classes + 1)  # last row: background
-        self.pos = pos
-
-    def forward(self, x, layer=-1):
-        """(B, 3, S, S) normalised pixels -> (B, D, H, W) feature map after block `layer` (3 or 4 = -1)."""
-        n = len(self.blocks) if layer == -1 else layer
-        for l, block in enumerate(self.blocks[:n], start=1):
-            if self.pos and l == len(self.blocks):             # before the last block
-                x = x + sincos_2d(x.shape[1], x.shape[2], x.shape[3]).to(x)  # (B, D, H, W) + (D, H, W)
-            x = block(x)
-        return x
-
-
-def shapes_pixels(images):
-    """uint8 (B, 3, S, S) -> float, normalised (the tiny CNN's preprocessing)."""
-    return (images.float() / 255 - 0.5) / 0.25
-
-
-def pretrain_text_encoder(seed=0, steps=800, log=print):
-    """Masked-word pretraining on Shapes captions alone (no images): 15% of words masked."""
-    import data
-    torch.manual_seed(seed)
-    corpus = data.text_corpus(20000, seed=seed + 1000)
-    vocab = SPECIALS + sorted({w for t in corpus for w in WordTokenizer.split(t)})
-    tok = WordTokenizer(vocab)
-    model = TinyTextEncoder(len(vocab))
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=steps, pct_start=0.1)
-    g = torch.Generator().manual_seed(seed)
-    held_out, train_corpus = corpus[:1000], corpus[1000:]
-
-    def masked_batch(texts):
-        ids, mask = tok(texts)
-        target = ids.clone()
-        pick = (torch.rand(ids.shape, generator=g) < 0.15) & mask & (ids != CLS)
-        ids = ids.masked_fill(pick, MASK)
-        return ids, mask, target, pick
-
-    t0 = time.time()
-    for step in range(steps):
-        idx = torch.randint(len(train_corpus), (64,), generator=g)
-        ids, mask, target, pick = masked_batch([train_corpus[i] for i in idx])
-        logits = model.mlm_head(model(ids, mask))
-        loss = F.cross_entropy(logits[pick], target[pick])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sched.step()
-    model.eval()
-    with torch.no_grad():
-        ids, mask, target, pick = masked_batch(held_out)
-        acc = (model.mlm_head(model(ids, mask))[pick].argmax(-1) == target[pick]).float().mean().item()
-    log(f"[text encoder] masked-word pretraining: {steps} steps in {time.time() - t0:.0f}s, "
-        f"held-out masked-word accuracy {100 * acc:.1f}%")
-    return model, tok, acc
-
-
-def pretrain_image_encoder(seed=0, max_steps=1500, target_acc=0.95, log=print, pos=False):
-    """Supervised per-patch classification on labelled Shapes images (no text).
-
-    Per-patch soft cross-entropy over the 24 colour-shape classes + background, object
-    patches weighted 5x (DESIGN.md trial). Shape is learned after a sudden jump whose
-    timing varies, so training stops on a held-out per-object shape accuracy, not a step count.
-    """
-    import data
-    torch.manual_seed(seed)
-    C = len(data.CLASS_NAMES)
-    images, masks = data.pretrain_images(4000, seed=seed + 2000)
-    val_images, val_masks = data.pretrain_images(300, seed=seed + 3000)
-    model = TinyImageEncoder(C, pos=pos)
-    opt = torch.optim.AdamW(model.parameters(), lr=6e-3, weight_decay=1e-4)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, max_steps)
-    g = torch.Generator().manual_seed(seed)
-
-    def soft_targets(m):  # (B, S, S) -> (B, 8, 8, C + 1) fraction of each class in each patch
-        onehot = F.one_hot(m.clamp(max=C), C + 1).permute(0, 3, 1, 2).float()
-        return F.avg_pool2d(onehot, 8).permute(0, 2, 3, 1)
-
-    def shape_accuracy():
-        model.eval()
-        with torch.no_grad():
-            logits = model.head(model(shapes_pixels(val_images)).permute(0, 2, 3, 1))  # (N, 8, 8, C + 1)
-        model.train()
-        y = soft_targets(val_masks)
-        obj = y[..., :C].sum(-1) > 0.5       # patches mostly covered by an object
-        shape = lambda c: c % len(data.SHAPES)
-        return (shape(logits[..., :C].argmax(-1)) == shape(y[..., :C].argmax(-1)))[obj].float().mean().item()
-
-    t0, acc = time.time(), 0.0
-    for step in range(1, max_steps + 1):
-        idx = torch.randint(len(images), (64,), generator=g)
-        x = shapes_pixels(images[idx])
-        flip = torch.rand(()) < 0.5      # a horizontal flip keeps every class
-        x, m = (x.flip(-1), masks[idx].flip(-1)) if flip else (x, masks[idx])
-        y = soft_targets(m)
-        logp = model.head(model(x).permute(0, 2, 3, 1)).log_softmax(-1)
-        weight = 1 + 4 * (y[..., :C].sum(-1) > 0.1)
-        loss = (-(y * logp).sum(-1) * weight).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sched.step()
-        if step % 100 == 0:
-            acc = shape_accuracy()
-            if acc >= target_acc and step >= 300:
-                break
-    model.eval()
-    log(f"[image encoder] supervised pretraining: {step} steps in {time.time() - t0:.0f}s, "
-        f"held-out patch shape accuracy {100 * acc:.1f}%")
-    return model, acc
-
-
-class ShapesImageEncoder:
-    """The frozen tiny CNN as an encoder: images -> Features (mean token + 8x8 patch tokens).
-
-    head() returns its classifier rows W (C, D), bias b (C,) and class names,
-    background row dropped: what the weight-recycling paper recycles.
-    """
-    head_reads = "patches"  # its head classifies each patch token; real heads read `pooled` (note 3)
-
-    n_layers = 4  # layer l = the feature map after block l (3 and 4 keep the 8x8 grid); -1 = 4
-
-    def __init__(self, model, layer=-1):
-        self.model, self.layer = model.eval(), layer
-        # the feature cache key holds the name: the position-aware CNN (issue 14) gets its own
-        self.name = SHAPES_CNN_VERSION if model.pos else "shapes-cnn"
-        self.preprocess = "uint8/255, mean 0.5, std 0.25"
-        self.fingerprint = state_fingerprint(model.state_dict())
-
-    @property
-    def dim(self):
-        return self.model.blocks[(self.n_layers if self.layer == -1 else self.layer) - 1][0].out_channels  # after block `layer`
-
-    @torch.no_grad()
-    def encode(self, images, device="cpu"):
-        fmap = self.model.to(device)(shapes_pixels(torch.as_tensor(images).to(device)), self.layer)  # (B, D, H, W)
-        B, D, H, W = fmap.shape
-        patches = fmap.flatten(2).transpose(1, 2)                            # (B, H*W, D)
-        tokens = torch.cat([patches.mean(1, keepdim=True), patches], 1)     # (B, 1 + H*W, D)
-        return Features(tokens=tokens.cpu(), mask=torch.ones(B, 1 + H * W, dtype=torch.bool),
-                        pooled=tokens[:, 0].cpu(), grid=(H, W))
-
-    def head(self):
-        import data
-        return self.model.head.weight[:-1].detach().clone(), self.model.head.bias[:-1].detach().clone(), list(data.CLASS_NAMES)
-
-    @torch.no_grad()
-    def pooled_layers(self, images, device="cpu"):
-        """{layer: (B, D_l) mean feature after block l} for l = 1..4 (layer selection)."""
-        x, m = shapes_pixels(torch.as_tensor(images).to(device)), self.model.to(device)
-        return {l: m(x, l).mean((2, 3)).cpu() for l in range(1, len(m.blocks) + 1)}  # forward() adds the position code
-
-
-class ShapesTextEncoder:
-    """The frozen tiny word transformer: texts -> Features (the words; pooled = masked mean over [CLS] + words)."""
-    name = "shapes-text"
-
-    def __init__(self, model, tokenizer, layer=-1):
-        self.model, self.tokenizer, self.layer = model.eval(), tokenizer, layer
-        self.dim = model.embed.embedding_dim
-        self.preprocess = f"lowercase words; {TOKEN_RULE}"
-        self.fingerprint = state_fingerprint(model.state_dict(), tokenizer.vocab)
-
-    @torch.no_grad()
-    def encode(self, texts, device="cpu"):
-        ids, real = self.tokenizer(texts)
-        h = self.model.to(device)(ids.to(device), real.to(device), self.layer).cpu() * real[..., None]  # (B, L, D)
-        pooled = h.sum(1) / real.sum(1, keepdim=True)                # over [CLS] + words
-        tokens, mask = word_tokens(h, real, ids == CLS)              # the words (token contract)
-        return Features(tokens=tokens, mask=mask, pooled=pooled)
-
-    def words(self, texts):
-        """Word strings, position-aligned with encode()'s tokens."""
-        ids, real = self.tokenizer(texts)
-        idx, mask = word_positions(real, ids == CLS)
-        return [[self.tokenizer.words(t)[j] for j in idx[b][mask[b]].tolist()] for b, t in enumerate(texts)]
-
-    @torch.no_grad()
-    def pooled_layers(self, texts, device="cpu"):
-        """{layer: (B, D) masked mean after block l} for l = 1..n_layers (the last normalised)."""
-        ids, mask = self.tokenizer(texts)
-        n = len(self.model.layers)
-        m = mask[..., None].float()
-        return {l: (self.model.to(device)(ids.to(device), mask.to(device), l).cpu() * m).sum(1) / m.sum(1)
-                for l in range(1, n + 1)}
-
-    @property
-    def n_layers(self):
-        return len(self.model.layers)
-
-
-SHAPES_CNN_VERSION = "shapes-cnn-pos1"  # the position-aware tiny CNN (issue 14): its checkpoint and feature keys
-
-
-def load_shapes_encoders(cache_dir, seed=0, image_layer=-1, text_layer=-1, log=print, image_pos=False):
-    """The two tiny encoders, pretrained unimodally on first use and cached in cache_dir/encoders.
-    image_pos: the position-aware CNN ("shapes-cnn-pos", its own cache keys) instead of the default one."""
-    with file_lock(Path(cache_dir) / "locks" / f"shapes-encoders-seed{seed}.lock", log):  # concurrent runs pretrain once
-        return _load_shapes_encoders(cache_dir, seed, image_layer, text_layer, log, image_pos)
-
-
-def _load_shapes_encoders(cache_dir, seed, image_layer, text_layer, log, image_pos):
-    tag = SHAPES_CNN_VERSION if image_pos else "shapes-cnn"
-    path_i = Path(cache_dir) / "encoders" / f"{tag}-seed{seed}.pt"
-    path_t = Path(cache_dir) / "encoders" / f"shapes-text-seed{seed}.pt"
-    import data
-    saved = safe_load(path_i, expect_key=f"{tag}-{seed}")
-    image_model = TinyImageEncoder(len(data.CLASS_NAMES), pos=image_pos)
-    if saved is None:
-        log("[image encoder] not cached: pretraining it on labelled Shapes images (about a minute)")
-        image_model, acc = pretrain_image_encoder(seed, log=log, pos=image_pos)
-        atomic_save({"key": f"{tag}-{seed}", "state": image_model.state_dict(), "acc": acc}, path_i)
-    else:
-        image_model.load_state_dict(saved["state"])
-    saved = safe_load(path_t, expect_key=f"shapes-text-{seed}")
-    if saved is None:
-        log("[text encoder] not cached: pretraining it on Shapes captions alone (about a minute)")
-        text_model, tok, acc = pretrain_text_encoder(seed, log=log)
-        atomic_save({"key": f"shapes-text-{seed}", "state": text_model.state_dict(), "vocab": tok.vocab, "acc": acc}, path_t)
-    else:
-        tok = WordTokenizer(saved["vocab"])
-        text_model = TinyTextEncoder(len(tok.vocab))
-        text_model.load_state_dict(saved["state"])
-    for p in list(image_model.parameters()) + list(text_model.parameters()):
-        p.requires_grad_(False)  # frozen: the post-hoc setting
-    return ShapesImageEncoder(image_model, image_layer), ShapesTextEncoder(text_model, tok, text_layer)
-
 
 # ---------------------------------------------------------------------------
 # Real encoders: Hugging Face transformers models and torchvision classifiers
@@ -904,12 +521,6 @@ def load_torchvision(name, layer=-1, weights="DEFAULT"):
     enc.fingerprint = f"{meta} {meta.url}"   # the weights enum, e.g. ResNet50_Weights.IMAGENET1K_V2, and its file
     return enc
 
-
-# ---------------------------------------------------------------------------
-# Feature extraction, run once and cached
-# ---------------------------------------------------------------------------
-# Two layouts on disk, chosen by size, one key:
-# - a set whose fp16 tokens fit in MEMMAP_BYTES is one torch file, loaded into RAM
 
 # ---------------------------------------------------------------------------
 # Layer selection (STRUCTURE's protocol, REFERENCE.md): the most similar layer pair

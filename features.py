@@ -16,6 +16,7 @@ import math
 import mmap
 import os
 import pickle
+import re
 import tempfile
 import time
 from dataclasses import dataclass, replace
@@ -76,10 +77,6 @@ class Features:
         return Features(tokens=torch.cat([pad(p.tokens, 0) for p in parts]),
                         mask=torch.cat([pad(p.mask, False) for p in parts]),
                         pooled=torch.cat([p.pooled for p in parts]), grid=parts[0].grid)
-
-
-# ---------------------------------------------------------------------------
-# Built-in tiny encoders for the Shapes world, pretrained UNIMODALLY by the project
 
 
 # ---------------------------------------------------------------------------
@@ -212,7 +209,7 @@ SHARD_BYTES = 256 * 2**20                                                    # a
 def cache_key(**parts):
     """A readable file stem plus a hash of every setting, so a changed setting never reads stale features.
 
-    extract() puts the encoder's weights fingerprint in it (encoders.py: the tiny encoders'
+    extract() puts the encoder's weights fingerprint in it (see "Weights fingerprints" below: the tiny encoders'
     content hash, a Hugging Face snapshot's commit or its files' hashes, torchvision's weights
     enum), so new weights under the same name never read the old weights' features."""
     text = repr(sorted(parts.items()))
@@ -395,3 +392,80 @@ def extract(encoder, inputs, cache_dir, batch_size=256, device="cpu", **key_part
         atomic_save({"key": key, "tokens": feats.tokens.half(), "mask": feats.mask, "pooled": feats.pooled.half(),
                      "grid": feats.grid}, path)
     return Features(feats.tokens.half(), feats.mask, feats.pooled.half(), feats.grid)
+
+
+# ---------------------------------------------------------------------------
+# Weights fingerprints: what the feature cache is keyed by, besides the name
+# ---------------------------------------------------------------------------
+# The same name can hold other weights (a re-pretrained tiny encoder, another
+# revision downloaded into the same folder), so features are keyed by the weights:
+# - the tiny encoders: a hash of their state_dict (and vocabulary), exact;
+# - a Hugging Face snapshot folder (hub cache) or a model loaded by hub name: its
+#   commit hash, as the Hugging Face cache itself keys files by revision;
+# - any other model folder: every file's name and size, plus its content hash
+#   (files up to 16 MB: config, tokenizer, small weights) or, for larger weight
+#   files, its modification time and a hash of its first and last MB: reading a
+#   1.2 GB checkpoint in full on every run would cost seconds, while another
+#   revision written into the folder changes the mtime (and nearly always the size
+#   or the first tensors);
+# - torchvision: the weights enum and its URL (whose name carries the file's hash).
+FULL_HASH_BYTES = 16 * 2**20
+
+
+def state_fingerprint(state, *extra):
+    """sha1 of a state_dict's names, dtypes, shapes and values (plus extra plain values), exact."""
+    h = hashlib.sha1()
+    for name, t in sorted(state.items()):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())       # the raw bytes, any dtype
+    for e in extra:
+        h.update(repr(e).encode())
+    return h.hexdigest()[:16]
+
+
+def folder_fingerprint(folder):
+    """The weights fingerprint of a model folder (module comment above)."""
+    folder = Path(folder).absolute()
+    if folder.parent.name == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", folder.name):
+        return f"commit {folder.name}"                                    # a Hugging Face cache snapshot
+    h = hashlib.sha1()
+    for f in sorted(p for p in folder.iterdir() if p.is_file()):
+        st = f.stat()
+        h.update(f"{f.name} {st.st_size}".encode())
+        with open(f, "rb") as fh:
+            if st.st_size <= FULL_HASH_BYTES:
+                h.update(fh.read())
+            else:
+                h.update(f" {st.st_mtime_ns}".encode() + fh.read(2**20))
+                fh.seek(-2**20, os.SEEK_END)
+                h.update(fh.read())
+    return "files " + h.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------
+# The special-token rule of the token-layout contract (the table is in encoders.py)
+# ---------------------------------------------------------------------------
+TOKEN_RULE = "tokens: image [pooled, patches], text words only; last layer normed as pooled"  # in the cache key
+
+
+def word_positions(real, special):
+    """THE special-token rule, written once: which of a text's tokens are its words.
+
+    real (B, L) bool, the attention mask; special (B, L) bool, the tokenizer's special
+    tokens (CLS / SEP, <s> / </s>, BOS / EOS). Returns idx (B, L') the positions of the
+    word tokens, in order, padded with other positions, and mask (B, L') True for a word.
+    A text with no word token at all keeps its real tokens, so no row is ever empty.
+    """
+    word = real & ~special                                                   # (B, L)
+    word = torch.where(word.any(1, keepdim=True), word, real)
+    idx = torch.sort((~word).to(torch.uint8), dim=1, stable=True).indices   # words first, in order
+    idx = idx[:, :max(int(word.sum(1).max()), 1)]                            # (B, L')
+    return idx, word.gather(1, idx)
+
+
+def word_tokens(h, real, special):
+    """(B, L, D) encoder tokens -> the word tokens (B, L', D) (padding exactly 0) and their mask (B, L')."""
+    idx, mask = word_positions(real, special)
+    tokens = h.gather(1, idx[..., None].expand(-1, -1, h.shape[-1]))         # (B, L', D)
+    return tokens * mask[..., None], mask

@@ -86,6 +86,7 @@ def probes(args):
     sys.path.insert(0, str(ROOT))
     import data
     import encoders
+    import shapes_encoders
     from features import Features
     from methods import METHODS
     torch.set_num_threads(1)
@@ -104,7 +105,7 @@ def probes(args):
     enc = lambda e, xs: Features.cat([e.encode(xs[i:i + 200]) for i in range(0, len(xs), 200)])
     rows = [("majority class", 100 * y.bincount().max().item() / len(y))]
     for pos in (False, True):
-        img_enc, _ = encoders.load_shapes_encoders(args.cache_dir, image_pos=pos)
+        img_enc, _ = shapes_encoders.load_shapes_encoders(args.cache_dir, image_pos=pos)
         f = enc(img_enc, images)
         tag = "position-aware CNN" if pos else "CNN without position code"
         rows += [(f"image, {tag}: pooled (mean token)", ridge_probe(f.pooled, y, 4)),

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import align
 import data
 import encoders
+import shapes_encoders
 from conftest import random_features
 from methods.cov import CoV
 from methods.linear import Linear
@@ -239,7 +240,7 @@ def position_probe(encoder, images):
 
 
 def test_sincos_code_is_the_closed_form():
-    pe = encoders.sincos_2d(8, 3, 5)                                   # D/4 = 2 frequencies: 1 and 1/100
+    pe = shapes_encoders.sincos_2d(8, 3, 5)                                   # D/4 = 2 frequencies: 1 and 1/100
     assert pe.shape == (8, 3, 5)
     x, y = 4, 2
     assert torch.allclose(pe[:, y, x], torch.tensor([math.sin(x), math.sin(x / 100), math.cos(x), math.cos(x / 100),
@@ -248,8 +249,8 @@ def test_sincos_code_is_the_closed_form():
 
 def test_position_is_readable_from_the_new_tokens_and_not_the_old(cache_dir):
     images, _ = data.pretrain_images(200, seed=777)                     # unseen by either pretraining
-    new, _ = encoders.load_shapes_encoders(cache_dir, image_pos=True)
-    old, _ = encoders.load_shapes_encoders(cache_dir, image_pos=False)
+    new, _ = shapes_encoders.load_shapes_encoders(cache_dir, image_pos=True)
+    old, _ = shapes_encoders.load_shapes_encoders(cache_dir, image_pos=False)
     assert new.name != old.name                                         # separate feature cache keys
     acc_new, inner_new = position_probe(new, images)
     acc_old, inner_old = position_probe(old, images)

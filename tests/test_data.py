@@ -4,7 +4,7 @@ import torch
 
 import data
 from features import Features
-from encoders import WordTokenizer
+from shapes_encoders import WordTokenizer
 
 SMALL = dict(n_train=12, n_test=4, n_cls=6, n_seg=3, n_bind=4)
 

@@ -23,6 +23,7 @@ import torch
 import align
 import data
 import encoders
+import shapes_encoders
 import features
 from conftest import random_features
 from methods.linear import Linear
@@ -97,7 +98,7 @@ def reference(shared, tmp_path_factory):
 def plant_tiny_encoders(cache, seed, vocab):
     """Random-init tiny encoders saved as the cache's pretrained checkpoints (as a re-pretraining would)."""
     torch.manual_seed(seed)
-    image, text = encoders.TinyImageEncoder(len(data.CLASS_NAMES)), encoders.TinyTextEncoder(len(vocab))
+    image, text = shapes_encoders.TinyImageEncoder(len(data.CLASS_NAMES)), shapes_encoders.TinyTextEncoder(len(vocab))
     features.atomic_save({"key": "shapes-cnn-0", "state": image.state_dict(), "acc": 0.0},
                          cache / "encoders" / "shapes-cnn-seed0.pt")
     features.atomic_save({"key": "shapes-text-0", "state": text.state_dict(), "vocab": vocab, "acc": 0.0},
@@ -105,12 +106,12 @@ def plant_tiny_encoders(cache, seed, vocab):
 
 
 def test_changed_tiny_encoder_weights_never_read_old_features(tmp_path):
-    vocab = encoders.SPECIALS + ["a", "red", "blue", "circle", "square"]
+    vocab = shapes_encoders.SPECIALS + ["a", "red", "blue", "circle", "square"]
     texts, images = ["a red circle", "a blue square"], torch.randint(0, 256, (3, 3, 64, 64), dtype=torch.uint8)
     got = []
     for seed in (0, 1):                                       # the same names, other weights
         plant_tiny_encoders(tmp_path, seed, vocab)
-        img_enc, txt_enc = encoders.load_shapes_encoders(tmp_path, log=lambda s: None)
+        img_enc, txt_enc = shapes_encoders.load_shapes_encoders(tmp_path, log=lambda s: None)
         img = features.extract(img_enc, images, tmp_path, dataset="t", split="s", modality="image")
         txt = features.extract(txt_enc, texts, tmp_path, dataset="t", split="s", modality="text")
         assert torch.equal(img.tokens, img_enc.encode(images).tokens.half())   # this encoder's own features
@@ -141,7 +142,7 @@ def test_a_model_folder_rewritten_in_place_gets_new_features(tmp_path, monkeypat
     commit = "0123456789abcdef0123456789abcdef01234567"
     snap = tmp_path / "models--org--m" / "snapshots" / commit
     snap.mkdir(parents=True)
-    assert encoders.folder_fingerprint(snap) == f"commit {commit}"
+    assert features.folder_fingerprint(snap) == f"commit {commit}"
     import torchvision
     calls = []
 
@@ -434,7 +435,7 @@ def test_a_planted_pickle_in_the_cache_is_refused_and_never_run(shared, tmp_path
     r = run(cache, tmp_path / "out", *RUN)
     one_line_error(r, "refusing to load", "shapes-cnn-seed0.pt")
     assert not marker.exists()
-    enc = encoders.ShapesTextEncoder(encoders.TinyTextEncoder(6), encoders.WordTokenizer(encoders.SPECIALS + ["a", "b"]))
+    enc = shapes_encoders.ShapesTextEncoder(shapes_encoders.TinyTextEncoder(6), shapes_encoders.WordTokenizer(shapes_encoders.SPECIALS + ["a", "b"]))
     (cache / "features").mkdir()
     key = features.cache_key(encoder=enc.name, weights=enc.fingerprint, layer=enc.layer, preprocess=enc.preprocess,
                              n=2, dataset="t", split="s", modality="text")

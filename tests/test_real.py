@@ -16,6 +16,7 @@ from PIL import Image
 
 import data
 import encoders
+import shapes_encoders
 import features
 import similarity
 
@@ -401,10 +402,10 @@ def test_align_selects_layers_and_streams_memmapped_features(tiny_world, models,
 
 def test_layer_selection_runs_on_the_shapes_encoders():
     w = data.shapes_world(0, n_train=40, n_test=2, n_cls=2, n_seg=2, n_bind=2)
-    vocab = encoders.SPECIALS + sorted({x for c in w["train"].captions for x in encoders.WordTokenizer.split(c)})
+    vocab = shapes_encoders.SPECIALS + sorted({x for c in w["train"].captions for x in shapes_encoders.WordTokenizer.split(c)})
     torch.manual_seed(0)
-    img = encoders.ShapesImageEncoder(encoders.TinyImageEncoder(len(data.CLASS_NAMES)))     # random init suffices
-    txt = encoders.ShapesTextEncoder(encoders.TinyTextEncoder(len(vocab)), encoders.WordTokenizer(vocab))
+    img = shapes_encoders.ShapesImageEncoder(shapes_encoders.TinyImageEncoder(len(data.CLASS_NAMES)))     # random init suffices
+    txt = shapes_encoders.ShapesTextEncoder(shapes_encoders.TinyTextEncoder(len(vocab)), shapes_encoders.WordTokenizer(vocab))
     li, lt, table = encoders.select_layers(img, txt, w["train"], "mknn", n=30, log=lambda s: None)
     assert set(table) == {(i, t) for i in range(1, 5) for t in (1, 2)} and (img.layer, txt.layer) == (li, lt)
     f = img.encode(w["train"].images[:2])

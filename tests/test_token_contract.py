@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from PIL import Image
 
 import encoders
+import features
+import shapes_encoders
 from features import Features
 
 VISION = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32,
@@ -230,11 +232,11 @@ def test_text_family_words_and_pooled(family, tmp_path):
 
 
 def test_shapes_text_encoder_keeps_the_words_and_pools_over_cls_and_words():
-    vocab = encoders.SPECIALS + WORDS
+    vocab = shapes_encoders.SPECIALS + WORDS
     torch.manual_seed(0)
-    model = encoders.TinyTextEncoder(len(vocab))
-    tok = encoders.WordTokenizer(vocab)
-    enc = encoders.ShapesTextEncoder(model, tok)
+    model = shapes_encoders.TinyTextEncoder(len(vocab))
+    tok = shapes_encoders.WordTokenizer(vocab)
+    enc = shapes_encoders.ShapesTextEncoder(model, tok)
     texts = ["a red dog", "the cat sits on a man"]
     ids, real = tok(texts)
     with torch.no_grad():
@@ -251,10 +253,10 @@ def test_shapes_text_encoder_keeps_the_words_and_pools_over_cls_and_words():
 def test_word_positions_on_a_planted_batch():
     real = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]], dtype=torch.bool)
     special = torch.tensor([[1, 0, 0, 1, 1], [1, 0, 1, 0, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
-    idx, mask = encoders.word_positions(real, special)
+    idx, mask = features.word_positions(real, special)
     assert [i[m].tolist() for i, m in zip(idx, mask)] == [[1, 2], [1, 3], [0, 1]]   # row 3: no word, keeps its tokens
     h = torch.arange(15.0).view(3, 5, 1)
-    tokens, m = encoders.word_tokens(h, real, special)
+    tokens, m = features.word_tokens(h, real, special)
     assert tokens[..., 0].tolist() == [[1, 2], [6, 8], [10, 11]] and m.all()
 
 
