@@ -91,37 +91,34 @@ def no_space(folder):
                       f"--cache-dir / --out at a disk with room, then rerun (finished work is kept)")
 
 
-def atomic_save(obj, path):
-    """torch.save to a temporary name, then rename: an interrupted run leaves no half file.
-
-    The temporary file is removed when the save fails (Ctrl-C, disk full); a full disk
-    stops the run with one line naming the folder."""
+@contextlib.contextmanager
+def atomic_target(path):
+    """A temporary name beside path, renamed onto path when the block ends: an interrupted
+    run leaves no half file. The temporary file is removed when the write fails (Ctrl-C,
+    disk full); a full disk stops the run with one line naming the folder."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:  # through a Python file, so a full disk raises OSError(ENOSPC)
-            torch.save(obj, f)
+        yield tmp
         os.replace(tmp, path)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise no_space(path.parent) from None
         raise
+
+
+def atomic_save(obj, path):
+    """torch.save through atomic_target (a Python file, so a full disk raises OSError(ENOSPC))."""
+    with atomic_target(path) as tmp, open(tmp, "wb") as f:
+        torch.save(obj, f)
 
 
 def atomic_write_text(text, path):
-    """Path.write_text through a temporary name and a rename (config.json, metrics.json)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    try:
+    """Path.write_text through atomic_target (config.json, metrics.json)."""
+    with atomic_target(path) as tmp:
         tmp.write_text(text)
-        os.replace(tmp, path)
-    except BaseException as e:
-        tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise no_space(path.parent) from None
-        raise
 
 
 def load_plain(path):
