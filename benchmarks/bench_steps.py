@@ -15,7 +15,8 @@ Columns:
   x           ms / bound: 1 would be a step made of nothing but matrix products at that throughput
   MB          peak memory growth over the runs: on CPU Linux's VmHWM (peak resident set, reset through
               /proc/self/clear_refs before the runs) minus the resident set before them, so it counts pages
-              touched, not exact allocations (tracemalloc cannot see torch); on CUDA max_memory_allocated growth
+              touched, not exact allocations (tracemalloc cannot see torch): 0 means the runs fit in memory the
+              process already held; on CUDA the growth of max_memory_allocated
 
 Training FLOPs: a product of a frozen feature with a weight costs 2x its forward (the forward + the weight's
 gradient; the features need no gradient); a product of two trained tensors costs 3x (both gradients). After a
@@ -73,7 +74,7 @@ def flops(name, B, H, W, L, D_v, D_l, n_fit):
     if name == "cov":                                             # P_v, P_t; value, W_assign, V over patches;
         Q = 8                                                     # Eq. (2) attn, Eq. (3) r; Eq. (6) max-sum
         p = mm(B * N, D_v, K) + mm(B * L, D_l, K)
-        a = 3 * mm(B * N, K, K) + 2 * mm(B * Q, K, N) + 3 * mm(B * Q, K, K) + mm(B * Q, K, 48) + mm(B * Q, K, B * L)
+        a = 3 * mm(B * N, K, K) + 2 * mm(B * Q, K, N) + 2 * mm(B * Q, K, K) + mm(B * Q, K, 48) + mm(B * Q, K, B * L)
         return 2 * p + 3 * (a + mm(B * Q, K, Q)), p + a           # + Eq. (5) r r^T in training
     if name == "text_guided":                                     # Eq. (1) s = v w^T, Eq. (2) a v, for every pair
         p, a = mm(B * N, D_v, K) + mm(B * L, D_l, K), 2 * B * B * mm(L, N, K)
