@@ -225,37 +225,18 @@ def contrastive_scale(method):
     return None
 
 
-def loss_and_embeddings(method, img, txt):
-    """method.loss(img, txt), plus the embeddings it made through embed_image / embed_text (None where it
-    did not call each exactly once, e.g. CoV): the hard-negative term reuses them instead of recomputing."""
-    seen = {"embed_image": [], "embed_text": []}
-
-    def spy(name, fn):
-        def call(x):
-            seen[name].append(fn(x))
-            return seen[name][-1]
-        return call
-    method.embed_image, method.embed_text = spy("embed_image", method.embed_image), spy("embed_text", method.embed_text)
-    try:
-        loss, logs = method.loss(img, txt)
-    finally:
-        del method.embed_image, method.embed_text         # the class's own methods again
-    one = lambda xs: xs[0] if len(xs) == 1 else None
-    return loss, logs, one(seen["embed_image"]), one(seen["embed_text"])
-
-
-def hard_negative_loss(method, img, txt, neg, has_neg, scale, v=None, t=None):
+def hard_negative_loss(method, img, txt, neg, has_neg, scale):
     """NegCLIP's image -> text term, computed only through the method's interface:
 
         L_hn = -1/B sum_i log softmax_j( scale * [s(i, t_1), ..., s(i, t_B), s(i, n_i1), ..., s(i, n_iM)] )_i
 
     s = method.score, t_j the batch's captions, n_im caption i's swaps. img, txt: B pairs;
     neg: Features (B*M,), row i*M + m = swap m of caption i; has_neg: (B, M) bool (False = no swap).
-    v, t: the batch's image / text embeddings when already computed (loss_and_embeddings)."""
+    The batch is embedded again here (not shared with method.loss): one more forward, one obvious path."""
     score = inspect.unwrap(type(method).score)  # CoV marks score() no_grad (inference); the same function, with gradients
     B, M = has_neg.shape
-    v = method.embed_image(img) if v is None else v
-    S = score(method, v, method.embed_text(txt) if t is None else t)                # (B, B)
+    v = method.embed_image(img)                                                     # (B, ...)
+    S = score(method, v, method.embed_text(txt))                                    # (B, B)
     real = has_neg.flatten().nonzero().squeeze(1)                                   # (N_real,) only real swaps are encoded
     S_neg = score(method, v, method.embed_text(neg[real])) if len(real) else S[:, :0]  # (B, N_real)
     own = S.new_full((B * M,), float("-inf"))                                       # -inf: no swap
@@ -368,10 +349,10 @@ def train(method, img, txt, args, out, device, settings=None, negatives=None):
                 loss, logs = method.loss(img[idx].to(device), txt[idx].to(device))
             else:                                         # --hard-negatives: L = L_method + L_hn
                 img_b, txt_b = img[idx].to(device), txt[idx].to(device)
-                loss, logs, v, t = loss_and_embeddings(method, img_b, txt_b)
+                loss, logs = method.loss(img_b, txt_b)
                 j = negatives[1][idx]                                                   # (B, M), -1 = none
                 loss = loss + hard_negative_loss(method, img_b, txt_b, negatives[0][j.clamp(min=0).flatten()].to(device),
-                                                 (j >= 0).to(device), contrastive_scale(method), v, t)
+                                                 (j >= 0).to(device), contrastive_scale(method))
             if not torch.isfinite(loss):
                 raise FloatingPointError(
                     f"loss is {loss.item()} at epoch {epoch + 1}, step {step + 1}. "
@@ -467,7 +448,7 @@ def main(argv=None):
     head_rows_only = args.align_data == "weights" or (args.align_data == "weights+pairs" and args.num_pairs == 0)
     if head_rows_only and "head_rows" in inspect.signature(method_cls.__init__).parameters:
         hp.setdefault("head_rows", getattr(F["image_encoder"], "head_reads", "pooled"))  # what the head rows are
-        (out / "config.json").write_text(json.dumps(dict(config, hp=hp), indent=2, default=str))  # (methods/pal.py choice 8)
+        features.atomic_write_text(json.dumps(dict(config, hp=hp), indent=2, default=str), out / "config.json")  # pal.py choice 8
     img, txt = alignment_data(args, F)
     seed_everything(args.seed)
     method = method_cls(F["train", "image"].pooled.shape[-1], F["train", "text"].pooled.shape[-1], **hp).to(device)
