@@ -5,12 +5,18 @@
     python benchmarks/binding.py --jobs 2                            # two runs at a time
 
 Runs align.py once per (method, text encoder, hard negatives, seed) in a subprocess
-(--threads 1, --epochs EPOCHS, the position-aware image encoder shapes-cnn-pos,
+(--threads 1, the budget below, the position-aware image encoder shapes-cnn-pos,
 features from the shared cache), skips a run whose metrics.json already exists (so an interrupted
 grid resumes), and prints a markdown table of the medians over seeds: attribute
 swap, relation swap (both %, chance 50), retrieval RSum, zero-shot top-1.
 Text encoders: "shapes-text" (the tiny masked-word transformer) and MiniLM
 (all-MiniLM-L6-v2; --minilm names it: "minilm", or its folder).
+
+Budget (one rule, CPU-sized): every method trained for --epochs epochs (5), except
+the CoV trio at the results table's CPU setting (benchmarks/results_table.py: 128-d,
+batch 64, 5 epochs), MLP and T2C at their own (fast) defaults, CSA and ASIF closed
+form. Hard negatives only for contrastive methods (CSA, ASIF, MLP and T2C have no
+InfoNCE denominator to put them in: align.py refuses the flag for them).
 """
 import argparse
 import json
@@ -21,8 +27,26 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 COLUMNS = [("binding", "binding_attribute_swap", "attribute swap"), ("binding", "binding_relation_swap", "relation swap"),
            ("retrieval", "rsum", "RSum"), ("classification", "cls", "zero-shot top-1"), ("train", "seconds", "train s")]
+
+
+CPU_SETTING = {"cov": ["--hp", "dim=128", "--batch-size", "64"],          # as results_table.py
+               "text_guided": ["--hp", "K=128", "--batch-size", "64"],
+               "filip": ["--hp", "K=128", "--batch-size", "64"]}
+OWN_DEFAULTS = {"mlp", "t2c", "csa", "asif"}     # fast defaults (mlp, t2c) or no training (csa, asif)
+
+
+def contrastive(method):
+    """Does the method train with a contrastive loss (so --hard-negatives applies)?"""
+    from align import contrastive_scale
+    from methods import METHODS
+    return contrastive_scale(METHODS[method](16, 12)) is not None
+
+
+def budget(method, epochs):
+    return CPU_SETTING.get(method, []) + ([] if method in OWN_DEFAULTS else ["--epochs", str(epochs)])
 
 
 def run(method, text, minilm, hard, seed, args):
@@ -35,7 +59,7 @@ def run(method, text, minilm, hard, seed, args):
             return None
         claim.touch()
         cmd = [sys.executable, str(ROOT / "align.py"), "--method", method, "--seed", str(seed), "--out", str(out),
-               "--cache-dir", str(args.cache_dir), "--threads", "1", "--no-figures", "--epochs", str(args.epochs),
+               "--cache-dir", str(args.cache_dir), "--threads", "1", "--no-figures", *budget(method, args.epochs),
                "--image-encoder", "shapes-cnn-pos",
                "--text-encoder", minilm if text == "minilm" else "shapes-text", *(["--hard-negatives"] if hard else [])]
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -83,7 +107,6 @@ def probes(args):
     read it from a caption; one pooled vector can only if it binds colour to place."""
     import numpy as np
     import torch
-    sys.path.insert(0, str(ROOT))
     import data
     import encoders
     import shapes_encoders
@@ -138,11 +161,11 @@ def probes(args):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--methods", nargs="+", default=["pal", "linear", "pal_rel"], help="methods to run")
+    p.add_argument("--methods", nargs="+", default=None, help="methods to run (default: all of methods.METHODS)")
     p.add_argument("--texts", nargs="+", default=["shapes-text", "minilm"], choices=["shapes-text", "minilm"])
     p.add_argument("--hard-negatives", nargs="+", default=["off", "on"], choices=["off", "on"])
     p.add_argument("--seeds", nargs="+", type=int, default=[0], help="seeds (the table shows the median)")
-    p.add_argument("--epochs", type=int, default=10, help="training epochs of every run")
+    p.add_argument("--epochs", type=int, default=5, help="training epochs of every epoch-trained run (see Budget)")
     p.add_argument("--minilm", default="minilm", help="the MiniLM --text-encoder value (alias or folder)")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time (each uses one thread)")
     p.add_argument("--out", default="results/binding", help="where each run's folder goes")
@@ -154,7 +177,11 @@ def main():
     if args.probes:
         return probes(args)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    grid = [(m, t, h == "on") for m in args.methods for t in args.texts for h in args.hard_negatives]
+    if args.methods is None:
+        from methods import METHODS
+        args.methods = list(METHODS)
+    grid = [(m, t, h == "on") for m in args.methods for t in args.texts for h in args.hard_negatives
+            if h == "off" or contrastive(m)]
     with ThreadPoolExecutor(args.jobs) as pool:
         runs = {g: pool.submit(lambda g: [run(*g[:2], args.minilm, g[2], s, args) for s in args.seeds], g) for g in grid}
         runs = {g: [r for r in f.result() if r is not None] for g, f in runs.items()}
@@ -164,7 +191,7 @@ def main():
         if rs:
             med = [statistics.median(cell(r, g, k) for r in rs) for g, k, _ in COLUMNS]
             print(f"| {method} | {text} | {'yes' if hard else 'no'} | " + " | ".join(f"{v:.1f}" for v in med) + " |")
-    print(f"\nmedian of seeds {args.seeds}, {args.epochs} epochs, --threads 1")
+    print(f"\nmedian of seeds {args.seeds}, {args.epochs} epochs (see Budget in the docstring), --threads 1")
 
 
 if __name__ == "__main__":
