@@ -11,7 +11,9 @@ where that thing should be relative to the others. Everything of PAL is kept
     h_v, h_l  = PAL's pooled, normalised anchor activations        Eqs. (3)-(7)
     beta[t, k] = softmax over PATCHES t of R_v[t, k] / tau_p         (R1) (B, H*W, K)
     c_k       = sum_t beta[t, k] pos_t,  pos_t in [-1, 1]^2 (x, y)   (R1) where anchor k looks
-    o_w       = U^T y_w / ||y_w||,  U (D_l, 2)                       (R2) word w's offset "should be here"
+    o_w       = U^T y_w / ||y_w||  +  G(t) q_w                       (R2) word w's offset "should be here"
+                U (D_l, 2); q_w (P,) sin-cos code of w's index in the caption;
+                G(t) = reshape(V^T t / ||t||, (2, P)), t the pooled text, V (D_l, 2P)
     d_k       = sum_w alpha_l[w, k] o_w                              (R3) Eq. (5)'s text attention
     s(v, l)   = h_v . h_l + 1/K sum_k (c_k - c_bar) . d_k,  c_bar = mean_k c_k    (R4)
 
@@ -21,8 +23,16 @@ the words "red circle" should get o = (-, 0), "blue square" o = (+, 0); the anch
 attending to them then score high only where the red circle's patches are left of
 the blue square's. Trained with PAL's symmetric InfoNCE, Eq. (8), on s / tau.
 
+Why G(t) q_w in (R2): a relation swap ("... LEFT of ..." vs "... RIGHT of ...")
+changes one word; which object goes where is "the phrase BEFORE the relation word
+goes to dir(relation), the one after it to -dir(relation)" ("A left of B" and its
+paraphrase "B right of A" agree). That is a product of what the sentence says (the
+relation, read from the pooled text t) and where the word sits (q_w); a linear
+map of the word token alone (the first term) has to find both in one contextual
+token, which the frozen text encoders barely give (README, Binding: probes).
+
 Symbols -> variables: A_v, A_l -> self.A_v, self.A_l; R -> R; beta -> beta; pos ->
-pos; c -> c; U -> self.U; o -> o; alpha_l -> alpha; d -> d; tau_p -> self.tau_p;
+pos; c -> c; U -> self.U; V -> self.V; q -> q; o -> o; alpha_l -> alpha; d -> d; tau_p -> self.tau_p;
 tau -> self.tau.
 
 Deviations / choices:
@@ -30,7 +40,7 @@ Deviations / choices:
    method knows where each patch is, as a ViT's position embedding does.
 2. beta (R1) is a softmax over the patches only (the mean token has no place);
    CAP's alpha (Eq. 5) reads PAL's Z for h_v (the patches and words, pal.py choice 2).
-3. U starts at zero, so at initialisation PAL-Rel scores exactly as PAL.
+3. U and V start at zero, so at initialisation PAL-Rel scores exactly as PAL.
    Word tokens are L2-normalised before U (R2) so the offset's scale is U's alone.
    The 1/K in (R4): Adam moves every entry of U by ~lr per step whatever the
    gradient's size, so without it one step (lr 3e-2) made the relation term ~100
@@ -45,16 +55,32 @@ Deviations / choices:
    model (MiniLM, 10 epochs) scored zero-shot top-1 69.8 and segmentation mIoU
    60.7; the same weights with the 1/K on the text side: 100.0 and 96.1
    (binding and retrieval unchanged: s is the same function).
-7. Measured (README, Binding; seed 0, MiniLM text, 5 epochs): relation swap
-   68.3 (72.7 with --hard-negatives) against PAL's 52.3 (53.7), RSum 508.5 vs
-   505.1; with the masked-word text encoder both stay at chance (the text
-   tokens do not say which object is where, so d has nothing to read).
+7. Measured before (R2) had its word-order term (README, Binding; seed 0, MiniLM
+   text, 5 epochs): relation swap 68.3 (72.7 with --hard-negatives) against PAL's
+   52.3 (53.7): a linear map of one frozen contextual token barely knows whether
+   its word is the subject or the object of the relation.
+8. The word-order term G(t) q_w of (R2): q_w is a fixed sin-cos code of the word's
+   index (P = 32 dims, base 10000, as a Transformer's); G(t) a linear map of the
+   L2-normalised pooled text (the relation word is plain in it) to a (2, P) matrix.
+   Bilinear, the smallest form that can say "the phrase before the relation word
+   goes one way, the one after it the other". It reads word INDICES, so it assumes
+   captions name the subject before the object in most paraphrases (4 of the 5
+   Shapes styles do; "a picture of B and A , the ..." does not). With it (seed 0,
+   MiniLM, --hard-negatives, 5 epochs): attribute swap 99.7, relation swap 100.0,
+   RSum 516.9 (README, Binding).
 """
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from .pal import PAL, cap, info_nce, relative
+
+
+def word_positions_code(L, P=32, device=None):
+    """(L, P) sin-cos code of word index 0..L-1 (Transformer-style, base 10000): q_w of (R2)."""
+    w = torch.arange(L, device=device, dtype=torch.float32)[:, None]              # (L, 1)
+    freq = 10000.0 ** (-torch.arange(0, P, 2, device=device, dtype=torch.float32) / P)  # (P/2,)
+    return torch.cat([torch.sin(w * freq), torch.cos(w * freq)], dim=1)           # (L, P)
 
 
 def grid_positions(H, W, device=None):
@@ -70,12 +96,14 @@ class PALRel(nn.Module):
     def __init__(self, d_image, d_text,
                  K=512,            # PAL §5.1
                  tau_p=0.03,       # PAL §5.1, Table 7
-                 tau=0.05):        # pal.py choice 1
+                 tau=0.05,         # pal.py choice 1
+                 P=32):            # (R2) word-index code size, choice 8
         super().__init__()
         self.A_v = nn.Parameter(torch.randn(K, d_image))   # Eq. (2), (K, D_v)
         self.A_l = nn.Parameter(torch.randn(K, d_text))    # Eq. (2), (K, D_l)
         self.U = nn.Parameter(torch.zeros(d_text, 2))      # (R2), (D_l, 2), choice 3
-        self.K, self.tau_p, self.tau = K, tau_p, tau
+        self.V = nn.Parameter(torch.zeros(d_text, 2 * P))  # (R2), (D_l, 2P), choice 3
+        self.K, self.P, self.tau_p, self.tau = K, P, tau_p, tau
 
     def embed_image(self, img):
         Z, mask = PAL.Z(img, "image")                                      # [global (masked), patches]: PAL's Z
@@ -90,7 +118,10 @@ class PALRel(nn.Module):
     def embed_text(self, txt):
         R = relative(txt.tokens, self.A_l)                                 # Eq. (4), (B, L, K)
         p, alpha = cap(R, txt.mask, self.tau_p)                            # Eqs. (5)-(6), alpha (B, L, K)
-        o = F.normalize(txt.tokens, dim=-1) @ self.U                       # (R2), (B, L, 2)
+        B, L, _ = txt.tokens.shape
+        G = (F.normalize(txt.pooled, dim=-1) @ self.V).view(B, 2, self.P)  # (R2) G(t), (B, 2, P)
+        q = word_positions_code(L, self.P, txt.tokens.device)              # (R2) q_w, (L, P)
+        o = F.normalize(txt.tokens, dim=-1) @ self.U + q @ G.transpose(1, 2)  # (R2), (B, L, 2)
         d = alpha.transpose(1, 2) @ o                                      # (R3), (B, K, 2); padding has alpha 0
         return torch.cat([F.normalize(p, dim=-1), d.flatten(1) / self.K], dim=1)  # e_l, (B, 3K); 1/K: choice 6
 
@@ -103,4 +134,4 @@ class PALRel(nn.Module):
 
     def loss(self, img, txt):
         loss = info_nce(self.embed_image(img), self.embed_text(txt), self.tau)  # Eq. (8) on s / tau
-        return loss, {"nce": loss.item(), "U_norm": self.U.norm().item()}
+        return loss, {"nce": loss.item(), "U_norm": self.U.norm().item(), "V_norm": self.V.norm().item()}

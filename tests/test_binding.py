@@ -18,7 +18,7 @@ from conftest import random_features
 from methods.cov import CoV
 from methods.linear import Linear
 from methods.pal import PAL
-from methods.pal_rel import PALRel, grid_positions
+from methods.pal_rel import PALRel, grid_positions, word_positions_code
 
 
 # ---------------------------------------------------------------- the swaps (data.py)
@@ -166,10 +166,13 @@ def naive_pal_rel_score(m, img, txt):
             Rl = torch.stack([torch.stack([F.cosine_similarity(Y[w], m.A_l[k], dim=0) for k in range(m.K)])
                               for w in range(L)])                                        # (L, K)
             p_l = torch.stack([(Rl[:, k] / m.tau_p).softmax(0) @ Rl[:, k] for k in range(m.K)])
+            G = (norm(txt.pooled[j]) @ m.V).reshape(2, m.P)                              # (R2) G(t)
+            q = [torch.tensor([math.sin(w / 10000 ** (2 * i / m.P)) for i in range(m.P // 2)] +
+                              [math.cos(w / 10000 ** (2 * i / m.P)) for i in range(m.P // 2)]) for w in range(L)]
             rel = 0.0
             for k in range(m.K):
                 alpha = (Rl[:, k] / m.tau_p).softmax(0)
-                d = sum(alpha[w] * (norm(Y[w]) @ m.U) for w in range(L))
+                d = sum(alpha[w] * (norm(Y[w]) @ m.U + G @ q[w]) for w in range(L))
                 rel = rel + (c[k] - c_bar) @ d
             S[i, j] = norm(p_v) @ norm(p_l) + rel / m.K
     return S
@@ -177,18 +180,22 @@ def naive_pal_rel_score(m, img, txt):
 
 def test_pal_rel_matches_a_loop_and_starts_as_pal():
     torch.manual_seed(0)
-    m = PALRel(8, 6, K=4, tau_p=0.5)
+    m = PALRel(8, 6, K=4, tau_p=0.5, P=6)
     img = random_features(3, 1 + 6, 8, grid=(2, 3), seed=1)
     txt = random_features(4, 5, 6, lengths=[5, 2, 3, 4], seed=2)
     pal = PAL(8, 6, K=4, tau_p=0.5)
     pal.load_state_dict({"A_v": m.A_v, "A_l": m.A_l, "initialised": torch.tensor(True)})
     with torch.no_grad():
         at_init = m.score(m.embed_image(img), m.embed_text(txt))
-        assert torch.allclose(at_init, pal.score(pal.embed_image(img), pal.embed_text(txt)), atol=1e-6)  # U = 0
+        assert torch.allclose(at_init, pal.score(pal.embed_image(img), pal.embed_text(txt)), atol=1e-6)  # U = V = 0
         m.U.normal_()
         got = m.score(m.embed_image(img), m.embed_text(txt))
         assert torch.allclose(got, naive_pal_rel_score(m, img, txt), atol=1e-5)
         assert not torch.allclose(got, at_init, atol=1e-3)
+        m.V.normal_()                                                      # the word-order term of (R2) too
+        both = m.score(m.embed_image(img), m.embed_text(txt))
+        assert torch.allclose(both, naive_pal_rel_score(m, img, txt), atol=1e-5)
+        assert not torch.allclose(both, got, atol=1e-3)
     assert torch.allclose(grid_positions(2, 3), torch.tensor([[-2 / 3, -0.5], [0, -0.5], [2 / 3, -0.5], [-2 / 3, 0.5], [0, 0.5], [2 / 3, 0.5]]))
 
 
@@ -216,6 +223,36 @@ def test_pal_rel_tells_left_from_right_where_pal_cannot():
         true, swapped = (m.score(e_v, m.embed_text(caption(r))).item() for r in (1.0, -1.0))
         pal_part = [m.embed_text(caption(r))[:, :m.K] for r in (1.0, -1.0)]
     assert torch.allclose(pal_part[0], pal_part[1])                  # PAL alone cannot tell them apart
+    assert true > swapped + 0.1 / m.K
+
+
+def test_pal_rel_reads_the_relation_from_word_order_and_the_pooled_text():
+    """Planted as above, but the word tokens are NOT contextual (is_A, is_B only): the relation is only in
+    the pooled text t = (0, 0, r) and in which object comes first. V maps r to G(t) with
+    G(t) q_0 = (-r, 0) (the first phrase goes to dir(relation)) and G(t) q_1 = (r, 0).
+    "A left of B" (r = 1) and its paraphrase "B right of A" score the same and above the swap "A right of B"."""
+    from features import Features
+    m = PALRel(4, 3, K=2, tau_p=0.05, P=2)
+    q0, q1 = torch.tensor([0.0, 1.0]), torch.tensor([math.sin(1.0), math.cos(1.0)])    # the P = 2 code of w = 0, 1
+    g = torch.linalg.solve(torch.stack([q0, q1]), torch.tensor([-1.0, 1.0]))          # G's x row for r = 1
+    assert torch.allclose(word_positions_code(2, 2), torch.stack([q0, q1]), atol=1e-6)
+    with torch.no_grad():
+        m.A_v.copy_(torch.eye(4)[:2])
+        m.A_l.copy_(torch.eye(3)[:2])
+        m.V.copy_(torch.tensor([[0.0] * 4, [0.0] * 4, [g[0], g[1], 0.0, 0.0]]))       # rows of V: t's dims
+    tok = torch.zeros(1, 5, 4)
+    tok[0, 1, 0] = tok[0, 4, 1] = 1.0                                # A in patch 0 (left), B in patch 3 (right)
+    tok[0, 0, 2:] = tok[0, 2, 2:] = tok[0, 3, 2:] = 1.0
+    img = Features(tok, torch.ones(1, 5, dtype=torch.bool), tok[:, 0], grid=(1, 4))
+
+    def caption(first, second, r):                                   # "<first> <left if r = 1 else right> of <second>"
+        words = torch.eye(3)[[first, second]][None]                  # (1, 2, 3): is_A / is_B, no relation in them
+        return Features(words, torch.ones(1, 2, dtype=torch.bool), torch.tensor([[0.0, 0.0, r]]))
+    with torch.no_grad():
+        e_v = m.embed_image(img)
+        true, paraphrase, swapped = (m.score(e_v, m.embed_text(c)).item()
+                                     for c in (caption(0, 1, 1.0), caption(1, 0, -1.0), caption(0, 1, -1.0)))
+    assert abs(true - paraphrase) < 1e-6
     assert true > swapped + 0.1 / m.K
 
 
