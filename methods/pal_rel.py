@@ -92,6 +92,7 @@ def grid_positions(H, W, device=None):
 
 class PALRel(nn.Module):
     defaults = dict(lr=3e-2, epochs=20, batch_size=256, weight_decay=0.0, optimizer="adamw")  # PAL's (choice 4)
+    ranges = dict(K="[1, inf)", tau_p="(0, inf)", tau="(0, inf)", P=(2, 4, 8, 16, 32, 64))  # valid --hp; P: sin + cos halves
 
     def __init__(self, d_image, d_text,
                  K=512,            # PAL §5.1

@@ -180,7 +180,7 @@ def naive_pal_rel_score(m, img, txt):
 
 def test_pal_rel_matches_a_loop_and_starts_as_pal():
     torch.manual_seed(0)
-    m = PALRel(8, 6, K=4, tau_p=0.5, P=6)
+    m = PALRel(8, 6, K=4, tau_p=0.5, P=8)
     img = random_features(3, 1 + 6, 8, grid=(2, 3), seed=1)
     txt = random_features(4, 5, 6, lengths=[5, 2, 3, 4], seed=2)
     pal = PAL(8, 6, K=4, tau_p=0.5)
