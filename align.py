@@ -239,9 +239,11 @@ def hard_negative_loss(method, img, txt, neg, has_neg, scale):
     S = score(method, v, method.embed_text(txt))                                    # (B, B)
     real = has_neg.flatten().nonzero().squeeze(1)                                   # (N_real,) only real swaps are encoded
     S_neg = score(method, v, method.embed_text(neg[real])) if len(real) else S[:, :0]  # (B, N_real)
-    own = S.new_full((B * M,), float("-inf"))                                       # -inf: no swap
+    own = S.new_zeros(B * M)                                                        # (B*M,)
     own[real] = S_neg[real // M, torch.arange(len(real), device=S.device)]          # s(i, n_im), i = row // M
     logits = torch.cat([S, own.view(B, M)], 1) * scale                              # (B, B + M)
+    # no swap -> -inf AFTER the scale: a learned scale (SAIL, FA) times -inf gives a NaN gradient
+    logits = logits.masked_fill(torch.cat([torch.zeros_like(S, dtype=torch.bool), ~has_neg], 1), float("-inf"))
     return torch.nn.functional.cross_entropy(logits, torch.arange(B, device=logits.device))
 
 

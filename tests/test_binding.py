@@ -119,6 +119,25 @@ def test_hard_negative_loss_matches_a_loop(make):
     assert torch.allclose(none, F.cross_entropy(S, torch.arange(B)), atol=1e-5)
 
 
+def test_hard_negative_loss_has_finite_gradients_with_a_learned_scale():
+    """SAIL's logit scale is a parameter: a row without swaps must not send 0 * -inf = NaN into its gradient
+    (it did: SAIL --hard-negatives stopped with a NaN loss at step 2)."""
+    from methods.sail import SAIL
+    torch.manual_seed(0)
+    sail = SAIL(8, 6, K=16, width=2)
+    img = random_features(4, 5, 8, grid=(2, 2), seed=1)
+    txt = random_features(4, 3, 6, seed=2)
+    neg = random_features(8, 3, 6, seed=3)
+    has_neg = torch.tensor([[True, False], [False, False], [True, True], [False, True]])
+    scale = align.contrastive_scale(sail)
+    loss = align.hard_negative_loss(sail, img, txt, neg, has_neg, scale)
+    loss.backward()
+    assert torch.isfinite(sail.log_t.grad) and sail.log_t.grad != 0
+    assert all(torch.isfinite(p.grad).all() for p in sail.parameters() if p.grad is not None)
+    with torch.no_grad():
+        assert torch.allclose(loss, naive_hard_negative_loss(sail, img, txt, neg, has_neg, scale), atol=1e-5)
+
+
 def test_hard_negative_loss_trains_cov_through_its_inference_only_score():
     """CoV marks score() no_grad; the term must still reach its parameters, at CoV's InfoNCE temperature."""
     torch.manual_seed(0)
