@@ -76,8 +76,9 @@ def flops(name, B, H, W, L, D_v, D_l, n_fit):
         p = mm(B * N, D_v, K) + mm(B * L, D_l, K)
         a = 3 * mm(B * N, K, K) + 2 * mm(B * Q, K, N) + 2 * mm(B * Q, K, K) + mm(B * Q, K, 48) + mm(B * Q, K, B * L)
         return 2 * p + 3 * (a + mm(B * Q, K, Q)), p + a           # + Eq. (5) r r^T in training
-    if name == "text_guided":                                     # Eq. (1) s = v w^T, Eq. (2) a v, for every pair
-        p, a = mm(B * N, D_v, K) + mm(B * L, D_l, K), 2 * B * B * mm(L, N, K)
+    if name == "text_guided":                                     # Eq. (1) s = v w^T for every pair; Eq. (2)-(3)
+        p = mm(B * N, D_v, K) + mm(B * L, D_l, K)                 # through the Gram matrix G = v v^T and G a
+        a = mm(B * N, K, B * L) + B * mm(N, K, N) + B * mm(N, N, B * L)
         return 2 * p + 3 * a, p + a
     if name == "filip":                                           # every patch . every word, for every pair
         p, a = mm(B * N, D_v, K) + mm(B * L, D_l, K), mm(B * N, K, B * L)
@@ -103,7 +104,7 @@ def flops(name, B, H, W, L, D_v, D_l, n_fit):
 
 def pairwise_bytes(name, B, H, W, L, **_):
     """Bytes of the largest (B, B, ...) tensor a method builds per pair of batch rows (fp32), 0 for the others."""
-    per_pair = {"text_guided": L * (H * W + K), "filip": H * W * L, "cov": 8 * L}.get(name, 0)
+    per_pair = {"text_guided": L * H * W, "filip": H * W * L, "cov": 8 * L}.get(name, 0)
     return 4 * B * B * per_pair
 
 

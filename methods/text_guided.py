@@ -38,14 +38,24 @@ import torch.nn.functional as F
 
 
 def text_guided_score(v, w, tau_a):
-    """Eq. (1)-(3) for all pairs: v (I, N, K) patches, w (T, L, K) words -> S (I, T)."""
+    """Eq. (1)-(3) for all pairs: v (I, N, K) patches, w (T, L, K) words -> S (I, T).
+
+    Eq. (2)'s v_hat (I, T, L, K) is never formed (choice 7):
+        cos(w_j, v_hat_j) = w_j . v_hat_j / (||v_hat_j|| ||w_j||) = sum_p a_jp s_jp / sqrt(a_j^T G a_j ||w_j||^2),
+    with G = v v^T (N, N) the patch Gram matrix
+    the same value (tests/test_fast_forms.py checks it, and its gradients, against v_hat formed)."""
     v_ok = v.abs().sum(-1) > 0                                          # (I, N)
     w_ok = w.abs().sum(-1) > 0                                          # (T, L)
-    s = torch.einsum("ink,tlk->itln", v, w)                             # cos(w_j, v_p), (I, T, L, N)
-    s = s.masked_fill(~v_ok[:, None, None, :], float("-inf"))
-    a = (s / tau_a).softmax(-1)                                         # Eq. (1), (I, T, L, N)
-    v_hat = torch.einsum("itln,ink->itlk", a, v)                        # Eq. (2), (I, T, L, K)
-    cos = F.cosine_similarity(v_hat, w[None], dim=-1)                   # (I, T, L)
+    (I, N, K), (T, L, _) = v.shape, w.shape
+    # every pair at once, laid out (I, N, T*L) so that both products below are plain (batched) matmuls
+    s = (v.reshape(I * N, K) @ w.reshape(T * L, K).T).view(I, N, T * L)  # cos(w_j, v_p), (I, N, T*L); 0 at padding
+    bias = torch.zeros_like(v_ok, dtype=s.dtype).masked_fill_(~v_ok, float("-inf"))[..., None]  # (I, N, 1)
+    a = (s / tau_a + bias).softmax(dim=1)                               # Eq. (1), over the patches p
+    dot = (a * s).sum(1)                                                # Eq. (2): w_j . v_hat_j, (I, T*L)
+    G = v @ v.transpose(1, 2)                                           # (I, N, N) patch Gram matrix
+    sq = ((G @ a) * a).sum(1)                                           # ||v_hat_j||^2 = a_j^T G a_j, (I, T*L)
+    cos = dot / (sq * w.square().sum(-1).view(1, T * L)).clamp_min(1e-16).sqrt()  # cos(w_j, v_hat_j), eps as
+    cos = cos.view(I, T, L)                                             # F.cosine_similarity's, (I, T, L)
     return (cos * w_ok[None]).sum(-1) / w_ok.sum(-1)[None].clamp_min(1)  # Eq. (3), (I, T)
 
 
