@@ -49,6 +49,11 @@ Deviations / choices:
    68.3 (72.7 with --hard-negatives) against PAL's 52.3 (53.7), RSum 508.5 vs
    505.1; with the masked-word text encoder both stay at chance (the text
    tokens do not say which object is where, so d has nothing to read).
+8. beta (R1) is read off CAP's own alpha (Eq. 5): PAL's Z masks the global token, so its softmax over
+   the real tokens IS the softmax over the patches; e_v and e_l come out of one chunked pass
+   (pal.py choice 9) instead of a second softmax over (B, H*W, K). tests/test_fast_forms.py checks
+   the embeddings and their gradients against the form with a separate beta. (A sample that is one
+   vector, a head row with no patches, gets c = 0: it has no place.)
 """
 import torch
 import torch.nn as nn

@@ -102,3 +102,32 @@ def test_pal_rel_matches_its_naive_form_values_and_gradients():
     g1 = torch.autograd.grad((e_v1 @ e_l1.T).sum(), list(m.parameters()))
     for a, b in zip(g0, g1):
         assert torch.allclose(b, a, atol=1e-4, rtol=1e-4)
+
+
+def naive_text_guided_score(v, w, tau_a):
+    """text_guided.py's Eq. (1)-(3) with v_hat (I, T, L, K) formed, as first written."""
+    v_ok, w_ok = v.abs().sum(-1) > 0, w.abs().sum(-1) > 0                     # (I, N), (T, L)
+    s = torch.einsum("ink,tlk->itln", v, w).masked_fill(~v_ok[:, None, None, :], float("-inf"))
+    a = (s / tau_a).softmax(-1)                                                # Eq. (1), (I, T, L, N)
+    v_hat = torch.einsum("itln,ink->itlk", a, v)                               # Eq. (2), (I, T, L, K)
+    cos = F.cosine_similarity(v_hat, w[None], dim=-1)                          # (I, T, L)
+    return (cos * w_ok[None]).sum(-1) / w_ok.sum(-1)[None].clamp_min(1)       # Eq. (3), (I, T)
+
+
+def test_text_guided_score_matches_v_hat_formed_values_and_gradients():
+    from methods.text_guided import TextGuided, text_guided_score
+    g = torch.Generator().manual_seed(3)
+    v = F.normalize(torch.randn(4, 6, 8, generator=g), dim=-1)
+    v[1, 4:] = 0                                                               # padded patches
+    w = 2 * torch.randn(5, 3, 8, generator=g)                                  # not unit: cos normalises w too
+    w[2, 1:] = 0                                                               # padded words
+    leaves, fast = [(v.clone().requires_grad_(), w.clone().requires_grad_()) for _ in range(2)]
+    S0, S1 = naive_text_guided_score(*leaves, 0.1), text_guided_score(*fast, 0.1)
+    assert torch.allclose(S1, S0, atol=1e-6)
+    weight = torch.randn(4, 5, generator=g)
+    (S0 * weight).sum().backward()
+    (S1 * weight).sum().backward()
+    for a, b in zip(leaves, fast):
+        assert torch.allclose(b.grad, a.grad, atol=1e-5)
+    m = TextGuided(8, 8, K=8, score_chunk=2 * 3 * 6)                           # score() in chunks of 2 pairs
+    assert torch.allclose(m.score(v, w), S0.detach(), atol=1e-6)
