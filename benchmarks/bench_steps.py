@@ -10,8 +10,11 @@ Columns:
   ms          median wall time over --repeats runs after one warm-up run
   GF          GFLOPs of the method's MATRIX PRODUCTS only, counted from the shapes (FLOPS below); elementwise
               passes (softmax, masking, normalisation, LayerNorm, grid_sample, top-k) are not counted
-  bound       GF / the machine's torch.mm throughput, measured in this run at the same thread count: the
-              faster of (B*T, D) @ (D, 512) (the token projection) and (B*T, 512) @ (512, 512)
+  mm          the machine's torch.mm throughput in GFLOP/s, measured at the same thread count just before
+              and just after the row (the faster of the two, so load that comes and goes during a run
+              shifts a row's bound with its time): the faster of (B*T, D) @ (D, 512) (the token
+              projection) and (B*T, 512) @ (512, 512)
+  bound       GF / mm
   x           ms / bound: 1 would be a step made of nothing but matrix products at that throughput
   MB          peak memory growth over the runs: on CPU Linux's VmHWM (peak resident set, reset through
               /proc/self/clear_refs before the runs) minus the resident set before them, so it counts pages
@@ -175,8 +178,10 @@ def build(name, img, txt, n_fit, device):
     return m
 
 
-def bench(name, size, args, rate):
+def bench(name, size, args):
     s = dict(SIZES[size], B=args.batch)
+    rate_of = lambda: matmul_rate(args.batch * (1 + s["H"] * s["W"]), s["D_v"], args.device)
+    rate = rate_of()                                     # before the row (after it: below)
     n_fit = 4 * s["B"]                                   # ASIF's anchors, CSA's fit: 4 batches of random pairs
     bound = lambda B: max(flops(name, **dict(s, B=B), n_fit=n_fit)) / rate
     # a batch whose step runs in about --budget s at best and whose per-pair tensors (a few copies kept for
@@ -205,6 +210,7 @@ def bench(name, size, args, rate):
         m.eval()
         m.score(m.embed_image(img), m.embed_text(txt))
     row["eval"] = timed(evaluate, args.repeats, args.device) + (f_eval,)
+    row["rate"] = max(rate, rate_of())
     return row
 
 
@@ -231,16 +237,16 @@ def main():
         torch.set_num_threads(args.threads)
     print(f"device {args.device}, {torch.get_num_threads()} thread(s), torch {torch.__version__}, "
           f"median of {args.repeats} after a warm-up")
-    head = ["method", "batch"] + [f"{k} {c}" for k in ("step", "eval") for c in ("ms", "GF", "bound", "x", "MB")]
+    head = ["method", "batch", "mm"] + [f"{k} {c}" for k in ("step", "eval") for c in ("ms", "GF", "bound", "x", "MB")]
     for size in args.sizes:
         s = SIZES[size]
-        rate = matmul_rate(args.batch * (1 + s["H"] * s["W"]), s["D_v"], args.device)
         print(f"\n{size}: B={args.batch}, T={1 + s['H'] * s['W']} image tokens ({s['H']}x{s['W']}), L={s['L']} words, "
-              f"D_v={s['D_v']}, D_l={s['D_l']}; torch.mm: {rate / 1e9:.1f} GFLOP/s")
+              f"D_v={s['D_v']}, D_l={s['D_l']}")
         rows = []
         for name in args.methods:
-            r = bench(name, size, args, rate)
-            rows.append([r["method"], r["batch"]] + cells(r.get("step"), rate) + cells(r["eval"], rate))
+            r = bench(name, size, args)
+            rows.append([r["method"], r["batch"], f"{r['rate'] / 1e9:.0f}"] + cells(r.get("step"), r["rate"])
+                        + cells(r["eval"], r["rate"]))
             print("  done", name, flush=True, file=sys.stderr)
         widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
         print("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |")
