@@ -29,6 +29,7 @@ Hyperparameters: every method's constructor defaults (their paper settings); K =
     python benchmarks/bench_steps.py                                    # Shapes size, 1 thread, ~1 min
     python benchmarks/bench_steps.py --sizes coco --methods pal linear csa --repeats 3
     python benchmarks/bench_steps.py --threads 2 --device cuda          # runs unchanged on a GPU
+    python benchmarks/bench_steps.py --methods pal mlp --profile        # + where each row's time goes
 """
 import argparse
 import statistics
@@ -204,14 +205,30 @@ def bench(name, size, args):
             m.loss(img, txt)[0].backward()
             opt.step()
         row["step"] = timed(step, args.repeats, args.device) + (f_step,)
+        if args.profile:
+            profile(step, f"{name} step, {size}")
 
     @torch.no_grad()
     def evaluate():
         m.eval()
         m.score(m.embed_image(img), m.embed_text(txt))
     row["eval"] = timed(evaluate, args.repeats, args.device) + (f_eval,)
+    if args.profile:
+        profile(evaluate, f"{name} eval, {size}")
     row["rate"] = max(rate, rate_of())
     return row
+
+
+def profile(run, title, top=8):
+    """--profile: where one run's time goes, torch.profiler's `top` operators by their own time (to stderr)."""
+    from torch.profiler import profile as torch_profile
+    with torch_profile() as prof:
+        run()
+    total = sum(e.self_cpu_time_total for e in prof.key_averages())
+    print(f"  {title}: {total / 1e3:.1f} ms of operators", file=sys.stderr)
+    for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]:
+        print(f"    {e.key:32s} {e.self_cpu_time_total / 1e3:8.1f} ms {100 * e.self_cpu_time_total / total:5.1f}%  "
+              f"x{e.count}", file=sys.stderr)
 
 
 def cells(r, rate):
@@ -232,6 +249,7 @@ def main():
     p.add_argument("--batch", type=int, default=256, help="batch B (halved per row while its bound > --budget)")
     p.add_argument("--budget", type=float, default=20.0, help="seconds: the most a row's matmul bound may take")
     p.add_argument("--max-gb", type=float, default=4.0, help="GB: the most 4 copies of a per-pair tensor may take")
+    p.add_argument("--profile", action="store_true", help="print each row's top operators (torch.profiler) to stderr")
     args = p.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
