@@ -7,7 +7,9 @@ For each method of methods.METHODS, on random Features of two sizes:
 Columns:
   batch       the batch B; smaller than --batch (marked *) only where at --batch the matmul bound of the step or
               the eval exceeds --budget seconds, or 4 copies of its (B, B, ...) per-pair tensors exceed --max-gb
-  ms          median wall time over --repeats runs after one warm-up run
+  ms          median time over --repeats runs after one warm-up run; --clock cpu (the default at 1 CPU thread):
+              the process's CPU time, which does not count the time other jobs hold the core (on a shared
+              machine the wall time of the same row varied 3x within minutes); wall otherwise
   GF          GFLOPs of the method's MATRIX PRODUCTS only, counted from the shapes (FLOPS below); elementwise
               passes (softmax, masking, normalisation, LayerNorm, grid_sample, top-k) are not counted
   mm          the machine's torch.mm throughput in GFLOP/s, measured at the same thread count just before
@@ -145,6 +147,9 @@ def reset_peak(device):
         open("/proc/self/clear_refs", "w").write("5")    # Linux: VmHWM <- VmRSS
 
 
+CLOCK = time.perf_counter                                # main() sets it from --clock
+
+
 def timed(run, repeats, device):
     """(median seconds over repeats after one warm-up run, peak memory growth in bytes)."""
     run()                                                # warm-up (and PAL's first-batch anchor init)
@@ -153,10 +158,10 @@ def timed(run, repeats, device):
     before = memory(device)[0]
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         run()
         sync(device)
-        times.append(time.perf_counter() - t0)
+        times.append(CLOCK() - t0)
     return statistics.median(times), max(0, memory(device)[1] - before)
 
 
@@ -249,12 +254,20 @@ def main():
     p.add_argument("--batch", type=int, default=256, help="batch B (halved per row while its bound > --budget)")
     p.add_argument("--budget", type=float, default=20.0, help="seconds: the most a row's matmul bound may take")
     p.add_argument("--max-gb", type=float, default=4.0, help="GB: the most 4 copies of a per-pair tensor may take")
+    p.add_argument("--clock", choices=["cpu", "wall"], default=None,
+                   help="cpu: the process's CPU time (default at --threads 1 on a CPU), wall: elapsed time")
     p.add_argument("--profile", action="store_true", help="print each row's top operators (torch.profiler) to stderr")
     args = p.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    if args.clock is None:
+        args.clock = "cpu" if args.device == "cpu" and torch.get_num_threads() == 1 else "wall"
+    if args.clock == "cpu" and (args.device != "cpu" or torch.get_num_threads() > 1):
+        p.error("--clock cpu needs --device cpu and one thread (CPU time adds up over threads)")
+    global CLOCK
+    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     print(f"device {args.device}, {torch.get_num_threads()} thread(s), torch {torch.__version__}, "
-          f"median of {args.repeats} after a warm-up")
+          f"{args.clock} time, median of {args.repeats} after a warm-up")
     head = ["method", "batch", "mm"] + [f"{k} {c}" for k in ("step", "eval") for c in ("ms", "GF", "bound", "x", "MB")]
     for size in args.sizes:
         s = SIZES[size]
