@@ -156,7 +156,7 @@ class ChunkedCAP(torch.autograd.Function):
             S = torch.matmul(Z[i:i + chunk], A_s.T, out=S_all[i:i + b] if keep else work[0, :b])  # Eq. (4), (b, T, K)
             logits = S
             if not mask[i:i + chunk].all():                           # padding: -inf before the softmax
-                bias = torch.zeros(b, T, 1, dtype=S.dtype).masked_fill_(~mask[i:i + chunk, :, None], float("-inf"))
+                bias = S.new_zeros(b, T, 1).masked_fill_(~mask[i:i + chunk, :, None], float("-inf"))
                 logits = torch.add(S, bias, out=work[1, :b])
             m = logits.amax(dim=1, keepdim=True)                      # (b, 1, K)
             E = torch.sub(logits, m, out=work[1, :b]).exp2_()         # Eq. (5) numerator, (b, T, K)
@@ -189,7 +189,7 @@ class ChunkedCAP(torch.autograd.Function):
             b = min(chunk, B - i)
             S, logits = S_all[i:i + b], S_all[i:i + b]                # (b, T, K)
             if not mask[i:i + chunk].all():
-                bias = torch.zeros(b, T, 1, dtype=S.dtype).masked_fill_(~mask[i:i + chunk, :, None], float("-inf"))
+                bias = S.new_zeros(b, T, 1).masked_fill_(~mask[i:i + chunk, :, None], float("-inf"))
                 logits = torch.add(S, bias, out=work[0, :b])
             alpha = torch.sub(logits, m_all[i:i + b], out=work[0, :b]).exp2_().div_(sum_all[i:i + b])  # Eq. (5)
             g_c = g[i:i + chunk, None]                                # (b, 1, K)
