@@ -26,7 +26,8 @@ Deviations / choices:
    similarity (min-max + threshold) is replaced by a softmax with tau_a = 0.1.
 3. embed_image returns the projected patches (B, H*W, K); score() does the per-pair
    aggregation, in chunks of at most score_chunk elements of the (I, N, T*L) per-pair
-   tensors, treating all-zero rows as padding on both sides.
+   tensors, treating all-zero rows as padding on both sides. score_chunk 2^20 (4 MB): scoring 256
+   images x 256 captions (Shapes size, 1 thread, CPU time) took 2.65 s against 3.25 s at 2^24.
 4. Fixed InfoNCE temperature tau = 0.05 (S lies in [-1, 1]).
 5. dense_image: each patch alone as a one-patch image, (B, H*W, 1, K).
 6. The words w_j are the caption's word tokens (encoders.py's token contract drops
@@ -73,7 +74,7 @@ class TextGuided(nn.Module):
                  K=512,              # shared dim, as CoV
                  tau_a=0.1,          # word-to-patch attention, choice 2
                  tau=0.05,           # InfoNCE, choice 4
-                 score_chunk=2 ** 24):  # max elements of one per-pair chunk in score()
+                 score_chunk=2 ** 20):  # max elements of one per-pair chunk in score() (choice 3)
         super().__init__()
         self.P_v = nn.Linear(d_image, K)
         self.P_t = nn.Linear(d_text, K)
