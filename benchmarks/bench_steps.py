@@ -7,11 +7,16 @@ For each method of methods.METHODS, on random Features of two sizes:
 Columns:
   batch       the batch B; smaller than --batch (marked *) only where at --batch the matmul bound of the step or
               the eval exceeds --budget seconds, or 4 copies of its (B, B, ...) per-pair tensors exceed --max-gb
-  ms          median wall time over --repeats runs after one warm-up run
+  ms          median time over --repeats runs after one warm-up run; --clock cpu (the default at 1 CPU thread):
+              the process's CPU time, which does not count the time other jobs hold the core (on a shared
+              machine the wall time of the same row varied 3x within minutes); wall otherwise
   GF          GFLOPs of the method's MATRIX PRODUCTS only, counted from the shapes (FLOPS below); elementwise
               passes (softmax, masking, normalisation, LayerNorm, grid_sample, top-k) are not counted
-  bound       GF / the machine's torch.mm throughput, measured in this run at the same thread count: the
-              faster of (B*T, D) @ (D, 512) (the token projection) and (B*T, 512) @ (512, 512)
+  mm          the machine's torch.mm throughput in GFLOP/s, measured at the same thread count just before
+              and just after the row (the faster of the two, so load that comes and goes during a run
+              shifts a row's bound with its time): the faster of (B*T, D) @ (D, 512) (the token
+              projection) and (B*T, 512) @ (512, 512)
+  bound       GF / mm
   x           ms / bound: 1 would be a step made of nothing but matrix products at that throughput
   MB          peak memory growth over the runs: on CPU Linux's VmHWM (peak resident set, reset through
               /proc/self/clear_refs before the runs) minus the resident set before them, so it counts pages
@@ -26,6 +31,7 @@ Hyperparameters: every method's constructor defaults (their paper settings); K =
     python benchmarks/bench_steps.py                                    # Shapes size, 1 thread, ~1 min
     python benchmarks/bench_steps.py --sizes coco --methods pal linear csa --repeats 3
     python benchmarks/bench_steps.py --threads 2 --device cuda          # runs unchanged on a GPU
+    python benchmarks/bench_steps.py --methods pal mlp --profile        # + where each row's time goes
 """
 import argparse
 import statistics
@@ -76,8 +82,9 @@ def flops(name, B, H, W, L, D_v, D_l, n_fit):
         p = mm(B * N, D_v, K) + mm(B * L, D_l, K)
         a = 3 * mm(B * N, K, K) + 2 * mm(B * Q, K, N) + 2 * mm(B * Q, K, K) + mm(B * Q, K, 48) + mm(B * Q, K, B * L)
         return 2 * p + 3 * (a + mm(B * Q, K, Q)), p + a           # + Eq. (5) r r^T in training
-    if name == "text_guided":                                     # Eq. (1) s = v w^T, Eq. (2) a v, for every pair
-        p, a = mm(B * N, D_v, K) + mm(B * L, D_l, K), 2 * B * B * mm(L, N, K)
+    if name == "text_guided":                                     # Eq. (1) s = v w^T for every pair; Eq. (2)-(3)
+        p = mm(B * N, D_v, K) + mm(B * L, D_l, K)                 # through the Gram matrix G = v v^T and G a
+        a = mm(B * N, K, B * L) + B * mm(N, K, N) + B * mm(N, N, B * L)
         return 2 * p + 3 * a, p + a
     if name == "filip":                                           # every patch . every word, for every pair
         p, a = mm(B * N, D_v, K) + mm(B * L, D_l, K), mm(B * N, K, B * L)
@@ -103,7 +110,7 @@ def flops(name, B, H, W, L, D_v, D_l, n_fit):
 
 def pairwise_bytes(name, B, H, W, L, **_):
     """Bytes of the largest (B, B, ...) tensor a method builds per pair of batch rows (fp32), 0 for the others."""
-    per_pair = {"text_guided": L * (H * W + K), "filip": H * W * L, "cov": 8 * L}.get(name, 0)
+    per_pair = {"text_guided": L * H * W, "filip": H * W * L, "cov": 8 * L}.get(name, 0)
     return 4 * B * B * per_pair
 
 
@@ -140,6 +147,9 @@ def reset_peak(device):
         open("/proc/self/clear_refs", "w").write("5")    # Linux: VmHWM <- VmRSS
 
 
+CLOCK = time.perf_counter                                # main() sets it from --clock
+
+
 def timed(run, repeats, device):
     """(median seconds over repeats after one warm-up run, peak memory growth in bytes)."""
     run()                                                # warm-up (and PAL's first-batch anchor init)
@@ -148,10 +158,10 @@ def timed(run, repeats, device):
     before = memory(device)[0]
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         run()
         sync(device)
-        times.append(time.perf_counter() - t0)
+        times.append(CLOCK() - t0)
     return statistics.median(times), max(0, memory(device)[1] - before)
 
 
@@ -174,8 +184,10 @@ def build(name, img, txt, n_fit, device):
     return m
 
 
-def bench(name, size, args, rate):
+def bench(name, size, args):
     s = dict(SIZES[size], B=args.batch)
+    rate_of = lambda: matmul_rate(args.batch * (1 + s["H"] * s["W"]), s["D_v"], args.device)
+    rate = rate_of()                                     # before the row (after it: below)
     n_fit = 4 * s["B"]                                   # ASIF's anchors, CSA's fit: 4 batches of random pairs
     bound = lambda B: max(flops(name, **dict(s, B=B), n_fit=n_fit)) / rate
     # a batch whose step runs in about --budget s at best and whose per-pair tensors (a few copies kept for
@@ -198,13 +210,30 @@ def bench(name, size, args, rate):
             m.loss(img, txt)[0].backward()
             opt.step()
         row["step"] = timed(step, args.repeats, args.device) + (f_step,)
+        if args.profile:
+            profile(step, f"{name} step, {size}")
 
     @torch.no_grad()
     def evaluate():
         m.eval()
         m.score(m.embed_image(img), m.embed_text(txt))
     row["eval"] = timed(evaluate, args.repeats, args.device) + (f_eval,)
+    if args.profile:
+        profile(evaluate, f"{name} eval, {size}")
+    row["rate"] = max(rate, rate_of())
     return row
+
+
+def profile(run, title, top=8):
+    """--profile: where one run's time goes, torch.profiler's `top` operators by their own time (to stderr)."""
+    from torch.profiler import profile as torch_profile
+    with torch_profile() as prof:
+        run()
+    total = sum(e.self_cpu_time_total for e in prof.key_averages())
+    print(f"  {title}: {total / 1e3:.1f} ms of operators", file=sys.stderr)
+    for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]:
+        print(f"    {e.key:32s} {e.self_cpu_time_total / 1e3:8.1f} ms {100 * e.self_cpu_time_total / total:5.1f}%  "
+              f"x{e.count}", file=sys.stderr)
 
 
 def cells(r, rate):
@@ -225,21 +254,30 @@ def main():
     p.add_argument("--batch", type=int, default=256, help="batch B (halved per row while its bound > --budget)")
     p.add_argument("--budget", type=float, default=20.0, help="seconds: the most a row's matmul bound may take")
     p.add_argument("--max-gb", type=float, default=4.0, help="GB: the most 4 copies of a per-pair tensor may take")
+    p.add_argument("--clock", choices=["cpu", "wall"], default=None,
+                   help="cpu: the process's CPU time (default at --threads 1 on a CPU), wall: elapsed time")
+    p.add_argument("--profile", action="store_true", help="print each row's top operators (torch.profiler) to stderr")
     args = p.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    if args.clock is None:
+        args.clock = "cpu" if args.device == "cpu" and torch.get_num_threads() == 1 else "wall"
+    if args.clock == "cpu" and (args.device != "cpu" or torch.get_num_threads() > 1):
+        p.error("--clock cpu needs --device cpu and one thread (CPU time adds up over threads)")
+    global CLOCK
+    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     print(f"device {args.device}, {torch.get_num_threads()} thread(s), torch {torch.__version__}, "
-          f"median of {args.repeats} after a warm-up")
-    head = ["method", "batch"] + [f"{k} {c}" for k in ("step", "eval") for c in ("ms", "GF", "bound", "x", "MB")]
+          f"{args.clock} time, median of {args.repeats} after a warm-up")
+    head = ["method", "batch", "mm"] + [f"{k} {c}" for k in ("step", "eval") for c in ("ms", "GF", "bound", "x", "MB")]
     for size in args.sizes:
         s = SIZES[size]
-        rate = matmul_rate(args.batch * (1 + s["H"] * s["W"]), s["D_v"], args.device)
         print(f"\n{size}: B={args.batch}, T={1 + s['H'] * s['W']} image tokens ({s['H']}x{s['W']}), L={s['L']} words, "
-              f"D_v={s['D_v']}, D_l={s['D_l']}; torch.mm: {rate / 1e9:.1f} GFLOP/s")
+              f"D_v={s['D_v']}, D_l={s['D_l']}")
         rows = []
         for name in args.methods:
-            r = bench(name, size, args, rate)
-            rows.append([r["method"], r["batch"]] + cells(r.get("step"), rate) + cells(r["eval"], rate))
+            r = bench(name, size, args)
+            rows.append([r["method"], r["batch"], f"{r['rate'] / 1e9:.0f}"] + cells(r.get("step"), r["rate"])
+                        + cells(r["eval"], r["rate"]))
             print("  done", name, flush=True, file=sys.stderr)
         widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
         print("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |")

@@ -30,6 +30,8 @@ Deviations / choices:
 6. One input normalisation, the same at fit and at test (as CSA's choice 2): anchors
    and queries are L2-normalised rows (the cosines of the ASIF paper), so unit head
    rows and raw image features (BEiT pooled: norm ~28) share one space.
+7. top-k unsorted: scatter() puts each value back at its anchor, so the order is not needed, and
+   torch.topk (800 of 1024 per row, 256 rows, 1 thread) took 2.9 ms unsorted against 16.5 ms sorted.
 """
 import torch
 import torch.nn as nn
@@ -61,7 +63,7 @@ class ASIF(nn.Module):
         #   row (the rest 0), clamp at 0, THEN raise to the power p, L2-normalise -> (..., N_a)
         r = F.normalize(x, dim=-1) @ anchors.T                            # (..., N_a) cosine similarities
         k = min(self.k, anchors.shape[0])
-        top = r.topk(k, dim=-1)                                           # k largest per row
+        top = r.topk(k, dim=-1, sorted=False)                             # k largest per row, in any order
         r = torch.zeros_like(r).scatter(-1, top.indices, top.values)      # (..., N_a), k non-zeros
         return F.normalize(r.clamp_min(0) ** self.p, dim=-1)              # (..., N_a)
         # END EXERCISE 12

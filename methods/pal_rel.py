@@ -68,12 +68,17 @@ Deviations / choices:
    Shapes styles do; "a picture of B and A , the ..." does not). With it (seed 0,
    MiniLM, --hard-negatives, 5 epochs): attribute swap 99.7, relation swap 100.0,
    RSum 516.9 (README, Binding).
+9. beta (R1) is read off CAP's own alpha (Eq. 5): PAL's Z masks the global token, so its softmax over
+   the real tokens IS the softmax over the patches; e_v and e_l come out of one chunked pass
+   (pal.py choice 9) instead of a second softmax over (B, H*W, K). tests/test_fast_forms.py checks
+   the embeddings and their gradients against the form with a separate beta. (A sample that is one
+   vector, a head row with no patches, gets c = 0: it has no place.)
 """
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .pal import PAL, cap, info_nce, relative
+from .pal import PAL, chunked_cap, info_nce, relative
 
 
 def word_positions_code(L, P=32, device=None):
@@ -108,22 +113,20 @@ class PALRel(nn.Module):
 
     def embed_image(self, img):
         Z, mask = PAL.Z(img, "image")                                      # [global (masked), patches]: PAL's Z
-        R = relative(Z, self.A_v)                                          # Eq. (4), (B, 1 + H*W, K)
-        h_v = F.normalize(cap(R, mask, self.tau_p)[0], dim=-1)             # Eqs. (5)-(7), (B, K)
         H, W = img.grid
-        beta = (R[:, 1:1 + H * W] / self.tau_p).softmax(dim=1)             # (R1), (B, H*W, K)
-        c = beta.transpose(1, 2) @ grid_positions(H, W, R.device)          # (R1), (B, K, 2)
+        pos = torch.cat([Z.new_zeros(1, 2), grid_positions(H, W, Z.device)])  # (1 + H*W, 2), the global slot at 0
+        # Eqs. (3)-(6) and (R1) in one chunked pass (pal.py choice 9): p (B, K) and c = beta^T pos (B, K, 2)
+        p, c = chunked_cap(Z, self.A_v, mask, self.tau_p, V=pos.expand(len(Z), -1, -1))
         c = c - c.mean(dim=1, keepdim=True)                                # c_k - c_bar (R4)
-        return torch.cat([h_v, c.flatten(1)], dim=1)                       # e_v, (B, 3K)
+        return torch.cat([F.normalize(p, dim=-1), c.flatten(1)], dim=1)    # e_v, (B, 3K)
 
     def embed_text(self, txt):
-        R = relative(txt.tokens, self.A_l)                                 # Eq. (4), (B, L, K)
-        p, alpha = cap(R, txt.mask, self.tau_p)                            # Eqs. (5)-(6), alpha (B, L, K)
         B, L, _ = txt.tokens.shape
         G = (F.normalize(txt.pooled, dim=-1) @ self.V).view(B, 2, self.P)  # (R2) G(t), (B, 2, P)
         q = word_positions_code(L, self.P, txt.tokens.device)              # (R2) q_w, (L, P)
         o = F.normalize(txt.tokens, dim=-1) @ self.U + q @ G.transpose(1, 2)  # (R2), (B, L, 2)
-        d = alpha.transpose(1, 2) @ o                                      # (R3), (B, K, 2); padding has alpha 0
+        # Eqs. (3)-(6) and (R3) in one chunked pass: p (B, K) and d = alpha^T o (B, K, 2); padding has alpha 0
+        p, d = chunked_cap(txt.tokens, self.A_l, txt.mask, self.tau_p, V=o)
         return torch.cat([F.normalize(p, dim=-1), d.flatten(1) / self.K], dim=1)  # e_l, (B, 3K); 1/K: choice 6
 
     def score(self, img_emb, txt_emb):

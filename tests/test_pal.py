@@ -44,6 +44,10 @@ def test_pooling_matches_naive_loop(pooling):
     with torch.no_grad():
         p_v, p_l = m.pool(img, "image"), m.pool(txt, "text")
         h_l = m.embed_text(txt)
+        if pooling == "cap":                  # the exercise's own functions (pool() runs a chunked form, choice 9)
+            p_v_ex = cap(relative(img.tokens[:, 1:], m.A_v), img.mask[:, 1:], 0.3)[0]
+            p_l_ex = cap(relative(txt.tokens, m.A_l), txt.mask, 0.3)[0]
+            assert torch.allclose(p_v_ex, p_v, atol=1e-5) and torch.allclose(p_l_ex, p_l, atol=1e-5)
     for b in range(len(img)):
         assert torch.allclose(p_v[b], naive_p(img.tokens[b, 1:], img.mask[b, 1:], m.A_v, 0.3, pooling), atol=1e-5)  # patches
         ref = naive_p(txt.tokens[b], txt.mask[b], m.A_l, 0.3, pooling)
@@ -56,8 +60,10 @@ def test_cap_at_default_tau_p_matches_naive_loop():
     m = PAL(5, 4, K=5)                                      # tau_p = 0.03: sharp attention
     with torch.no_grad():
         p_l = m.pool(txt, "text")
+        p_l_ex = cap(relative(txt.tokens, m.A_l), txt.mask, 0.03)[0]        # the exercise's functions
     for b in range(len(txt)):
         assert torch.allclose(p_l[b], naive_p(txt.tokens[b], txt.mask[b], m.A_l, 0.03, "cap"), atol=1e-5)
+        assert torch.allclose(p_l_ex[b], naive_p(txt.tokens[b], txt.mask[b], m.A_l, 0.03, "cap"), atol=1e-5)
 
 
 def test_global_pooling_is_relative_representation_of_one_vector():

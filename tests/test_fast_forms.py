@@ -1,0 +1,137 @@
+"""Fast forms against their naive forms (issue 15): values AND gradients, on random input with padding.
+
+PAL's ChunkedCAP (Eqs. 3-6 in cache-sized chunks, hand-written backward) against the exercise's
+cap(relative(...)) through autograd, and against torch.autograd.gradcheck in float64; PAL-Rel's
+embeddings through that pass against its naive form (a separate softmax over the patches for beta),
+written out here as it stood before."""
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import random_features
+
+from methods.pal import cap, chunked_cap, relative
+from methods.pal_rel import PALRel, grid_positions, word_positions_code
+
+
+def padded_input(B=7, T=9, D=5, c=2, seed=0, dtype=torch.float32):
+    """Z (B, T, D) with large garbage in the padding, a mask with rows of 1..T real tokens and a column
+    padded in every row (dropped by chunked_cap), V (B, T, c)."""
+    g = torch.Generator().manual_seed(seed)
+    Z = torch.randn(B, T, D, generator=g, dtype=dtype)
+    lengths = [T - 1, 1, 4, T - 1, 2, 6, 3][:B]
+    mask = torch.arange(T)[None] < torch.tensor(lengths)[:, None]              # (B, T)
+    Z[~mask] = 100 * torch.randn(int((~mask).sum()), D, generator=g, dtype=dtype)
+    V = torch.randn(B, T, c, generator=g, dtype=dtype)
+    return Z, mask, V
+
+
+def naive(Z, A, mask, tau_p, V):
+    R = relative(Z, A)                                                         # Eq. (4), (B, T, K)
+    p, alpha = cap(R, mask, tau_p)                                             # Eq. (5)-(6)
+    return p, alpha.transpose(1, 2) @ V                                        # (B, K), (B, K, c)
+
+
+@pytest.mark.parametrize("tau_p", [0.03, 0.3])
+@pytest.mark.parametrize("chunk_elements", [1, 3 * 9 * 11, 2 ** 18])          # 1 row, 3 rows (7 = 3 + 3 + 1), all
+def test_chunked_cap_matches_naive_form_values_and_gradients(tau_p, chunk_elements):
+    Z, mask, V = padded_input()
+    A = torch.randn(11, 5, generator=torch.Generator().manual_seed(1))
+    leaves = [x.clone().requires_grad_() for x in (Z, A, V)]
+    fast = [x.clone().requires_grad_() for x in (Z, A, V)]
+    w_p, w_Y = torch.randn(7, 11), torch.randn(7, 11, 2)                       # a random loss of both outputs
+    p0, Y0 = naive(leaves[0], leaves[1], mask, tau_p, leaves[2])
+    p1, Y1 = chunked_cap(fast[0], fast[1], mask, tau_p, V=fast[2], chunk_elements=chunk_elements)
+    assert torch.allclose(p1, p0, atol=1e-6) and torch.allclose(Y1, Y0, atol=1e-5)
+    ((p0 * w_p).sum() + (Y0 * w_Y).sum()).backward()
+    ((p1 * w_p).sum() + (Y1 * w_Y).sum()).backward()
+    for a, b in zip(leaves, fast):
+        assert torch.allclose(b.grad, a.grad, atol=1e-4, rtol=1e-4)
+    assert (fast[0].grad[~mask] == 0).all()                                   # padding gets no gradient
+    with torch.no_grad():                                                      # the eval path: nothing kept
+        p2, Y2 = chunked_cap(Z, A, mask, tau_p, V=V, chunk_elements=chunk_elements)
+    assert torch.allclose(p2, p0, atol=1e-6) and torch.allclose(Y2, Y0, atol=1e-5)
+
+
+def test_chunked_cap_without_values_and_without_padding():
+    Z, mask, _ = padded_input()
+    mask = torch.ones_like(mask)
+    A = torch.randn(11, 5, requires_grad=True)
+    p0 = naive(Z, A, mask, 0.03, torch.zeros(7, 9, 1))[0]
+    (gA,) = torch.autograd.grad(p0.square().sum(), A)
+    p1, Y = chunked_cap(Z, A, mask, 0.03, chunk_elements=2 * 9 * 11)
+    assert Y.numel() == 0 and torch.allclose(p1, p0, atol=1e-6)
+    assert torch.allclose(torch.autograd.grad(p1.square().sum(), A)[0], gA, atol=1e-4)
+
+
+@pytest.mark.parametrize("tau_p", [0.03, 0.2])
+def test_chunked_cap_gradcheck_float64(tau_p):
+    Z, mask, V = padded_input(B=4, T=5, D=3, dtype=torch.float64)
+    A = torch.randn(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    f = lambda Z, A, V: chunked_cap(Z, A, mask, tau_p, V=V, chunk_elements=2 * 5 * 6)  # chunks of 2 rows
+    assert torch.autograd.gradcheck(f, tuple(x.requires_grad_() for x in (Z, A, V)))
+
+
+def naive_pal_rel(m, img, txt):
+    """PAL-Rel's (R1)-(R4) embeddings as first written: CAP, and a separate softmax over the patches."""
+    from methods.pal import PAL
+    Z, mask = PAL.Z(img, "image")
+    R = relative(Z, m.A_v)                                                     # (B, 1 + H*W, K)
+    h_v = F.normalize(cap(R, mask, m.tau_p)[0], dim=-1)
+    H, W = img.grid
+    beta = (R[:, 1:1 + H * W] / m.tau_p).softmax(dim=1)                        # (R1), (B, H*W, K)
+    c = beta.transpose(1, 2) @ grid_positions(H, W)                           # (B, K, 2)
+    e_v = torch.cat([h_v, (c - c.mean(dim=1, keepdim=True)).flatten(1)], dim=1)
+    R = relative(txt.tokens, m.A_l)
+    p, alpha = cap(R, txt.mask, m.tau_p)
+    B, L, _ = txt.tokens.shape
+    G = (F.normalize(txt.pooled, dim=-1) @ m.V).view(B, 2, m.P)               # (R2) G(t)
+    o = F.normalize(txt.tokens, dim=-1) @ m.U + word_positions_code(L, m.P) @ G.transpose(1, 2)  # (R2)
+    d = alpha.transpose(1, 2) @ o                                              # (R3)
+    return e_v, torch.cat([F.normalize(p, dim=-1), d.flatten(1) / m.K], dim=1)
+
+
+def test_pal_rel_matches_its_naive_form_values_and_gradients():
+    img = random_features(5, 1 + 6, 5, grid=(2, 3))
+    txt = random_features(5, 6, 4, lengths=[6, 3, 1, 4, 2], seed=1)
+    torch.manual_seed(0)
+    m = PALRel(5, 4, K=7)
+    with torch.no_grad():
+        m.U.normal_()                                                          # the relation part live
+        m.V.normal_()
+    e_v, e_l = naive_pal_rel(m, img, txt)
+    S0 = (e_v @ e_l.T).sum()
+    g0 = torch.autograd.grad(S0, list(m.parameters()))
+    e_v1, e_l1 = m.embed_image(img), m.embed_text(txt)
+    assert torch.allclose(e_v1, e_v, atol=1e-6) and torch.allclose(e_l1, e_l, atol=1e-6)
+    g1 = torch.autograd.grad((e_v1 @ e_l1.T).sum(), list(m.parameters()))
+    for a, b in zip(g0, g1):
+        assert torch.allclose(b, a, atol=1e-4, rtol=1e-4)
+
+
+def naive_text_guided_score(v, w, tau_a):
+    """text_guided.py's Eq. (1)-(3) with v_hat (I, T, L, K) formed, as first written."""
+    v_ok, w_ok = v.abs().sum(-1) > 0, w.abs().sum(-1) > 0                     # (I, N), (T, L)
+    s = torch.einsum("ink,tlk->itln", v, w).masked_fill(~v_ok[:, None, None, :], float("-inf"))
+    a = (s / tau_a).softmax(-1)                                                # Eq. (1), (I, T, L, N)
+    v_hat = torch.einsum("itln,ink->itlk", a, v)                               # Eq. (2), (I, T, L, K)
+    cos = F.cosine_similarity(v_hat, w[None], dim=-1)                          # (I, T, L)
+    return (cos * w_ok[None]).sum(-1) / w_ok.sum(-1)[None].clamp_min(1)       # Eq. (3), (I, T)
+
+
+def test_text_guided_score_matches_v_hat_formed_values_and_gradients():
+    from methods.text_guided import TextGuided, text_guided_score
+    g = torch.Generator().manual_seed(3)
+    v = F.normalize(torch.randn(4, 6, 8, generator=g), dim=-1)
+    v[1, 4:] = 0                                                               # padded patches
+    w = 2 * torch.randn(5, 3, 8, generator=g)                                  # not unit: cos normalises w too
+    w[2, 1:] = 0                                                               # padded words
+    leaves, fast = [(v.clone().requires_grad_(), w.clone().requires_grad_()) for _ in range(2)]
+    S0, S1 = naive_text_guided_score(*leaves, 0.1), text_guided_score(*fast, 0.1)
+    assert torch.allclose(S1, S0, atol=1e-6)
+    weight = torch.randn(4, 5, generator=g)
+    (S0 * weight).sum().backward()
+    (S1 * weight).sum().backward()
+    for a, b in zip(leaves, fast):
+        assert torch.allclose(b.grad, a.grad, atol=1e-5)
+    m = TextGuided(8, 8, K=8, score_chunk=2 * 3 * 6)                           # score() in chunks of 2 pairs
+    assert torch.allclose(m.score(v, w), S0.detach(), atol=1e-6)
