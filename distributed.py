@@ -17,9 +17,10 @@ What each stage does under N ranks (README "Scaling out"):
    embed_image / embed_text return the embeddings of all ranks (gather_rows: the other
    ranks' rows are copies, this rank's rows keep their gradient: open_clip's
    gather_with_grad with local_loss=False), and every rank evaluates the same global loss.
-   The gradient of that loss through rank r's rows is one part of the single-process
-   gradient; DDP SUMS the parts (sum_hook) instead of averaging them, so every rank holds
-   the single-process gradient (up to float summation order) and takes the same step.
+   In backward, each rank's rows get the gradient of all N (identical) losses, N times
+   their single-process gradient, and so do parameters the loss uses directly (a learned
+   temperature): DDP's average over the ranks is the single-process gradient (up to float
+   summation order), every rank holds it and takes the same step.
 3. Closed-form fits (CSA, ASIF), evaluation, checkpoints and metrics: rank 0 (align.py).
 
 Deviations / choices:
@@ -121,30 +122,37 @@ def broadcast_state(module):
 # ---------------------------------------------------------------------------
 # Training: the global batch split across ranks, the loss over the whole batch
 # ---------------------------------------------------------------------------
+class AllGather(torch.autograd.Function):
+    """(B_max, ...) on each rank -> (N, B_max, ...) every rank's tensor. Backward: every rank
+    evaluates the SAME global loss, so the gradient of this rank's rows is the sum of the N
+    ranks' gradients (all_reduce; torch.distributed.nn.all_gather's reduce_scatter is not in
+    gloo): N times the single-process one, which DDP's averaging over the N ranks undoes."""
+
+    @staticmethod
+    def forward(ctx, x):
+        parts = [torch.empty_like(x) for _ in range(world())]
+        dist.all_gather(parts, x.contiguous())
+        return torch.stack(parts)                              # (N, B_max, ...)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad)                                  # sum over the ranks' (identical) losses
+        return grad[rank()]
+
+
 def gather_rows(x):
-    """x (B_r, ...) on each rank -> (B, ...) all ranks' rows in rank order; gradients flow only
-    into this rank's rows (the others are detached copies). Ranks may differ in every dim:
-    rows are zero-padded to the largest (token-level embeddings pad words with exact zeros,
-    as evaluate.py pads batches), then each rank's real rows are kept."""
-    n = world()
+    """x (B_r, ...) on each rank -> (B, ...) all ranks' rows in rank order, gradients flowing back
+    to each rank's own rows (open_clip's gather_with_grad). Ranks may differ in every dim: rows are
+    zero-padded to the largest (token-level embeddings pad words with exact zeros, as evaluate.py
+    pads batches), then each rank's real rows are kept."""
     shape = torch.tensor(x.shape, device=x.device)
-    shapes = [torch.empty_like(shape) for _ in range(n)]
+    shapes = [torch.empty_like(shape) for _ in range(world())]
     dist.all_gather(shapes, shape)
     top = torch.stack(shapes).amax(0).tolist()                 # the largest size of every dim
     pad = [p for d in reversed(range(x.dim())) for p in (0, top[d] - x.shape[d])]
-    x = F.pad(x, pad)                                          # (B_max, ...top) zeros after the real rows
-    parts = [torch.empty_like(x) for _ in range(n)]
-    dist.all_gather(parts, x.detach().contiguous())
-    parts[rank()] = x                                          # this rank's rows: with their gradient
+    parts = AllGather.apply(F.pad(x, pad))                     # (N, B_max, ...top) zeros after the real rows
     return torch.cat([p[:int(s[0])] for p, s in zip(parts, shapes)])
-
-
-def sum_hook(state, bucket):
-    """DDP communication hook: the SUM of the ranks' gradients (DDP's default averages them).
-    Each rank's gradient is the global loss's gradient through its own rows, so the sum is
-    the gradient of one process on the whole batch."""
-    work = dist.all_reduce(bucket.buffer(), async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 class _StepLoss(nn.Module):
@@ -192,7 +200,6 @@ class Training:
         why = split_blocker(name, method, hard_negatives)
         if why is None:
             self.ddp = nn.parallel.DistributedDataParallel(_StepLoss(method), forward_sync_buffers=False)  # same init on every rank
-            self.ddp.register_comm_hook(None, sum_hook)
             self.loss = self.ddp
             lo, hi = batch_size // self.n, -(-batch_size // self.n)
             print(f"[distributed] each of {self.n} ranks takes {lo if lo == hi else f'{lo}-{hi}'} rows of every "

@@ -342,6 +342,8 @@ def shard_plan(encoder, inputs, folder, key, batch_size, device, first=None):
         tmp = folder / "plan.json.tmp"
         tmp.write_text(json.dumps(plan))
         os.replace(tmp, plan_file)
+    for f in folder.glob("*.tmp*"):                 # a killed writer's half files: the caller holds the key's lock
+        f.unlink(missing_ok=True)
     return plan
 
 
