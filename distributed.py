@@ -4,7 +4,7 @@
 
 PyTorch's own engine, nothing home-made: torchrun starts the processes (ranks) and sets
 RANK / WORLD_SIZE / LOCAL_RANK; torch.distributed connects them (NCCL on GPUs, gloo on
-CPUs); DistributedDataParallel (DDP) sums the gradients. Without torchrun every function
+CPUs); DistributedDataParallel (DDP) averages the gradients. Without torchrun every function
 here is a no-op and align.py runs exactly as before.
 
 What each stage does under N ranks (README "Scaling out"):
@@ -21,7 +21,10 @@ What each stage does under N ranks (README "Scaling out"):
    their single-process gradient, and so do parameters the loss uses directly (a learned
    temperature): DDP's average over the ranks is the single-process gradient (up to float
    summation order), every rank holds it and takes the same step.
-3. Closed-form fits (CSA, ASIF), evaluation, checkpoints and metrics: rank 0 (align.py).
+3. Closed-form fits (CSA, ASIF: rank 0 fits on the full pooled matrices, broadcast_state
+   sends the result), evaluation, figures, checkpoints and metrics: rank 0 (align.py);
+   after training the group ends (finish) and rank 0 goes on as a single process.
+   --resume: every rank loads rank 0's checkpoint.
 
 Deviations / choices:
 1. --batch-size is the GLOBAL batch: the same command gives the same run on 1 or N ranks.
@@ -32,7 +35,10 @@ Deviations / choices:
    a split batch draws other masks, so the result would match only in distribution),
    a lazy data-dependent init still pending (PAL init=tokens) and --hard-negatives train on
    rank 0 alone, exactly as one process would, with a one-line message; the other ranks
-   then have nothing left to do.
+   then have nothing left to do. Measured exact on the Shapes world (asif, mlp, cov: the
+   same metrics and parameters, bit for bit, as one process).
+4. A gather that gloo can run: torch.distributed.nn.all_gather's backward is a reduce_scatter,
+   which gloo lacks; AllGather's backward is an all_reduce.
 3. Ranks > 0 print only lines about their own work (their shards), prefixed [rank r];
    rank 0 prints what a single run prints. Errors go to stderr from every rank.
 """
@@ -206,7 +212,7 @@ class Training:
                   f"global batch of {batch_size}; the loss sees the whole batch")
         else:
             self.active = rank() == 0
-            print(f"[distributed] {name} trains on rank 0 alone ({why}); the other ranks stop here")
+            print(f"[distributed] {name} trains on rank 0 alone: {why}; the other ranks stop here")
 
     def rows(self, idx):
         """This rank's slice of the global batch idx (B,): near-equal parts, in rank order."""

@@ -132,7 +132,7 @@ def flat(d, prefix=""):
 def test_torchrun_two_ranks_match_one_process_for_pal_linear_csa(cache, tmp_path):
     """torchrun with 2 ranks (gloo) == one process: PAL and linear split every global batch of 256 into
     2 x 128 (DDP), CSA fits on rank 0 and broadcasts. Same metrics (1e-6) and trained parameters (1e-4);
-    rank 0 alone writes and prints (one [config] line)."""
+    rank 0 alone writes and prints (one [config] line); --resume under torchrun finds the finished run."""
     (tmp_path / "driver.py").write_text(DRIVER)
     r = subprocess.run([sys.executable, str(tmp_path / "driver.py"), str(ROOT), str(tmp_path / "one"),
                         "--cache-dir", str(cache), *RUN], env=env(), capture_output=True, text=True, timeout=600)
@@ -154,6 +154,12 @@ def test_torchrun_two_ranks_match_one_process_for_pal_linear_csa(cache, tmp_path
         p1, p2 = (torch.load(p / "method.pt") for p in (tmp_path / "one" / method, out))
         for k in p1:
             torch.testing.assert_close(p2[k].float(), p1[k].float(), rtol=0, atol=1e-4, msg=f"{method} {k}")
+    r = subprocess.run([*TORCHRUN, str(ROOT / "align.py"), "--method", "pal", "--out", str(tmp_path / "two" / "pal"),
+                        "--hp", "K=64", "--cache-dir", str(cache), *RUN, "--resume"], env=env(), capture_output=True,
+                       text=True, timeout=600)                  # --resume: every rank loads rank 0's checkpoint
+    assert r.returncode == 0 and "resumed from" in r.stdout and "after epoch 1" in r.stdout, r.stderr[-3000:]
+    final = lambda run: json.loads((tmp_path / run / "pal" / "metrics.json").read_text())["train"]["final_loss"]
+    assert final("two") == pytest.approx(final("one"), abs=1e-6)    # the checkpoint's, no epoch run again
 
 
 # ----------------------------------------------------------------------------- sharded extraction
