@@ -337,7 +337,7 @@ def train(method, img, txt, args, out, device, settings=None, negatives=None):
         print(f"[train] resumed from {ckpt} after epoch {start}")
     elif args.resume:
         print(f"[train] --resume: no checkpoint at {ckpt} yet; starting at epoch 1")
-    dd = distributed.Training(method, args.method, batch_size, negatives is not None)  # torchrun: rows and loss
+    dd = distributed.Training(method, batch_size, negatives is not None)  # torchrun: this rank's rows, the loss
     if not dd.active:
         return {"seconds": 0.0, "final_loss": None}                                   # rank 0 trains alone
     print(f"[train] {epochs} epochs x {steps_per_epoch} steps, batch {batch_size}, {opt_cls.__name__} lr {lr:g} wd {wd:g}")

@@ -52,7 +52,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # loss(img, txt) = f(embed_image(img), embed_text(txt)): batch-coupled through the embeddings only
-SPLIT_LOSS = ("pal", "pal_rel", "linear", "filip", "text_guided", "fa", "sail", "mlp")
+SPLIT_LOSS = ("PAL", "PALRel", "Linear", "FILIP", "TextGuided", "FA", "SAIL", "MLP")  # class names (methods/)
 _print = builtins.print
 
 
@@ -179,11 +179,11 @@ class _StepLoss(nn.Module):
             del m.embed_image, m.embed_text
 
 
-def split_blocker(name, method, hard_negatives):
+def split_blocker(method, hard_negatives):
     """Why this method cannot be split across ranks (choice 2), or None."""
     if hard_negatives:
         return "--hard-negatives adds a term over each caption's own swaps"
-    if name not in SPLIT_LOSS:
+    if type(method).__name__ not in SPLIT_LOSS:
         return "its loss reads more of the batch than its embeddings"
     if any(isinstance(m, nn.Dropout) and m.p > 0 for m in method.modules()):
         return "its dropout masks are drawn per row (pass --hp dropout=0 to split it)"
@@ -198,12 +198,12 @@ class Training:
     Single process: rows() is every row and loss is method.loss, untouched. Under torchrun:
     split (the global batch sliced across ranks, DDP summing the gradients), or rank 0 alone."""
 
-    def __init__(self, method, name, batch_size, hard_negatives=False):
+    def __init__(self, method, batch_size, hard_negatives=False):
         self.loss, self.n, self.ddp = method.loss, world(), None
         self.active = True                                     # does this rank train?
         if self.n == 1:
             return
-        why = split_blocker(name, method, hard_negatives)
+        why = split_blocker(method, hard_negatives)
         if why is None:
             self.ddp = nn.parallel.DistributedDataParallel(_StepLoss(method), forward_sync_buffers=False)  # same init on every rank
             self.loss = self.ddp
@@ -212,7 +212,7 @@ class Training:
                   f"global batch of {batch_size}; the loss sees the whole batch")
         else:
             self.active = rank() == 0
-            print(f"[distributed] {name} trains on rank 0 alone: {why}; the other ranks stop here")
+            print(f"[distributed] {type(method).__name__} trains on rank 0 alone: {why}; the other ranks stop here")
 
     def rows(self, idx):
         """This rank's slice of the global batch idx (B,): near-equal parts, in rank order."""
