@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 import data
+import distributed
 import encoders
 import features
 import evaluate
@@ -338,6 +339,9 @@ def train(method, img, txt, args, out, device, settings=None, negatives=None):
         print(f"[train] resumed from {ckpt} after epoch {start}")
     elif args.resume:
         print(f"[train] --resume: no checkpoint at {ckpt} yet; starting at epoch 1")
+    dd = distributed.Training(method, batch_size, negatives is not None)  # torchrun: this rank's rows, the loss
+    if not dd.active:
+        return {"seconds": 0.0, "final_loss": None}                                   # rank 0 trains alone
     print(f"[train] {epochs} epochs x {steps_per_epoch} steps, batch {batch_size}, {opt_cls.__name__} lr {lr:g} wd {wd:g}")
     t0, loss = time.time(), torch.tensor(float("nan"))
     for epoch in range(start, epochs):
@@ -346,9 +350,9 @@ def train(method, img, txt, args, out, device, settings=None, negatives=None):
         order = torch.randperm(len(img), generator=g)
         t_epoch, total = time.time(), 0.0
         for step in range(steps_per_epoch):
-            idx = order[step * batch_size:(step + 1) * batch_size]
+            idx = dd.rows(order[step * batch_size:(step + 1) * batch_size])   # this rank's slice (all: one process)
             if negatives is None:
-                loss, logs = method.loss(img[idx].to(device), txt[idx].to(device))
+                loss, logs = dd.loss(img[idx].to(device), txt[idx].to(device))
             else:                                         # --hard-negatives: L = L_method + L_hn
                 img_b, txt_b = img[idx].to(device), txt[idx].to(device)
                 loss, logs = method.loss(img_b, txt_b)
@@ -371,8 +375,9 @@ def train(method, img, txt, args, out, device, settings=None, negatives=None):
         print(f"[train] epoch {epoch + 1:3d}/{epochs}  loss {total / max(1, steps_per_epoch):.4f}  "
               f"{steps_per_epoch / max(dt, 1e-9):.1f} steps/s  {time.time() - t0:.0f}s")
         last = float(loss.item())
-        features.atomic_save({"method": method.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                              "epoch": epoch, "rng": torch.get_rng_state(), "loss": last, "settings": settings}, ckpt)
+        if distributed.rank() == 0:
+            features.atomic_save({"method": method.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                                  "epoch": epoch, "rng": torch.get_rng_state(), "loss": last, "settings": settings}, ckpt)
     return {"seconds": round(time.time() - t0, 2), "final_loss": last}  # a resumed finished run: the checkpoint's
 
 
@@ -425,6 +430,7 @@ def main(argv=None):
         sys.exit("error: --device cuda, but torch sees no CUDA GPU here; use --device cpu (or auto)")
     if args.threads:
         torch.set_num_threads(args.threads)
+    distributed.setup(device)                       # under torchrun: join the other ranks (distributed.py)
     out = Path(args.out or f"results/{args.method}-{args.data}-seed{args.seed}")
     method_cls = METHODS[args.method]
     hp = parse_hp(method_cls, args.hp)              # every bad input stops here, before any long work
@@ -440,7 +446,8 @@ def main(argv=None):
         load_checkpoint(out / "checkpoint.pt", {**settings, **loop})
     config = dict(vars(args), device=device, hp=hp, out=str(out), method_defaults=method_cls.defaults)
     print("[config] " + json.dumps(config, default=str))
-    features.atomic_write_text(json.dumps(config, indent=2, default=str), out / "config.json")
+    if distributed.rank() == 0:
+        features.atomic_write_text(json.dumps(config, indent=2, default=str), out / "config.json")
 
     if args.hard_negatives and (args.align_data != "pairs" or not hasattr(method_cls, "loss")
                                 or not any(hasattr(method_cls(4, 4), a) for a in ("tau", "tau_g", "log_t"))):
@@ -450,7 +457,8 @@ def main(argv=None):
     head_rows_only = args.align_data == "weights" or (args.align_data == "weights+pairs" and args.num_pairs == 0)
     if head_rows_only and "head_rows" in inspect.signature(method_cls.__init__).parameters:
         hp.setdefault("head_rows", getattr(F["image_encoder"], "head_reads", "pooled"))  # what the head rows are
-        features.atomic_write_text(json.dumps(dict(config, hp=hp), indent=2, default=str), out / "config.json")  # pal.py choice 8
+        if distributed.rank() == 0:
+            features.atomic_write_text(json.dumps(dict(config, hp=hp), indent=2, default=str), out / "config.json")  # pal.py choice 8
     img, txt = alignment_data(args, F)
     seed_everything(args.seed)
     method = method_cls(F["train", "image"].pooled.shape[-1], F["train", "text"].pooled.shape[-1], **hp).to(device)
@@ -462,13 +470,17 @@ def main(argv=None):
     metrics = {"train": {"seconds": 0.0, "final_loss": None}}
     t0 = time.time()
     if hasattr(method, "fit"):  # closed-form methods are global: pass pooled vectors, never a whole token cache
-        method.fit(Features.from_vectors(img.pooled).to(device), Features.from_vectors(txt.pooled).to(device))
+        if distributed.rank() == 0:                 # torchrun: rank 0 fits on the full matrices, then broadcasts
+            method.fit(Features.from_vectors(img.pooled).to(device), Features.from_vectors(txt.pooled).to(device))
+        distributed.broadcast_state(method)
         metrics["train"] = {"seconds": round(time.time() - t0, 2), "final_loss": None}
     if hasattr(method, "loss"):
         try:
             metrics["train"] = train(method, img, txt, args, out, device, settings, F.get(("train", "negatives")))
         except FloatingPointError as e:
             sys.exit(f"error: {e}")
+    if not distributed.finish():                    # torchrun: the group ends; rank 0 evaluates and writes alone
+        return {}
     features.atomic_save(method.state_dict(), out / "method.pt")
     metrics.update(evaluate_all(method, F, args, out, device))
     features.atomic_write_text(json.dumps(metrics, indent=2), out / "metrics.json")  # before anything else can fail

@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import distributed
+
 @dataclass
 class Features:
     """Frozen token features of B samples of one modality.
@@ -200,7 +202,7 @@ def check_writable(folder, flag):
 #   padding (captions), so a batch is padded only to its own longest row. An
 #   interrupted extraction resumes at the first unfinished shard.
 MEMMAP_BYTES = int(float(os.environ.get("ALIGN_MEMMAP_GB", "2")) * 2**30)  # larger token caches go to shards
-SHARD_BYTES = 256 * 2**20                                                    # about 256 MB of tokens per shard
+SHARD_BYTES = int(float(os.environ.get("ALIGN_SHARD_MB", "256")) * 2**20)   # tokens per shard (whole batches, >= 1)
 
 
 def cache_key(**parts):
@@ -317,6 +319,13 @@ def release(array):
 
 def extract_shards(encoder, inputs, folder, key, batch_size, device, first=None, log=print):
     """Encode inputs shard by shard into folder, skipping shards already done (resume)."""
+    plan = shard_plan(encoder, inputs, folder, key, batch_size, device, first)
+    write_shards(encoder, inputs, folder, key, plan, range(plan["n_shards"]), batch_size, device, first, log)
+    return StoredFeatures(folder, key)
+
+
+def shard_plan(encoder, inputs, folder, key, batch_size, device, first=None):
+    """folder's plan.json (rows per shard, shard count), made anew (and old shards removed) when missing or stale."""
     folder.mkdir(parents=True, exist_ok=True)
     plan_file = folder / "plan.json"
     try:
@@ -333,8 +342,15 @@ def extract_shards(encoder, inputs, folder, key, batch_size, device, first=None,
         tmp = folder / "plan.json.tmp"
         tmp.write_text(json.dumps(plan))
         os.replace(tmp, plan_file)
+    for f in folder.glob("*.tmp*"):                 # a killed writer's half files: the caller holds the key's lock
+        f.unlink(missing_ok=True)
+    return plan
+
+
+def write_shards(encoder, inputs, folder, key, plan, shards, batch_size, device, first=None, log=print):
+    """Encode and write the given shards of plan (those not done before: resume). first: shard 0's first batch."""
     rows, t0, done = plan["rows_per_shard"], time.time(), 0
-    for s in range(plan["n_shards"]):
+    for s in shards:
         meta = folder / f"{s:05d}.pt"
         if safe_load(meta, expect_key=key) is not None:
             continue                                                             # finished before: not redone
@@ -356,7 +372,6 @@ def extract_shards(encoder, inputs, folder, key, batch_size, device, first=None,
         done += stop - start
         log(f"[features] {folder.name}: shard {s + 1}/{plan['n_shards']} ({stop}/{len(inputs)} rows, "
             f"{done / max(time.time() - t0, 1e-9):.0f} rows/s)")
-    return StoredFeatures(folder, key)
 
 
 def extract(encoder, inputs, cache_dir, batch_size=256, device="cpu", **key_parts):
@@ -371,6 +386,8 @@ def extract(encoder, inputs, cache_dir, batch_size=256, device="cpu", **key_part
                     preprocess=encoder.preprocess, n=len(inputs), **key_parts)
     path = Path(cache_dir) / "features" / f"{key}.pt"
     folder = Path(cache_dir) / "features" / key
+    if distributed.world() > 1:                             # torchrun: every rank calls extract() in the same order
+        return extract_ranks(encoder, inputs, path, folder, key, batch_size, device, cache_dir)
     saved = safe_load(path, expect_key=key)                 # a renamed file is complete: no lock to read it
     if saved is not None:
         return Features(saved["tokens"], saved["mask"], saved["pooled"], saved["grid"])
@@ -383,12 +400,51 @@ def extract(encoder, inputs, cache_dir, batch_size=256, device="cpu", **key_part
         first = encoder.encode(inputs[:batch_size], device)
         if len(inputs) * 2 * first.tokens.shape[1] * first.tokens.shape[2] > MEMMAP_BYTES:
             return extract_shards(encoder, inputs, folder, key, batch_size, device, first)
-        parts = [first] + [encoder.encode(inputs[i:i + batch_size], device)
-                           for i in range(batch_size, len(inputs), batch_size)]
-        feats = Features.cat(parts)
-        atomic_save({"key": key, "tokens": feats.tokens.half(), "mask": feats.mask, "pooled": feats.pooled.half(),
-                     "grid": feats.grid}, path)
+        feats = extract_file(encoder, inputs, path, key, batch_size, device, first)
     return Features(feats.tokens.half(), feats.mask, feats.pooled.half(), feats.grid)
+
+
+def extract_file(encoder, inputs, path, key, batch_size, device, first):
+    """Encode a set that fits one file (first: its first batch, encoded already) and save it atomically."""
+    parts = [first] + [encoder.encode(inputs[i:i + batch_size], device) for i in range(batch_size, len(inputs), batch_size)]
+    feats = Features.cat(parts)
+    atomic_save({"key": key, "tokens": feats.tokens.half(), "mask": feats.mask, "pooled": feats.pooled.half(),
+                 "grid": feats.grid}, path)
+    return feats
+
+
+def extract_ranks(encoder, inputs, path, folder, key, batch_size, device, cache_dir):
+    """extract() under torchrun (distributed.py). Rank 0 decides for all and holds the key's lock for
+    the group (another run waits as for one writer): a set already cached is read by every rank; a set
+    small enough for one file is extracted by rank 0 while the others wait; a large set is planned
+    by rank 0, then rank r writes shards r, r + N, r + 2N, ... (each written once, atomically, and
+    skipped when done before: a rerun resumes), and every rank maps the finished shards."""
+    r, n = distributed.rank(), distributed.world()
+    lock = file_lock(Path(cache_dir) / "locks" / f"{key}.lock") if r == 0 else contextlib.nullcontext()
+    with lock:
+        kind, plan, first = None, None, None
+        if r == 0:
+            if safe_load(path, expect_key=key) is not None:
+                kind = "file"
+            elif (folder / "plan.json").exists():
+                kind = "shards"
+            else:
+                first = encoder.encode(inputs[:batch_size], device)
+                kind = "shards" if len(inputs) * 2 * first.tokens.shape[1] * first.tokens.shape[2] > MEMMAP_BYTES \
+                    else "file"
+                if kind == "file":                          # rank 0 alone, as one process would
+                    extract_file(encoder, inputs, path, key, batch_size, device, first)
+            if kind == "shards":
+                plan = shard_plan(encoder, inputs, folder, key, batch_size, device, first)
+        kind, plan = distributed.broadcast((kind, plan))        # the others wait here for rank 0
+        if kind == "shards":
+            write_shards(encoder, inputs, folder, key, plan, range(r, plan["n_shards"], n), batch_size, device,
+                         first, distributed.say)
+            distributed.barrier()                               # every shard written
+    if kind == "shards":
+        return StoredFeatures(folder, key)
+    saved = safe_load(path, expect_key=key)
+    return Features(saved["tokens"], saved["mask"], saved["pooled"], saved["grid"])
 
 
 # ---------------------------------------------------------------------------

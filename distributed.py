@@ -1,0 +1,219 @@
+"""Scaling out with torchrun: ranks, and exact data-parallel training of the trained methods.
+
+    torchrun --nproc_per_node 4 align.py --method pal ...      # torchrun = python -m torch.distributed.run
+
+PyTorch's own engine, nothing home-made: torchrun starts the processes (ranks) and sets
+RANK / WORLD_SIZE / LOCAL_RANK; torch.distributed connects them (NCCL on GPUs, gloo on
+CPUs); DistributedDataParallel (DDP) averages the gradients. Without torchrun every function
+here is a no-op and align.py runs exactly as before.
+
+What each stage does under N ranks (README "Scaling out"):
+1. Extraction (features.extract): the ranks write disjoint cache shards (shard s by rank
+   s mod N); a set small enough for one file is extracted by rank 0 while the others wait.
+2. Training (Training below): every rank draws the same seeded permutation, so the global
+   batch of --batch-size B is the one a single process draws; rank r takes its slice
+   (B/N rows). The method's loss must still see the WHOLE batch: a contrastive loss over
+   B/N pairs has fewer negatives and a different value. So during the step the method's
+   embed_image / embed_text return the embeddings of all ranks (gather_rows: the other
+   ranks' rows are copies, this rank's rows keep their gradient: open_clip's
+   gather_with_grad with local_loss=False), and every rank evaluates the same global loss.
+   In backward, each rank's rows get the gradient of all N (identical) losses, N times
+   their single-process gradient, and so do parameters the loss uses directly (a learned
+   temperature): DDP's average over the ranks is the single-process gradient (up to float
+   summation order), every rank holds it and takes the same step.
+3. Closed-form fits (CSA, ASIF: rank 0 fits on the full pooled matrices, broadcast_state
+   sends the result), evaluation, figures, checkpoints and metrics: rank 0 (align.py);
+   after training the group ends (finish) and rank 0 goes on as a single process.
+   --resume: every rank loads rank 0's checkpoint.
+
+Deviations / choices:
+1. --batch-size is the GLOBAL batch: the same command gives the same run on 1 or N ranks.
+2. Only methods whose loss reads the batch through embed_image / embed_text alone are split
+   (SPLIT_LOSS; tests/test_distributed.py checks each against its single-process loss and
+   gradients). The others (CoV: its loss reads regions(); STRUCTURE: R_S reads the raw
+   features; T2C: map_text), a method with active dropout (its masks are drawn per row:
+   a split batch draws other masks, so the result would match only in distribution),
+   a lazy data-dependent init still pending (PAL init=tokens) and --hard-negatives train on
+   rank 0 alone, exactly as one process would, with a one-line message; the other ranks
+   then have nothing left to do. Measured exact on the Shapes world (asif, mlp, cov: the
+   same metrics and parameters, bit for bit, as one process).
+4. A gather that gloo can run: torch.distributed.nn.all_gather's backward is a reduce_scatter,
+   which gloo lacks; AllGather's backward is an all_reduce.
+3. Ranks > 0 print only lines about their own work (their shards), prefixed [rank r];
+   rank 0 prints what a single run prints. Errors go to stderr from every rank.
+"""
+import builtins
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+# loss(img, txt) = f(embed_image(img), embed_text(txt)): batch-coupled through the embeddings only
+SPLIT_LOSS = ("PAL", "PALRel", "Linear", "FILIP", "TextGuided", "FA", "SAIL", "MLP")  # class names (methods/)
+_print = builtins.print
+
+
+def world():
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank():
+    return dist.get_rank() if world() > 1 else 0
+
+
+def say(msg):
+    """A line about this rank's own work: prefixed with the rank when there are several."""
+    _print(f"[rank {rank()}] {msg}" if world() > 1 else msg, flush=True)
+
+
+def setup(device):
+    """Join the ranks torchrun started (no-op without torchrun). device: "cuda" or "cpu"."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # "cuda" is now this rank's GPU
+    # a rank may wait at a barrier while rank 0 extracts a small set or fits: allow long waits
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timedelta(hours=2))
+    if rank() > 0:
+        builtins.print = lambda *a, **k: None                  # rank 0 speaks for the run (choice 3)
+    print(f"[distributed] {world()} ranks ({dist.get_backend()}); rank 0 evaluates and writes the results")
+
+
+def finish():
+    """End the group after training: True on rank 0, which goes on alone (evaluation, results)."""
+    if world() == 1:
+        return True
+    r = rank()
+    dist.destroy_process_group()                               # no barrier: rank 0 may still be training alone
+    builtins.print = _print
+    return r == 0
+
+
+def barrier():
+    if world() > 1:
+        dist.barrier()
+
+
+def broadcast(obj):
+    """Rank 0's obj on every rank (a small picklable value)."""
+    if world() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def broadcast_state(module):
+    """Rank 0's buffers and parameters on every rank, whatever their shapes (ASIF's anchors are
+    set by fit()): the closed-form fit runs on rank 0 only."""
+    if world() == 1:
+        return
+    shapes = broadcast({k: (tuple(v.shape), v.dtype) for k, v in module.state_dict().items()})
+    for name, (shape, dtype) in shapes.items():
+        owner, _, leaf = name.rpartition(".")
+        sub = module.get_submodule(owner)
+        t = getattr(sub, leaf)
+        if t.shape != shape:                                   # an empty buffer rank 0 filled
+            t = torch.empty(shape, dtype=dtype, device=t.device)
+        dist.broadcast(t.data, src=0)
+        if isinstance(t, nn.Parameter) or leaf in sub._parameters:
+            sub._parameters[leaf].data = t.data
+        else:
+            sub._buffers[leaf] = t
+
+
+# ---------------------------------------------------------------------------
+# Training: the global batch split across ranks, the loss over the whole batch
+# ---------------------------------------------------------------------------
+class AllGather(torch.autograd.Function):
+    """(B_max, ...) on each rank -> (N, B_max, ...) every rank's tensor. Backward: every rank
+    evaluates the SAME global loss, so the gradient of this rank's rows is the sum of the N
+    ranks' gradients (all_reduce; torch.distributed.nn.all_gather's reduce_scatter is not in
+    gloo): N times the single-process one, which DDP's averaging over the N ranks undoes."""
+
+    @staticmethod
+    def forward(ctx, x):
+        parts = [torch.empty_like(x) for _ in range(world())]
+        dist.all_gather(parts, x.contiguous())
+        return torch.stack(parts)                              # (N, B_max, ...)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad)                                  # sum over the ranks' (identical) losses
+        return grad[rank()]
+
+
+def gather_rows(x):
+    """x (B_r, ...) on each rank -> (B, ...) all ranks' rows in rank order, gradients flowing back
+    to each rank's own rows (open_clip's gather_with_grad). Ranks may differ in every dim: rows are
+    zero-padded to the largest (token-level embeddings pad words with exact zeros, as evaluate.py
+    pads batches), then each rank's real rows are kept."""
+    shape = torch.tensor(x.shape, device=x.device)
+    shapes = [torch.empty_like(shape) for _ in range(world())]
+    dist.all_gather(shapes, shape)
+    top = torch.stack(shapes).amax(0).tolist()                 # the largest size of every dim
+    pad = [p for d in reversed(range(x.dim())) for p in (0, top[d] - x.shape[d])]
+    parts = AllGather.apply(F.pad(x, pad))                     # (N, B_max, ...top) zeros after the real rows
+    return torch.cat([p[:int(s[0])] for p, s in zip(parts, shapes)])
+
+
+class _StepLoss(nn.Module):
+    """What DDP wraps: forward = the method's loss on this rank's rows, embeddings gathered."""
+
+    def __init__(self, method):
+        super().__init__()
+        self.method = method
+
+    def forward(self, img, txt):
+        m = self.method
+        own = type(m).embed_image, type(m).embed_text
+        m.embed_image = lambda x: gather_rows(own[0](m, x))    # instance attributes shadow the class's
+        m.embed_text = lambda x: gather_rows(own[1](m, x))     # methods during this call only
+        try:
+            return m.loss(img, txt)
+        finally:
+            del m.embed_image, m.embed_text
+
+
+def split_blocker(method, hard_negatives):
+    """Why this method cannot be split across ranks (choice 2), or None."""
+    if hard_negatives:
+        return "--hard-negatives adds a term over each caption's own swaps"
+    if type(method).__name__ not in SPLIT_LOSS:
+        return "its loss reads more of the batch than its embeddings"
+    if any(isinstance(m, nn.Dropout) and m.p > 0 for m in method.modules()):
+        return "its dropout masks are drawn per row (pass --hp dropout=0 to split it)"
+    if not bool(getattr(method, "initialised", True)):
+        return "it initialises from its first batch (init=tokens)"
+    return None
+
+
+class Training:
+    """The training loop's hooks (align.train): which rows this rank takes, and the step's loss.
+
+    Single process: rows() is every row and loss is method.loss, untouched. Under torchrun:
+    split (the global batch sliced across ranks, DDP summing the gradients), or rank 0 alone."""
+
+    def __init__(self, method, batch_size, hard_negatives=False):
+        self.loss, self.n, self.ddp = method.loss, world(), None
+        self.active = True                                     # does this rank train?
+        if self.n == 1:
+            return
+        why = split_blocker(method, hard_negatives)
+        if why is None:
+            self.ddp = nn.parallel.DistributedDataParallel(_StepLoss(method), forward_sync_buffers=False)  # same init on every rank
+            self.loss = self.ddp
+            lo, hi = batch_size // self.n, -(-batch_size // self.n)
+            print(f"[distributed] each of {self.n} ranks takes {lo if lo == hi else f'{lo}-{hi}'} rows of every "
+                  f"global batch of {batch_size}; the loss sees the whole batch")
+        else:
+            self.active = rank() == 0
+            print(f"[distributed] {type(method).__name__} trains on rank 0 alone: {why}; the other ranks stop here")
+
+    def rows(self, idx):
+        """This rank's slice of the global batch idx (B,): near-equal parts, in rank order."""
+        return idx if self.ddp is None else torch.tensor_split(idx, self.n)[rank()]
