@@ -395,7 +395,9 @@ def train(method, img, txt, args, out, device, settings=None, negatives=None):
 # steps (a few ms) run as fast or faster on 1 thread, and many times slower on 2 when
 # anything else holds a core; PAL's step (batch 256 x 65 tokens x K 512) gains from 2.
 BIG_STEP_GFLOP = 1.0     # a step whose forward has this many GFLOP of matrix products trains on all cores
-CPU_BUDGET_TFLOP = 4.0   # training FLOPs (3 x forward, matrix products) a default CPU run may spend
+CPU_BUDGET_TFLOP = 2.5   # training FLOPs (3 x forward, matrix products) a default CPU run may spend: PAL's
+                         # Shapes RSum saturates at 15 epochs = 2.46 TFLOP (README, "CPU defaults")
+MIN_STEPS = 200          # ... in at least this many optimizer steps, where halving the batch gives them
 
 
 def forward_gflop(method, img, txt, batch_size):
@@ -419,7 +421,8 @@ def cpu_threads(gflop, cores):
 def cpu_default(args, method, img, txt):
     """On a CPU with no --epochs: the method's own loop settings, unless its training would spend
     more than CPU_BUDGET_TFLOP; then its batch is halved (not below 32) while one epoch alone is
-    over the budget, and it trains for as many epochs as the budget holds (at least 1). Sets
+    over the budget or the budget holds fewer than MIN_STEPS steps, and it trains for as many
+    epochs as the budget holds (at least 1). Sets
     args.epochs (and args.batch_size when halved); returns (the forward GFLOP of a step at the
     batch used, the line that says what changed, or None). On a GPU, and whenever --epochs is
     given, the method's own (paper) settings stand."""
@@ -433,7 +436,9 @@ def cpu_default(args, method, img, txt):
     own_cost, batch = cost(own_epochs, gflop, own_batch), own_batch
     if own_cost <= CPU_BUDGET_TFLOP:
         return gflop, None
-    while cost(1, gflop, batch) > CPU_BUDGET_TFLOP and batch >= 64 and args.batch_size is None:
+    steps_held = lambda gf, b: int(CPU_BUDGET_TFLOP // cost(1, gf, b)) * (len(img) // b)
+    while args.batch_size is None and batch >= 64 and (cost(1, gflop, batch) > CPU_BUDGET_TFLOP
+                                                        or steps_held(gflop, batch) < MIN_STEPS):
         batch //= 2
         gflop = forward_gflop(method, img, txt, batch)
     args.epochs = max(1, min(own_epochs, int(CPU_BUDGET_TFLOP // cost(1, gflop, batch))))

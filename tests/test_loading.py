@@ -136,12 +136,20 @@ def test_cpu_default_caps_epochs_by_the_budget_and_halves_an_over_budget_batch(m
     monkeypatch.setattr(align, "CPU_BUDGET_TFLOP", tflop(256, 20) * 1.01)
     args = cpu_args()
     assert align.cpu_default(args, m, img, txt)[1] is None and args.epochs is None and args.batch_size is None
-    # 7.5 epochs' worth: 7 epochs at the paper's batch, and the line says so
+    # 7.5 epochs' worth: 7 epochs at the paper's batch (56 steps), and the line says so
+    monkeypatch.setattr(align, "MIN_STEPS", 50)
     monkeypatch.setattr(align, "CPU_BUDGET_TFLOP", tflop(256, 7.5))
     args = cpu_args()
     gflop, line = align.cpu_default(args, m, img, txt)
     assert (args.epochs, args.batch_size) == (7, None) and gflop == pytest.approx(linear_gflop(256, D, D, 512))
     assert "epochs 7, batch 256 (the paper's: epochs 20, batch 256" in line and "--epochs" in line
+    # fewer than MIN_STEPS steps in the budget: halved once (128: 16 steps an epoch, 10 epochs = 160 >= 100)
+    monkeypatch.setattr(align, "MIN_STEPS", 100)
+    assert 7 * 8 < 100 <= int(tflop(256, 7.5) // tflop(128, 1)) * 16
+    args = cpu_args()
+    align.cpu_default(args, m, img, txt)
+    assert (args.epochs, args.batch_size) == (int(tflop(256, 7.5) // tflop(128, 1)), 128)
+    monkeypatch.setattr(align, "MIN_STEPS", 1)
     # one epoch at batch 128 is over the budget, one at 64 is not (per epoch, the (B, B) term grows with B):
     # the batch is halved twice, then 1 epoch
     monkeypatch.setattr(align, "CPU_BUDGET_TFLOP", tflop(64, 1.2))
