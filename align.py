@@ -443,7 +443,7 @@ def cpu_default(args, method, img, txt):
         gflop = forward_gflop(method, img, txt, batch)
     args.epochs = max(1, min(own_epochs, int(CPU_BUDGET_TFLOP // cost(1, gflop, batch))))
     args.batch_size = batch if batch != own_batch else args.batch_size
-    return gflop, (f"[cpu default] {args.method}: epochs {args.epochs}, batch {batch} (the paper's: epochs {own_epochs}, "
+    return gflop, (f"[cpu default] {args.method}: epochs {args.epochs}, batch {batch} (the method's own: epochs {own_epochs}, "
                    f"batch {own_batch}: {own_cost:.1f} TFLOP of training, over the CPU budget of {CPU_BUDGET_TFLOP:g}); "
                    f"pass --epochs/--batch-size/--hp to override")
 

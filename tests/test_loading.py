@@ -142,7 +142,7 @@ def test_cpu_default_caps_epochs_by_the_budget_and_halves_an_over_budget_batch(m
     args = cpu_args()
     gflop, line = align.cpu_default(args, m, img, txt)
     assert (args.epochs, args.batch_size) == (7, None) and gflop == pytest.approx(linear_gflop(256, D, D, 512))
-    assert "epochs 7, batch 256 (the paper's: epochs 20, batch 256" in line and "--epochs" in line
+    assert "epochs 7, batch 256 (the method's own: epochs 20, batch 256" in line and "--epochs" in line
     # fewer than MIN_STEPS steps in the budget: halved once (128: 16 steps an epoch, 10 epochs = 160 >= 100)
     monkeypatch.setattr(align, "MIN_STEPS", 100)
     assert 7 * 8 < 100 <= int(tflop(256, 7.5) // tflop(128, 1)) * 16
@@ -157,7 +157,7 @@ def test_cpu_default_caps_epochs_by_the_budget_and_halves_an_over_budget_batch(m
     args = cpu_args()
     gflop, line = align.cpu_default(args, m, img, txt)
     assert (args.epochs, args.batch_size) == (1, 64) and gflop == pytest.approx(linear_gflop(64, D, D, 512))
-    assert "epochs 1, batch 64 (the paper's: epochs 20, batch 256" in line
+    assert "epochs 1, batch 64 (the method's own: epochs 20, batch 256" in line
     # --epochs given: nothing changes, whatever the budget
     monkeypatch.setattr(align, "CPU_BUDGET_TFLOP", 1e-9)
     args = cpu_args(epochs=3)
@@ -167,7 +167,7 @@ def test_cpu_default_caps_epochs_by_the_budget_and_halves_an_over_budget_batch(m
     monkeypatch.setattr(align, "CPU_BUDGET_TFLOP", tflop(256, 10.5))
     args = cpu_args()
     line = align.cpu_default(args, m, img, txt)[1]
-    assert args.epochs == 10 and "the paper's: epochs 50" in line   # 400 steps / 8 per epoch
+    assert args.epochs == 10 and "the method's own: epochs 50" in line   # 400 steps / 8 per epoch
 
 
 # ----------------------------------------------------------------------------- the cold path: rendering
