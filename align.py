@@ -9,6 +9,7 @@ figures (PNG) of methods that draw them.
 """
 import argparse
 import ast
+import copy
 import inspect
 import json
 import math
@@ -37,7 +38,8 @@ def parse_args(argv=None):
     p.add_argument("--cache-dir", default=".cache", help="where pretrained tiny encoders and features are cached")
     p.add_argument("--out", default=None, help="output folder (default: results/<method>-<data>-seed<seed>)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto = cuda when available")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads (0 = the rule of cpu_threads: 1 for the encoders, all cores for large steps)")
     p.add_argument("--seed", type=int, default=0, help="seed of the method's init and batch order")
     p.add_argument("--image-encoder", default="shapes-cnn",
                    help="image encoder name or local path (built in: shapes-cnn; shapes-cnn-pos, its tokens with a 2D position code)")
@@ -134,7 +136,7 @@ def check_flags(args, method_cls):
     if args.num_pairs is not None and args.num_pairs < 0:
         sys.exit(f"error: --num-pairs {args.num_pairs}: a count of pairs cannot be negative")
     if args.threads < 0:
-        sys.exit(f"error: --threads {args.threads}: give a positive count (0 = torch's default)")
+        sys.exit(f"error: --threads {args.threads}: give a positive count (0 = the default rule, align.cpu_threads)")
     if not hasattr(method_cls, "loss"):
         return  # closed form: no training loop
     ranges = {**LOOP_RANGES, **getattr(method_cls, "ranges", {})}
@@ -304,6 +306,20 @@ def load_checkpoint(ckpt, settings):
     return state
 
 
+def batch_loader(img, txt, index_batches, device):
+    """(idx, img[idx], txt[idx]) on device for each idx of index_batches, in order.
+
+    Memory-mapped sets (features.is_stored) are read one batch ahead by a background thread
+    (features.read_ahead), so the disk read of batch n + 1 overlaps the step on batch n; on
+    CUDA the batches cross through pinned memory with non_blocking copies (features.batch_to),
+    pinned in the reader thread when there is one. The batches are the same either way."""
+    cuda = str(device).startswith("cuda")
+    fetch = lambda idx: (idx, *((features.pin(img[idx]), features.pin(txt[idx])) if cuda else (img[idx], txt[idx])))
+    stored = features.is_stored(img) or features.is_stored(txt)
+    for idx, img_b, txt_b in (features.read_ahead(fetch, index_batches) if stored else map(fetch, index_batches)):
+        yield idx, features.batch_to(img_b, device), features.batch_to(txt_b, device)
+
+
 def train(method, img, txt, args, out, device, settings=None, negatives=None):
     """Mini-batch training of method.loss with the method's optimiser, a cosine schedule,
     a checkpoint each epoch, --resume, and a clear stop on a non-finite loss.
@@ -349,15 +365,15 @@ def train(method, img, txt, args, out, device, settings=None, negatives=None):
         g = torch.Generator().manual_seed(args.seed * 100003 + epoch)  # batch order depends only on (seed, epoch)
         order = torch.randperm(len(img), generator=g)
         t_epoch, total = time.time(), 0.0
-        for step in range(steps_per_epoch):
-            idx = dd.rows(order[step * batch_size:(step + 1) * batch_size])   # this rank's slice (all: one process)
+        index_batches = (dd.rows(order[step * batch_size:(step + 1) * batch_size])   # this rank's slice (all: one process)
+                         for step in range(steps_per_epoch))
+        for step, (idx, img_b, txt_b) in enumerate(batch_loader(img, txt, index_batches, device)):
             if negatives is None:
-                loss, logs = dd.loss(img[idx].to(device), txt[idx].to(device))
+                loss, logs = dd.loss(img_b, txt_b)
             else:                                         # --hard-negatives: L = L_method + L_hn
-                img_b, txt_b = img[idx].to(device), txt[idx].to(device)
                 loss, logs = method.loss(img_b, txt_b)
                 j = negatives[1][idx]                                                   # (B, M), -1 = none
-                loss = loss + hard_negative_loss(method, img_b, txt_b, negatives[0][j.clamp(min=0).flatten()].to(device),
+                loss = loss + hard_negative_loss(method, img_b, txt_b, features.batch_to(negatives[0][j.clamp(min=0).flatten()], device),
                                                  (j >= 0).to(device), contrastive_scale(method))
             if not torch.isfinite(loss):
                 raise FloatingPointError(
@@ -379,6 +395,67 @@ def train(method, img, txt, args, out, device, settings=None, negatives=None):
             features.atomic_save({"method": method.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
                                   "epoch": epoch, "rng": torch.get_rng_state(), "loss": last, "settings": settings}, ckpt)
     return {"seconds": round(time.time() - t0, 2), "final_loss": last}  # a resumed finished run: the checkpoint's
+
+
+# ---------------------------------------------------------------------------
+# CPU defaults: the thread count and a training budget (issue 15)
+# ---------------------------------------------------------------------------
+# Measured on the 2-core VM (README, "CPU defaults"): the tiny encoders' pretraining and
+# feature extraction (small convolutions, a 2-layer transformer) and the global methods'
+# steps (a few ms) run as fast or faster on 1 thread, and many times slower on 2 when
+# anything else holds a core; PAL's step (batch 256 x 65 tokens x K 512) gains from 2.
+BIG_STEP_GFLOP = 1.0     # a step whose forward has this many GFLOP of matrix products trains on all cores
+CPU_BUDGET_TFLOP = 2.5   # training FLOPs (3 x forward, matrix products) a default CPU run may spend: PAL's
+                         # Shapes RSum saturates at 15 epochs = 2.46 TFLOP (README, "CPU defaults")
+MIN_STEPS = 200          # ... in at least this many optimizer steps, where halving the batch gives them
+
+
+def forward_gflop(method, img, txt, batch_size):
+    """GFLOP of the matrix products in one forward of method.loss on the first batch_size pairs,
+    counted from the shapes by torch's FlopCounterMode: nothing is timed, so the count (and every
+    choice made from it) is the same on every machine and run. On a copy of the method, with the
+    RNG state restored: the run itself is unchanged."""
+    from torch.utils.flop_counter import FlopCounterMode
+    rng, probe = torch.get_rng_state(), copy.deepcopy(method).cpu()
+    with FlopCounterMode(display=False) as counter:
+        probe.loss(img[:batch_size].to("cpu"), txt[:batch_size].to("cpu"))
+    torch.set_rng_state(rng)
+    return counter.get_total_flops() / 1e9
+
+
+def cpu_threads(gflop, cores):
+    """The training threads of --threads 0 on a CPU: all cores for a large step, else 1."""
+    return cores if gflop is not None and gflop >= BIG_STEP_GFLOP else 1
+
+
+def cpu_default(args, method, img, txt):
+    """On a CPU with no --epochs: the method's own loop settings, unless its training would spend
+    more than CPU_BUDGET_TFLOP; then its batch is halved (not below 32) while one epoch alone is
+    over the budget or the budget holds fewer than MIN_STEPS steps, and it trains for as many
+    epochs as the budget holds (at least 1). Sets
+    args.epochs (and args.batch_size when halved); returns (the forward GFLOP of a step at the
+    batch used, the line that says what changed, or None). On a GPU, and whenever --epochs is
+    given, the method's own (paper) settings stand."""
+    d = method.defaults
+    own_batch = min(args.batch_size or d["batch_size"], len(img))
+    gflop = forward_gflop(method, img, txt, own_batch)
+    if args.epochs is not None:
+        return gflop, None
+    cost = lambda epochs, gf, b: 3 * gf * (len(img) // b) * epochs / 1000          # TFLOP: forward + backward ~ 3x
+    own_epochs = d["epochs"] if d.get("epochs") is not None else math.ceil(d["steps"] / (len(img) // own_batch))
+    own_cost, batch = cost(own_epochs, gflop, own_batch), own_batch
+    if own_cost <= CPU_BUDGET_TFLOP:
+        return gflop, None
+    steps_held = lambda gf, b: int(CPU_BUDGET_TFLOP // cost(1, gf, b)) * (len(img) // b)
+    while args.batch_size is None and batch >= 64 and (cost(1, gflop, batch) > CPU_BUDGET_TFLOP
+                                                        or steps_held(gflop, batch) < MIN_STEPS):
+        batch //= 2
+        gflop = forward_gflop(method, img, txt, batch)
+    args.epochs = max(1, min(own_epochs, int(CPU_BUDGET_TFLOP // cost(1, gflop, batch))))
+    args.batch_size = batch if batch != own_batch else args.batch_size
+    return gflop, (f"[cpu default] {args.method}: epochs {args.epochs}, batch {batch} (the method's own: epochs {own_epochs}, "
+                   f"batch {own_batch}: {own_cost:.1f} TFLOP of training, over the CPU budget of {CPU_BUDGET_TFLOP:g}); "
+                   f"pass --epochs/--batch-size/--hp to override")
 
 
 # ---------------------------------------------------------------------------
@@ -428,8 +505,9 @@ def main(argv=None):
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device == "cuda" and not torch.cuda.is_available():
         sys.exit("error: --device cuda, but torch sees no CUDA GPU here; use --device cpu (or auto)")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    cores = torch.get_num_threads()                      # torch's default: all cores
+    if args.threads or device == "cpu":
+        torch.set_num_threads(args.threads or 1)          # --threads 0: the encoders and extraction on 1 (cpu_threads)
     distributed.setup(device)                       # under torchrun: join the other ranks (distributed.py)
     out = Path(args.out or f"results/{args.method}-{args.data}-seed{args.seed}")
     method_cls = METHODS[args.method]
@@ -442,10 +520,15 @@ def main(argv=None):
     settings = run_settings(args, method_cls, hp)
     if args.resume and (out / "checkpoint.pt").exists():   # refuse a wrong checkpoint before the features
         loop = {k: v for k, v in loop_settings(args, method_cls.defaults).items()
-                if not isinstance(v, str)}                 # a default set per instance (SAIL's lr) is checked in train()
+                if not isinstance(v, str)                  # a default set per instance (SAIL's lr) is checked in train()
+                and not (device == "cpu" and k in ("epochs", "batch_size") and getattr(args, k) is None)}  # cpu_default
         load_checkpoint(out / "checkpoint.pt", {**settings, **loop})
     config = dict(vars(args), device=device, hp=hp, out=str(out), method_defaults=method_cls.defaults)
     print("[config] " + json.dumps(config, default=str))
+    if device == "cpu":
+        print(f"[threads] {args.threads} (--threads)" if args.threads else
+              f"[threads] 1 for the encoders and feature extraction; training on all {cores} cores when a step's forward "
+              f"has >= {BIG_STEP_GFLOP:g} GFLOP of matrix products, else on 1 (--threads N: N throughout)")
     if distributed.rank() == 0:
         features.atomic_write_text(json.dumps(config, indent=2, default=str), out / "config.json")
 
@@ -467,6 +550,14 @@ def main(argv=None):
                     text_weights=getattr(F["text_encoder"], "fingerprint", None))
     print(f"[method] {args.method}: {sum(p.numel() for p in method.parameters() if p.requires_grad):,} trainable parameters, "
           f"{len(img)} alignment pairs ({args.align_data})")
+    if device == "cpu" and hasattr(method, "loss"):
+        gflop, line = cpu_default(args, method, img, txt)   # may set args.epochs, args.batch_size
+        if line:
+            print(line)
+        torch.set_num_threads(args.threads or cpu_threads(gflop, cores))
+        print(f"[threads] training on {torch.get_num_threads()} (a step's forward: {gflop:.2f} GFLOP of matrix products)")
+        config.update(epochs=args.epochs, batch_size=args.batch_size, train_threads=torch.get_num_threads())
+        features.atomic_write_text(json.dumps(dict(config, hp=hp), indent=2, default=str), out / "config.json")
     metrics = {"train": {"seconds": 0.0, "final_loss": None}}
     t0 = time.time()
     if hasattr(method, "fit"):  # closed-form methods are global: pass pooled vectors, never a whole token cache

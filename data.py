@@ -89,9 +89,13 @@ def sample_scene(rng, n_objects):
     return dict(objects=objects, background=background)
 
 
+_CENTRES = np.mgrid[0:SIZE, 0:SIZE] + 0.5          # (2, S, S) pixel centres (y, x), made once (render is the cold path)
+_UNIT = np.mgrid[0:SIZE, 0:SIZE] / SIZE - 0.5      # (2, S, S) pixel corners in [-0.5, 0.5), the background gradient
+
+
 def shape_mask(obj):
     """(SIZE, SIZE) bool: the pixels covered by one object."""
-    yy, xx = np.mgrid[0:SIZE, 0:SIZE] + 0.5
+    yy, xx = _CENTRES
     dx, dy, r = xx - obj["x"], yy - obj["y"], obj["r"]
     if obj["shape"] == "circle":
         return dx ** 2 + dy ** 2 <= r ** 2
@@ -105,7 +109,7 @@ def shape_mask(obj):
 def render(scene):
     """Scene -> (image (3, S, S) uint8, shape-class mask (S, S), colour-shape-class mask (S, S))."""
     bg = scene["background"]
-    yy, xx = np.mgrid[0:SIZE, 0:SIZE] / SIZE - 0.5
+    yy, xx = _UNIT
     noise = np.random.default_rng(bg["noise_seed"]).normal(0, 8, size=(SIZE, SIZE, 1))
     img = bg["base"] + bg["tint"] + (bg["gradient"][0] * xx + bg["gradient"][1] * yy)[..., None] + noise
     shape_cls = np.full((SIZE, SIZE), IGNORE, dtype=np.int64)
@@ -257,7 +261,8 @@ def text_corpus(n, seed):
 
 def render_all(scenes):
     images, shape_masks, object_masks = zip(*(render(s) for s in scenes))
-    return torch.stack(images), torch.stack(shape_masks), torch.stack(object_masks)
+    images = torch.from_numpy(np.stack([i.permute(1, 2, 0).numpy() for i in images])).permute(0, 3, 1, 2)  # (N, 3, S, S)
+    return images.contiguous(), torch.stack(shape_masks), torch.stack(object_masks)  # one copy, not N strided ones
 
 
 @functools.lru_cache(maxsize=2)  # built once per process (tests run align.main many times); read-only

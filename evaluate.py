@@ -35,6 +35,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from features import batch_to, is_stored, read_ahead
+
 
 # ----------------------------------------------------------------------------- embedding step
 
@@ -66,10 +68,12 @@ def embed(fn, feats, batch_size=256, device="cpu"):
     Returns (N, K) for global embeddings or (N, L, K) for token-level ones, whose
     padded positions are exactly 0 (the interface's padding convention).
     """
-    outs = []
+    outs, starts = [], range(0, len(feats), batch_size)
+    fetch = lambda i: feats[i:i + batch_size]
+    batches = read_ahead(fetch, starts) if is_stored(feats) else map(fetch, starts)   # memory-mapped: one batch ahead
     with torch.no_grad():
-        for i in range(0, len(feats), batch_size):
-            outs.append(fn(feats[i:i + batch_size].to(device)).float().cpu())
+        for f in batches:
+            outs.append(fn(batch_to(f, device)).float().cpu())                  # CUDA: pinned, non_blocking
     return pad_cat(outs)
 
 
@@ -256,7 +260,7 @@ def segmentation(method, img, masks, class_txt, n_templates, ignore_index=255, b
     with inference(method):
         cls_emb = template_average(embed(method.embed_text, class_txt, batch_size, device), n_templates)
         for i in range(0, len(img), batch_size):
-            dense = method.dense_image(img[i:i + batch_size].to(device))     # (B, H*W, ...) one image emb per patch
+            dense = method.dense_image(batch_to(img[i:i + batch_size], device))     # (B, H*W, ...) one image emb per patch
             B = len(dense)
             logits = class_logits(method, dense.flatten(0, 1), cls_emb, n_templates, device)   # (B*H*W, C)
             # EXERCISE 10 (segmentation): logits (B*H*W, C) -> (B, C, H, W), bilinear upsampling to (Hm, Wm) with

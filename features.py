@@ -16,8 +16,10 @@ import math
 import mmap
 import os
 import pickle
+import queue
 import re
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -79,6 +81,77 @@ class Features:
         return Features(tokens=torch.cat([pad(p.tokens, 0) for p in parts]),
                         mask=torch.cat([pad(p.mask, False) for p in parts]),
                         pooled=torch.cat([p.pooled for p in parts]), grid=parts[0].grid)
+
+
+# ---------------------------------------------------------------------------
+# Moving batches to the device, and reading them ahead (issue 15, item 6)
+# ---------------------------------------------------------------------------
+def batch_to(f, device, dtype=torch.float32):
+    """A batch of Features on device, floats as dtype. On CUDA the host tensors are pinned
+    (page-locked) and copied with non_blocking=True, so the copy overlaps the GPU's work; fp16
+    cache tensors cross as fp16 (half the bytes) and become dtype on the GPU. Elsewhere: f.to."""
+    if not str(device).startswith("cuda"):
+        return f.to(device, dtype)
+    f = pin(f)
+    move = lambda x: x.to(device, non_blocking=True)
+    return replace(f, tokens=move(f.tokens).to(dtype), mask=move(f.mask), pooled=move(f.pooled).to(dtype))
+
+
+def pin(f):
+    """f with its host tensors in pinned memory (a no-op for tensors already pinned); CUDA only."""
+    pinned = lambda x: torch.as_tensor(x).pin_memory()
+    return replace(f, tokens=pinned(f.tokens), mask=pinned(f.mask), pooled=pinned(f.pooled))
+
+
+def is_stored(f):
+    """True for a set read from disk batch by batch (memory-mapped shards, or parts of them)."""
+    return isinstance(f, (StoredFeatures, ConcatFeatures))
+
+
+_END = object()
+
+
+def read_ahead(make, items, depth=1):
+    """make(item) for each item, in order, computed by a background thread `depth` items ahead
+    (a bounded queue): reading batch n + 1 from a memory map overlaps the work on batch n.
+
+    The same values in the same order as (make(i) for i in items). An exception in the reader
+    is raised here, in the caller's thread; leaving the loop early (break, an exception in the
+    caller) stops the reader before this generator returns."""
+    q, stop = queue.Queue(maxsize=depth), threading.Event()
+
+    def put(x):                                          # blocks while the queue is full, unless stopped
+        while not stop.is_set():
+            try:
+                q.put(x, timeout=0.05)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def reader():
+        try:
+            for item in items:
+                if not put((make(item), None)):
+                    return
+        except BaseException as e:                       # handed to the caller's thread
+            put((None, e))
+            return
+        put((_END, None))
+
+    thread = threading.Thread(target=reader, name="read-ahead", daemon=True)
+    thread.start()
+    try:
+        while True:
+            value, error = q.get()
+            if error is not None:
+                raise error
+            if value is _END:
+                return
+            yield value
+    finally:
+        stop.set()
+        thread.join()
 
 
 # ---------------------------------------------------------------------------
