@@ -79,7 +79,7 @@ Deviations / choices:
    cap(relative(Z, A), mask, tau_p)[0] (the exercise's functions, still used by analyse() and the tests)
    in cache-sized chunks of the batch with a hand-written backward (ChunkedCAP). The naive form spends
    its time on ~20 memory-bound passes over (B, T, K) tensors, not on its products: one training step
-   (`python benchmarks/bench_steps.py --methods pal`, Shapes size, 1 thread) went from 410 ms to ~140 ms.
+   (`python benchmarks/bench_steps.py --methods pal`, Shapes size, 1 thread) went from 410 ms to 145 ms.
    tests/test_fast_forms.py checks values and gradients against the naive form, and gradcheck.
 """
 import math
