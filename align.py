@@ -368,10 +368,8 @@ def train(method, img, txt, args, out, device, settings=None, negatives=None):
         index_batches = (dd.rows(order[step * batch_size:(step + 1) * batch_size])   # this rank's slice (all: one process)
                          for step in range(steps_per_epoch))
         for step, (idx, img_b, txt_b) in enumerate(batch_loader(img, txt, index_batches, device)):
-            if negatives is None:
-                loss, logs = dd.loss(img_b, txt_b)
-            else:                                         # --hard-negatives: L = L_method + L_hn
-                loss, logs = method.loss(img_b, txt_b)
+            loss, logs = dd.loss(img_b, txt_b)            # method.loss unless split by torchrun
+            if negatives is not None:                     # --hard-negatives: L = L_method + L_hn (never split)
                 j = negatives[1][idx]                                                   # (B, M), -1 = none
                 loss = loss + hard_negative_loss(method, img_b, txt_b, features.batch_to(negatives[0][j.clamp(min=0).flatten()], device),
                                                  (j >= 0).to(device), contrastive_scale(method))
@@ -533,7 +531,7 @@ def main(argv=None):
         features.atomic_write_text(json.dumps(config, indent=2, default=str), out / "config.json")
 
     if args.hard_negatives and (args.align_data != "pairs" or not hasattr(method_cls, "loss")
-                                or not any(hasattr(method_cls(4, 4), a) for a in ("tau", "tau_g", "log_t"))):
+                                or contrastive_scale(method_cls(4, 4)) is None):
         sys.exit(f"error: --hard-negatives needs a contrastive trained method (one with a temperature) and "
                  f"--align-data pairs; {args.method} with --align-data {args.align_data} is not one")
     F = load_features(args, device)

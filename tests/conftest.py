@@ -34,3 +34,16 @@ def random_features(B, T, D, grid=None, lengths=None, seed=0):
             tokens[b, n:] = 0
     pooled = (tokens * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
     return Features(tokens=tokens, mask=mask, pooled=pooled, grid=grid)
+
+
+def interrupted(method_cls, at_call):
+    """method_cls whose loss raises KeyboardInterrupt (a Ctrl-C) at its at_call-th call, counting across instances."""
+    class Stop(method_cls):
+        calls = 0
+
+        def loss(self, i, t):
+            Stop.calls += 1
+            if Stop.calls == at_call:
+                raise KeyboardInterrupt
+            return super().loss(i, t)
+    return Stop

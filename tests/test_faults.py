@@ -25,7 +25,7 @@ import data
 import encoders
 import shapes_encoders
 import features
-from conftest import random_features
+from conftest import interrupted, random_features
 from methods.linear import Linear
 from methods.mlp import MLP
 
@@ -340,17 +340,9 @@ def test_interrupted_writes_leave_no_file_and_resume_restores_dropout_and_the_la
     straight = MLP(8, 6)
     done = align.train(straight, img, txt, loop(), tmp_path / "a", "cpu")
 
-    class Stop(MLP):
-        calls = 0
-
-        def loss(self, i, t):
-            Stop.calls += 1
-            if Stop.calls == 10:
-                raise KeyboardInterrupt
-            return super().loss(i, t)
     torch.manual_seed(0)
     with pytest.raises(KeyboardInterrupt):
-        align.train(Stop(8, 6), img, txt, loop(), tmp_path / "b", "cpu")
+        align.train(interrupted(MLP, at_call=10)(8, 6), img, txt, loop(), tmp_path / "b", "cpu")
     torch.manual_seed(123)                                   # another process: other RNG state
     resumed = MLP(8, 6)
     align.train(resumed, img, txt, loop(resume=True), tmp_path / "b", "cpu")

@@ -11,7 +11,7 @@ import torch
 
 import align
 import features
-from conftest import random_features
+from conftest import interrupted, random_features
 from methods.linear import Linear
 
 
@@ -70,17 +70,9 @@ def test_training_on_memory_mapped_sets_matches_in_ram_and_resumes_exactly(tmp_p
         runs[name] = Linear(8, 6, K=4)
         align.train(runs[name], a, b, args(), tmp_path / name, "cpu")
 
-    class Stop(Linear):                                           # interrupted in epoch 3 (call 10 of 12)
-        calls = 0
-
-        def loss(self, i, t):
-            Stop.calls += 1
-            if Stop.calls == 10:
-                raise KeyboardInterrupt
-            return super().loss(i, t)
     torch.manual_seed(0)
     with pytest.raises(KeyboardInterrupt):
-        align.train(Stop(8, 6, K=4), img, txt, args(), tmp_path / "cut", "cpu")
+        align.train(interrupted(Linear, at_call=10)(8, 6, K=4), img, txt, args(), tmp_path / "cut", "cpu")  # epoch 3 (call 10 of 12)
     assert not any(t.name == "read-ahead" for t in threading.enumerate())   # the reader stopped with the loop
     resumed = Linear(8, 6, K=4)
     align.train(resumed, img, txt, args(resume=True), tmp_path / "cut", "cpu")
