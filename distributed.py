@@ -87,7 +87,11 @@ def finish():
     if world() == 1:
         return True
     r = rank()
-    dist.destroy_process_group()                               # no barrier: rank 0 may still be training alone
+    # a barrier first: a rank that tears the group down while another still has gloo work in flight
+    # aborts at exit ("terminate called without an active exception", seen once in CI under load);
+    # a rank that did not train waits here for rank 0 (within the group's 2 h timeout)
+    dist.barrier()
+    dist.destroy_process_group()
     builtins.print = _print
     return r == 0
 
