@@ -82,6 +82,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .losses import info_nce_of_logits
+
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -141,12 +143,6 @@ def max_sum(r, w):
     t2i = (best_region * w_ok[None]).sum(-1) / w_ok.sum(-1)[None].clamp_min(1)
     return i2t + t2i                                                    # S(I,T), (I, T)
     # END EXERCISE 6
-
-
-def info_nce(logits):
-    """Symmetric InfoNCE over a (B, B) logit matrix whose diagonal holds the pairs."""
-    target = torch.arange(len(logits), device=logits.device)
-    return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
 
 
 def grid_centres(rows, cols, device=None):
@@ -276,7 +272,7 @@ class CoV(nn.Module):
         r = F.normalize(r, dim=-1)                               # (B, Q, K)
         w = self.embed_text(txt)                                 # (B, L, K)
         S = max_sum(r, w)                                        # Eq. (6), (B, B)
-        l_g = info_nce(S / self.tau_g)                           # (L_t2v + L_v2t) / 2
+        l_g = info_nce_of_logits(S / self.tau_g)                 # (L_t2v + L_v2t) / 2
         loss, logs = self.lambda_g * l_g, {"nce": l_g.item()}
         if self.use_v2v:
             rr = r @ r.transpose(1, 2) / self.tau_1              # r_i . r_j / tau_1, (B, Q, Q)
