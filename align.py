@@ -26,6 +26,7 @@ import distributed
 import encoders
 import features
 import evaluate
+from exercises.table import refuse_blank_exercises
 from features import Features
 from methods import METHODS
 
@@ -510,6 +511,7 @@ def main(argv=None):
     out = Path(args.out or f"results/{args.method}-{args.data}-seed{args.seed}")
     method_cls = METHODS[args.method]
     hp = parse_hp(method_cls, args.hp)              # every bad input stops here, before any long work
+    refuse_blank_exercises(args.method, args.analyses, args.select_layers)  # a student copy: what is still blank
     check_flags(args, method_cls)
     for name, flag in ((args.image_encoder, "--image-encoder"), (args.text_encoder, "--text-encoder")):
         encoders.check_path(name, flag)

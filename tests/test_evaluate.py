@@ -75,7 +75,7 @@ def naive_retrieval(S, txt_to_img):
         order = torch.argsort(S[:, j], descending=True).tolist()
         t2i_rank.append(order.index(int(txt_to_img[j])))
     out = {}
-    for name, rank in (("i2t", i2t_rank), ("t2i", t2i_rank)):
+    for name, rank in [("i2t", i2t_rank), ("t2i", t2i_rank)]:
         for K in (1, 5, 10):
             out[f"{name}_r{K}"] = 100 * sum(r < K for r in rank) / len(rank)
     out["rsum"] = sum(out.values())
