@@ -39,9 +39,9 @@ Deviations / choices:
    pooled as the head read them, "global" for a pooled head (RSum 53.9 against CAP's 22 on a
    1280-d ImageNet CNN + MiniLM), CAP for the Shapes CNN's per-patch head; align.py passes head_rows.
 9. fast (default True where methods/fast_cap.py is present): pool() runs Eqs. (3)-(6) through
-   fast_cap.chunked_cap, the same p in cache-sized chunks with a hand-written backward
-   (tests/test_fast_forms.py checks values and gradients); fast=False trains the paper form
-   written out in pool(), cap(relative(Z, A), mask, tau_p).
+   fast_cap.chunked_cap, the same p in chunks with a hand-written backward (tests/test_fast_forms.py
+   checks values and gradients): a training step 169 ms instead of 346 ms of CPU
+   (`python benchmarks/bench_cap.py`); fast=False trains the paper form written out in pool().
 """
 import importlib.util
 from pathlib import Path
