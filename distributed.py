@@ -32,10 +32,9 @@ Deviations / choices:
    (SPLIT_LOSS; tests/test_distributed.py checks each against its single-process loss and
    gradients). The others (CoV: its loss reads regions(); STRUCTURE: R_S reads the raw
    features; T2C: map_text), a method with active dropout (its masks are drawn per row:
-   a split batch draws other masks, so the result would match only in distribution)
-   and --hard-negatives train on
-   rank 0 alone, exactly as one process would, with a one-line message; the other ranks
-   then have nothing left to do. Measured exact on the Shapes world (asif, mlp, cov: the
+   a split batch draws other masks, so the result would match only in distribution) and
+   --hard-negatives train on rank 0 alone, exactly as one process would, with a one-line
+   message; the other ranks then have nothing left to do. Measured exact on the Shapes world (asif, mlp, cov: the
    same metrics and parameters, bit for bit, as one process).
 4. A gather that gloo can run: torch.distributed.nn.all_gather's backward is a reduce_scatter,
    which gloo lacks; AllGather's backward is an all_reduce.
