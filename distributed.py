@@ -32,10 +32,9 @@ Deviations / choices:
    (their class attribute split_loss = True; tests/test_distributed.py checks each against its
    single-process loss and gradients). The others (CoV: its loss reads regions(); STRUCTURE: R_S reads the raw
    features; T2C: map_text), a method with active dropout (its masks are drawn per row:
-   a split batch draws other masks, so the result would match only in distribution),
-   a lazy data-dependent init still pending (PAL init=tokens) and --hard-negatives train on
-   rank 0 alone, exactly as one process would, with a one-line message; the other ranks
-   then have nothing left to do. Measured exact on the Shapes world (asif, mlp, cov: the
+   a split batch draws other masks, so the result would match only in distribution) and
+   --hard-negatives train on rank 0 alone, exactly as one process would, with a one-line
+   message; the other ranks then have nothing left to do. Measured exact on the Shapes world (asif, mlp, cov: the
    same metrics and parameters, bit for bit, as one process).
 3. A gather that gloo can run: torch.distributed.nn.all_gather's backward is a reduce_scatter,
    which gloo lacks; AllGather's backward is an all_reduce.
@@ -227,8 +226,6 @@ def split_blocker(method, hard_negatives):
         return "its loss reads more of the batch than its embeddings"
     if any(isinstance(m, nn.Dropout) and m.p > 0 for m in method.modules()):
         return "its dropout masks are drawn per row (pass --hp dropout=0 to split it)"
-    if not bool(getattr(method, "initialised", True)):
-        return "it initialises from its first batch (init=tokens)"
     return None
 
 

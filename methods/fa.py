@@ -56,6 +56,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .losses import info_nce
+
 
 # ---------------------------------------------------------------- blocks
 
@@ -96,13 +98,6 @@ def masked_mean(z, mask):
     """Mean over tokens of z (B, T, K) where mask (B, T) is True; padding never read."""
     z = z.masked_fill(~mask[..., None], 0.0)                 # garbage in padding -> exactly 0
     return z.sum(1) / mask.sum(1, keepdim=True).clamp_min(1)   # (B, K)
-
-
-def info_nce(h_v, h_l, tau):
-    """Symmetric InfoNCE over a batch of L2-normalised pairs (B, K), (B, K)."""
-    logits = h_v @ h_l.T / tau                               # (B, B) cosine similarity as logits
-    target = torch.arange(len(h_v), device=h_v.device)
-    return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
 
 
 # ---------------------------------------------------------------- the method

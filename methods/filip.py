@@ -30,18 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
-def token_max(x, y):
-    """Eq. (4)-(5): x (I, N, K), y (T, L, K) unit or all-zero rows -> s_i2t, s_t2i (I, T)."""
-    x_ok = x.abs().sum(-1) > 0                                          # (I, N)
-    y_ok = y.abs().sum(-1) > 0                                          # (T, L)
-    s = torch.einsum("ink,tlk->itnl", x, y)                             # x_k . y_r, (I, T, N, L)
-    neg = torch.finfo(s.dtype).min
-    best_word = s.masked_fill(~y_ok[None, :, None, :], neg).amax(-1)    # (I, T, N)
-    best_patch = s.masked_fill(~x_ok[:, None, :, None], neg).amax(-2)   # (I, T, L)
-    s_i2t = (best_word * x_ok[:, None]).sum(-1) / x_ok.sum(-1, keepdim=True).clamp_min(1)  # Eq. (4)
-    s_t2i = (best_patch * y_ok[None]).sum(-1) / y_ok.sum(-1)[None].clamp_min(1)            # Eq. (5)
-    return s_i2t, s_t2i
+from .cov import max_mean as token_max   # Eq. (4)-(5): the two terms of CoV's max-sum, Eq. (6)
 
 
 class FILIP(nn.Module):

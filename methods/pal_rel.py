@@ -80,7 +80,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .pal import PAL, chunked_cap, info_nce, relative
+from .losses import info_nce
+from .pal import HAVE_FAST, PAL, cap, relative, say_cap_form
+
+if HAVE_FAST:
+    from .fast_cap import chunked_cap
 
 
 def word_positions_code(L, P=32, device=None):
@@ -99,7 +103,8 @@ def grid_positions(H, W, device=None):
 
 class PALRel(nn.Module):
     defaults = dict(lr=3e-2, epochs=20, batch_size=256, weight_decay=0.0, optimizer="adamw")  # PAL's (choice 4)
-    ranges = dict(K="[1, inf)", tau_p="(0, inf)", tau="(0, inf)", P=(2, 4, 8, 16, 32, 64))  # valid --hp; P: sin + cos halves
+    ranges = dict(K="[1, inf)", tau_p="(0, inf)", tau="(0, inf)", P=(2, 4, 8, 16, 32, 64),  # valid --hp; P: sin + cos halves
+                  fast=(True, False) if HAVE_FAST else (False,))  # pal.py choice 9
 
     split_loss = True  # its loss reads the batch only through embed_image / embed_text (distributed.py)
     refuses_align_data = {"weights": "its relation term (R1) reads the patch grid's positions, and head rows "
@@ -112,20 +117,26 @@ class PALRel(nn.Module):
                  K=512,            # PAL §5.1
                  tau_p=0.03,       # PAL §5.1, Table 7
                  tau=0.05,         # pal.py choice 1
-                 P=32):            # (R2) word-index code size, choice 8
+                 P=32,             # (R2) word-index code size, choice 8
+                 fast=HAVE_FAST):  # CAP through methods/fast_cap.py (pal.py choice 9), else the paper form
         super().__init__()
         self.A_v = nn.Parameter(torch.randn(K, d_image))   # Eq. (2), (K, D_v)
         self.A_l = nn.Parameter(torch.randn(K, d_text))    # Eq. (2), (K, D_l)
         self.U = nn.Parameter(torch.zeros(d_text, 2))      # (R2), (D_l, 2), choice 3
         self.V = nn.Parameter(torch.zeros(d_text, 2 * P))  # (R2), (D_l, 2P), choice 3
-        self.K, self.P, self.tau_p, self.tau = K, P, tau_p, tau
+        self.K, self.P, self.tau_p, self.tau, self.fast = K, P, tau_p, tau, fast
+        say_cap_form("pal_rel", fast)
 
     def embed_image(self, img):
         Z, mask = PAL.Z(img, "image")                                      # [global (masked), patches]: PAL's Z
         H, W = img.grid
         pos = torch.cat([Z.new_zeros(1, 2), grid_positions(H, W, Z.device)])  # (1 + H*W, 2), the global slot at 0
         # Eqs. (3)-(6) and (R1) in one chunked pass (pal.py choice 9): p (B, K) and c = beta^T pos (B, K, 2)
-        p, c = chunked_cap(Z, self.A_v, mask, self.tau_p, V=pos.expand(len(Z), -1, -1))
+        if self.fast:
+            p, c = chunked_cap(Z, self.A_v, mask, self.tau_p, V=pos.expand(len(Z), -1, -1))
+        else:
+            p, alpha = cap(relative(Z, self.A_v), mask, self.tau_p)        # Eq. (3)-(6)
+            c = alpha.transpose(1, 2) @ pos                                # (R1) beta = alpha, (B, K, 2)
         c = c - c.mean(dim=1, keepdim=True)                                # c_k - c_bar (R4)
         return torch.cat([F.normalize(p, dim=-1), c.flatten(1)], dim=1)    # e_v, (B, 3K)
 
@@ -135,7 +146,11 @@ class PALRel(nn.Module):
         q = word_positions_code(L, self.P, txt.tokens.device)              # (R2) q_w, (L, P)
         o = F.normalize(txt.tokens, dim=-1) @ self.U + q @ G.transpose(1, 2)  # (R2), (B, L, 2)
         # Eqs. (3)-(6) and (R3) in one chunked pass: p (B, K) and d = alpha^T o (B, K, 2); padding has alpha 0
-        p, d = chunked_cap(txt.tokens, self.A_l, txt.mask, self.tau_p, V=o)
+        if self.fast:
+            p, d = chunked_cap(txt.tokens, self.A_l, txt.mask, self.tau_p, V=o)
+        else:
+            p, alpha = cap(relative(txt.tokens, self.A_l), txt.mask, self.tau_p)  # Eq. (3)-(6)
+            d = alpha.transpose(1, 2) @ o                                  # (R3), (B, K, 2)
         return torch.cat([F.normalize(p, dim=-1), d.flatten(1) / self.K], dim=1)  # e_l, (B, 3K); 1/K: choice 6
 
     def score(self, img_emb, txt_emb):

@@ -38,12 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
-def info_nce(h_v, h_l, tau):
-    """Symmetric InfoNCE over L2-normalised pairs (B, K), (B, K)."""
-    logits = h_v @ h_l.T / tau                                  # (B, B) cosine similarity as logits
-    target = torch.arange(len(h_v), device=h_v.device)
-    return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
+from .losses import info_nce
 
 
 def neighbour_distribution(H, tau):

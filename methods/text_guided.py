@@ -43,6 +43,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .losses import info_nce_of_logits
+
 
 def text_guided_score(v, w, tau_a):
     """Eq. (1)-(3) for all pairs: v (I, N, K) patches, w (T, L, K) words -> S (I, T).
@@ -112,6 +114,5 @@ class TextGuided(nn.Module):
     def loss(self, img, txt):
         S = text_guided_score(self.embed_image(img), self.embed_text(txt), self.tau_a)  # (B, B)
         logits = S / self.tau
-        target = torch.arange(len(S), device=S.device)
-        loss = (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
+        loss = info_nce_of_logits(logits)                                # symmetric InfoNCE (losses.py)
         return loss, {"nce": loss.item()}

@@ -110,7 +110,6 @@ def test_methods_that_cannot_be_split_train_on_rank_0_alone():
     assert why("pal") is None and why("linear") is None and why("mlp", dropout=0.0) is None
     assert "embeddings" in why("cov") and "embeddings" in why("linear_rs") and "embeddings" in why("t2c")
     assert "dropout" in why("mlp") and "dropout" in why("fa")
-    assert "init" in why("pal", init="tokens")
     assert "hard-negatives" in why("pal", True)
 
 
