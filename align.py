@@ -648,7 +648,7 @@ def main(argv=None):
     out = Path(args.out or f"results/{args.method}-{args.data}-seed{args.seed}")
     method_cls = METHODS[args.method]
     hp = parse_hp(method_cls, args.hp)              # every bad flag stops here, before any work
-    refuse_blank_exercises(args.method, args.analyses, args.select_layers)  # a student copy: what is still blank
+    refuse_blank_exercises(args.method, args.analyses, args.select_layers)  # a student copy's blanks
     check_flags(args, method_cls)
     device = check_places(args, out)
     cores = encode_threads(args, device)            # before any encoder runs
