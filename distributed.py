@@ -29,13 +29,14 @@ What each stage does under N ranks (README "Scaling out"):
 Deviations / choices:
 1. --batch-size is the GLOBAL batch: the same command gives the same run on 1 or N ranks.
 2. Only methods whose loss reads the batch through embed_image / embed_text alone are split
-   (their class attribute split_loss = True; tests/test_distributed.py checks each against its
-   single-process loss and gradients). The others (CoV: its loss reads regions(); STRUCTURE: R_S reads the raw
-   features; T2C: map_text), a method with active dropout (its masks are drawn per row:
-   a split batch draws other masks, so the result would match only in distribution) and
-   --hard-negatives train on rank 0 alone, exactly as one process would, with a one-line
-   message; the other ranks then have nothing left to do. Measured exact on the Shapes world (asif, mlp, cov: the
-   same metrics and parameters, bit for bit, as one process).
+   (their class attribute split_loss = True; tests/test_distributed.py checks each against
+   its single-process loss and gradients). The others (CoV: its loss reads regions();
+   STRUCTURE: R_S reads the raw features; T2C: map_text), a method with active dropout (its
+   masks are drawn per row: a split batch draws other masks, so the result would match only
+   in distribution) and --hard-negatives train on rank 0 alone, exactly as one process
+   would, with a one-line message; the other ranks then have nothing left to do. Measured
+   exact on the Shapes world (asif, mlp, cov: the same metrics and parameters, bit for bit,
+   as one process).
 3. A gather that gloo can run: torch.distributed.nn.all_gather's backward is a reduce_scatter,
    which gloo lacks; AllGather's backward is an all_reduce.
 4. Ranks > 0 print only lines about their own work (their shards), prefixed [rank r];
