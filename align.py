@@ -259,12 +259,14 @@ def class_name_features(F, names, args):
 def alignment_data(args, F):
     """The training pairs: image-text pairs, head rows + class names (weight recycling §4), or both."""
     img, txt = F["train", "image"], F["train", "text"]
-    n = len(img) if args.num_pairs is None else min(args.num_pairs, len(img))
-    if n < len(img):  # a fixed random subset, the same for every method and seed
-        idx = torch.randperm(len(img), generator=torch.Generator().manual_seed(1234))[:n]
-        img, txt = img[idx], txt[idx]
+    rows = F["sets"]["train"].txt_to_img                  # pair j = (image rows[j], caption j): the set's own links
+    n = len(txt) if args.num_pairs is None else min(args.num_pairs, len(txt))
+    if n < len(txt):  # a fixed random subset, the same for every method and seed
+        idx = torch.randperm(len(txt), generator=torch.Generator().manual_seed(1234))[:n]
+        rows, txt = rows[idx], txt[idx]
         if ("train", "negatives") in F:                   # the swaps follow their captions
             F["train", "negatives"] = (F["train", "negatives"][0], F["train", "negatives"][1][idx])
+    img = img if torch.equal(rows, torch.arange(len(img))) else img[rows]
     if args.align_data == "pairs":
         if n == 0:
             sys.exit("error: --num-pairs 0 leaves no alignment data; add the head rows with --align-data weights")
