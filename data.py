@@ -356,10 +356,11 @@ def pretrain_images(n, seed):
 #    clipped at 255; 16-bit colour PNGs PIL already reads as 8-bit RGB.
 # 6. identity(): what features of a set are computed from, for the feature
 #    cache key and the training checkpoint: image files by path, size and
-#    modification time (one stat each: ~1 s for COCO's 123K files, where a
-#    content hash would read 19 GB), texts and in-memory images by content.
+#    modification time (one stat each, where a content hash of COCO's images
+#    would read 19 GB on every run), texts and in-memory images by content.
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 
@@ -377,18 +378,17 @@ def rgb(img):
 
 def file_scan(paths):
     """(identity, missing, empty) of image files: a hash of every path, size and mtime, one stat each."""
-    h, missing, empty = hashlib.sha1(), [], []
-    for p in paths:
-        p = Path(p).absolute()
+    lines, missing, empty = [], [], []
+    for p in map(os.path.abspath, paths):
         try:
-            st = p.stat()
+            st = os.stat(p)
         except OSError:
-            missing.append(p)
+            missing.append(Path(p))
             continue
         if st.st_size == 0:
-            empty.append(p)
-        h.update(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    return "files " + h.hexdigest()[:16], missing, empty
+            empty.append(Path(p))
+        lines.append(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\n")
+    return "files " + hashlib.sha1("".join(lines).encode()).hexdigest()[:16], missing, empty
 
 
 def tree_identity(folder):
@@ -527,7 +527,7 @@ def read_split_file(path):
     try:
         split_file = json.loads(text)
     except json.JSONDecodeError as e:
-        raise SystemExit(f"error: {path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}; "
+        raise SystemExit(f"error: {path} is not valid JSON ({e.msg}: line {e.lineno}, column {e.colno}; "
                          f"truncated?); {again}") from None
     entries = split_file.get("images") if isinstance(split_file, dict) else None
     if not isinstance(entries, list):
