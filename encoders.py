@@ -117,6 +117,13 @@ def word_tokens(h, real, special):
 #    is resized straight to the crop size, so the segmentation sets' square
 #    crops (data.py) keep every pixel and their masks stay aligned.
 # 6. fp16 / bf16 autocast on CUDA, under torch.no_grad; batches come from extract().
+# 7. A model folder is checked before anything runs: a readable config.json, a
+#    weights file, a text encoder's tokenizer files (without them every word is
+#    [UNK]), a tokenizer no larger than the embedding table, a readable
+#    preprocessor_config.json when there is one, and a crop the model takes
+#    (DINOv2 interpolates its position embeddings; ViT, DeiT, BEiT and CLIP need
+#    crop = image_size). Each fault is one error line; a pytorch_model.bin that
+#    needs code to unpickle is refused, never loaded.
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 TEXT_POOLING = {"clip": "eos", "clip_text_model": "eos"}  # model_type -> pooling; default masked mean
@@ -642,7 +649,7 @@ def load_torchvision(name, layer=-1, weights="DEFAULT"):
 
 
 # ---------------------------------------------------------------------------
-# Layer selection (STRUCTURE's protocol, REFERENCE.md): the most similar layer pair
+# Layer selection (the STRUCTURE paper's protocol): the most similar layer pair
 # ---------------------------------------------------------------------------
 def select_layers(image_enc, text_enc, pairs, metric="mknn", n=5000, batch_size=64, device="cpu", seed=0, log=print):
     """Score every (image layer, text layer) on n random training pairs; set both encoders to the best.
