@@ -347,12 +347,14 @@ def alignment_data(args, F):
     if args.align_data == "weights":
         return weight_pairs(args, F)
     img, txt = F["train", "image"], F["train", "text"]
-    n = len(img) if args.num_pairs is None else min(args.num_pairs, len(img))
-    if n < len(img):  # a fixed random subset, the same for every method and seed
-        idx = torch.randperm(len(img), generator=torch.Generator().manual_seed(1234))[:n]
-        img, txt = img[idx], txt[idx]
+    rows = F["sets"]["train"].txt_to_img                  # pair j = (image rows[j], caption j): the set's own links
+    n = len(txt) if args.num_pairs is None else min(args.num_pairs, len(txt))
+    if n < len(txt):  # a fixed random subset, the same for every method and seed
+        idx = torch.randperm(len(txt), generator=torch.Generator().manual_seed(1234))[:n]
+        rows, txt = rows[idx], txt[idx]
         if ("train", "negatives") in F:                   # the swaps follow their captions
             F["train", "negatives"] = (F["train", "negatives"][0], F["train", "negatives"][1][idx])
+    img = img if torch.equal(rows, torch.arange(len(img))) else img[rows]
     if args.align_data == "pairs":
         if n == 0:
             raise RunError("--num-pairs 0 leaves no alignment data; add the head rows with "

@@ -15,15 +15,18 @@ import mmap
 import os
 import pickle
 import re
+import shutil
 import sys
 import tempfile
 import time
+import zlib
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
+import data
 import distributed
 from errors import RunError
 from features import Features
@@ -36,9 +39,80 @@ from features import Features
 # tuple, str, int, float, bool, None), so every file is read with
 # torch.load(weights_only=True): a cache folder or checkpoint someone else made
 # cannot run code here. A file that needs more is refused, never loaded.
+#
+# Every cache file (features, shard metadata, the tiny encoders' checkpoints: dicts
+# holding a "key") and every training checkpoint (a dict holding "settings") carries
+# a crc32 checksum of its contents, verified on every read: a file changed on disk
+# (a flipped bit, a partial copy) is rebuilt, never read as valid. A token shard's
+# checksum covers the whole .npy file; it is verified whenever the file's size or
+# modification time differs from what was recorded when it was written (a full
+# check of every shard on every run would read COCO train's 32 GB of tokens).
+SEALED = ("key", "settings")   # a dict holding one of these gets a checksum
+
+
+def checksum(obj, crc=0):
+    """crc32 of every tensor's dtype, shape and bytes and every plain value in obj, in a fixed order."""
+    if isinstance(obj, dict):
+        for k in sorted(obj, key=repr):
+            if k != "checksum":
+                crc = checksum(obj[k], zlib.crc32(repr(k).encode(), crc))
+        return crc
+    if isinstance(obj, (list, tuple)):
+        for v in obj:
+            crc = checksum(v, crc)
+        return zlib.crc32(f"{type(obj).__name__} {len(obj)}".encode(), crc)
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous().reshape(-1)
+        crc = zlib.crc32(f"{t.dtype} {tuple(obj.shape)}".encode(), crc)
+        return zlib.crc32(t.view(torch.uint8).numpy().data, crc)
+    return zlib.crc32(repr(obj).encode(), crc)
+
+
+def sealed(obj):
+    """obj with its checksum added, when it is a dict of the kinds in SEALED."""
+    if isinstance(obj, dict) and any(k in obj for k in SEALED):
+        return {**obj, "checksum": checksum(obj)}
+    return obj
+
+
+def file_crc(path, chunk=2**24):
+    """crc32 of a file's bytes."""
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
 def no_space(folder):
     return SystemExit(f"error: no space left in {folder}: free some space there, or point "
                       f"--cache-dir / --out at a disk with room, then rerun (finished work is kept)")
+
+
+def free_bytes(folder):
+    return shutil.disk_usage(folder).free
+
+
+def write_failure(e, path):
+    """The one error line of a write that failed for lack of room, or None for any other exception.
+
+    OSError ENOSPC / EDQUOT; or torch.save's own RuntimeError ("[enforce fail at inline_container.cc]
+    ... unexpected pos", "PytorchStreamWriter failed writing"), raised by its C++ writer when the
+    disk fills mid-file, which carries no errno: then the folder's free space tells."""
+    folder = Path(path).parent
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return no_space(folder)
+    if isinstance(e, RuntimeError) and ("inline_container" in str(e) or "PytorchStreamWriter" in str(e)):
+        if free_bytes(folder) < 2**20:
+            return no_space(folder)
+        return SystemExit(f"error: writing {path} failed ({first_line(e)}): a full disk or quota? free some space "
+                          f"there, or point --cache-dir / --out at another disk, then rerun")
+    return None
+
+
+def first_line(e):
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 @contextlib.contextmanager
@@ -53,14 +127,16 @@ def atomic_target(path):
         yield tmp
         os.replace(tmp, path)
     except BaseException as e:
+        failure = write_failure(e, path)                   # before the unlink frees the space again
         tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise no_space(path.parent) from None
+        if failure is not None:
+            raise failure from None
         raise
 
 
 def atomic_save(obj, path):
-    """torch.save through atomic_target (a Python file, so a full disk raises OSError(ENOSPC))."""
+    """torch.save through atomic_target, with a checksum added (sealed)."""
+    obj = sealed(obj)
     with atomic_target(path) as tmp, open(tmp, "wb") as f:
         torch.save(obj, f)
 
@@ -75,11 +151,14 @@ def load_plain(path):
     """torch.load(weights_only=True); a file holding anything but tensors and plain values is
     refused with one line (unpickling it could run code). Other errors (a truncated file) propagate."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
         raise SystemExit(f"error: refusing to load {path}: it holds pickled Python objects besides tensors and "
                          f"plain values, and unpickling them could run code. This project never writes such "
                          f"files; delete it (a cache file is rebuilt) and find out where it came from.") from None
+    if isinstance(obj, dict) and "checksum" in obj and obj["checksum"] != checksum(obj):
+        raise ValueError(f"{path} fails its checksum: its contents changed after it was written")
+    return obj
 
 
 def safe_load(path, expect_key=None):
@@ -91,13 +170,27 @@ def safe_load(path, expect_key=None):
         return None
     try:
         obj = load_plain(path)
-    except (RuntimeError, EOFError, OSError, ValueError) as e:  # truncated / corrupt file
-        print(f"[cache] {path} is unreadable ({type(e).__name__}); rebuilding it")
+    except (RuntimeError, EOFError, OSError, ValueError) as e:  # truncated / corrupt file, a failed checksum
+        why = "fails its checksum" if "checksum" in str(e) else f"is unreadable ({type(e).__name__})"
+        print(f"[cache] {path} {why}; rebuilding it")
         return None
     if expect_key is not None and (not isinstance(obj, dict) or obj.get("key") != expect_key):
         print(f"[cache] {path} was written for other settings; rebuilding it")
         return None
+    if expect_key is not None and "checksum" not in obj:
+        print(f"[cache] {path} has no checksum (an older version wrote it); rebuilding it")
+        return None
     return obj
+
+
+def fits(model, state, path):
+    """Load a cached state_dict into model; False (one printed line, the file is rebuilt) when its shapes differ."""
+    try:
+        model.load_state_dict(state)
+        return True
+    except RuntimeError as e:
+        print(f"[cache] {path} holds weights of other shapes ({first_line(e)}); rebuilding it")
+        return False
 
 
 @contextlib.contextmanager
@@ -188,11 +281,20 @@ SHARD_BYTES = int(float(os.environ.get("ALIGN_SHARD_MB", "256")) * 2**20)   # to
 def cache_key(**parts):
     """A readable file stem plus a hash of every setting, so a changed setting never reads stale features.
 
-    extract() puts the encoder's weights fingerprint in it (see "Weights fingerprints" below: the tiny encoders'
+    extract() puts in it what the features are computed from: data.identity() of the inputs (image
+    files by path, size and modification time; texts and in-memory images by content), so two
+    data folders sharing a cache never read each other's features, and the encoder's weights fingerprint (see "Weights fingerprints" below: the tiny encoders'
     content hash, a Hugging Face snapshot's commit or its files' hashes, torchvision's weights
     enum), so new weights under the same name never read the old weights' features."""
     text = repr(sorted(parts.items()))
     return f"{parts.get('dataset')}-{parts.get('split')}-{parts.get('modality')}-" + hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+def feature_key(encoder, inputs, **key_parts):
+    """The cache key of encoder's features of inputs: its name, weights fingerprint, layer and
+    preprocessing, what the inputs are (data.identity) and the caller's parts (dataset, split, modality)."""
+    return cache_key(encoder=encoder.name, weights=getattr(encoder, "fingerprint", None), layer=encoder.layer,
+                     preprocess=encoder.preprocess, n=len(inputs), data=data.identity(inputs), **key_parts)
 
 
 class StoredFeatures:
@@ -327,28 +429,62 @@ def shard_plan(encoder, inputs, folder, key, batch_size, device, first=None):
     return plan
 
 
+def shard_done(folder, s, key, log=print):
+    """True when shard s is complete and intact: its metadata passes its checksum, and its tokens file
+    exists, is a 2-D float16 array of sum(lengths) rows with the size recorded at writing, and, when
+    its modification time differs from the recorded one, passes its checksum (then it is re-stamped).
+    Anything else: its metadata is removed, so the shard is written again."""
+    meta_file, tokens = folder / f"{s:05d}.pt", folder / f"{s:05d}.tokens.npy"
+    meta = safe_load(meta_file, expect_key=key)
+    if meta is None:
+        return False
+    want, fault = meta.get("tokens_file"), None
+    try:
+        st = tokens.stat()
+        with open(tokens, "rb") as fh:
+            version = np.lib.format.read_magic(fh)
+            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                np.lib.format.read_array_header_2_0
+            shape, _, dtype = read_header(fh)
+    except (OSError, ValueError) as e:
+        fault = "is missing" if isinstance(e, FileNotFoundError) else f"has no valid .npy header ({first_line(e)})"
+    else:
+        if want is None or st.st_size != want["bytes"]:
+            fault = f"has {st.st_size} bytes, {want and want['bytes']} were written (truncated?)"
+        elif dtype != np.float16 or len(shape) != 2 or shape[0] != int(meta["lengths"].sum()):
+            fault = f"holds a {dtype} array of shape {shape}, not the float16 tokens its metadata describes"
+        elif st.st_mtime_ns != want["mtime_ns"]:
+            if file_crc(tokens) != want["crc"]:
+                fault = "fails its checksum (changed after it was written)"
+            else:                                                                 # copied: same bytes, new mtime
+                atomic_save({**meta, "tokens_file": {**want, "mtime_ns": st.st_mtime_ns}}, meta_file)
+    if fault is None:
+        return True
+    log(f"[cache] {tokens} {fault}; writing shard {s} again")
+    meta_file.unlink(missing_ok=True)
+    return False
+
+
 def write_shards(encoder, inputs, folder, key, plan, shards, batch_size, device, first=None, log=print):
     """Encode and write the given shards of plan (those not done before: resume). first: shard 0's first batch."""
     rows, t0, done = plan["rows_per_shard"], time.time(), 0
     for s in shards:
         meta = folder / f"{s:05d}.pt"
-        if safe_load(meta, expect_key=key) is not None:
+        if shard_done(folder, s, key, log):
             continue                                                             # finished before: not redone
         start, stop = s * rows, min((s + 1) * rows, len(inputs))
         half = lambda f: replace(f, tokens=f.tokens.half(), pooled=f.pooled.half())  # fp16 at once: peak RAM ~ 2 shards
         batch = lambda i: encoder.encode(inputs[i:min(i + batch_size, stop)], device)
         parts = [half(first if (i == 0 and first is not None) else batch(i)) for i in range(start, stop, batch_size)]
         f = Features.cat(parts)
-        tmp = folder / f"{s:05d}.tokens.tmp{os.getpid()}.npy"
-        try:
-            np.save(tmp, f.tokens[f.mask].numpy())                               # (sum of lengths, D), ragged
-            os.replace(tmp, folder / f"{s:05d}.tokens.npy")
-        except BaseException as e:
-            tmp.unlink(missing_ok=True)
-            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise no_space(folder) from None
-            raise
-        atomic_save({"key": key, "lengths": f.mask.sum(1), "pooled": f.pooled, "grid": f.grid}, meta)  # marks it done
+        tokens = folder / f"{s:05d}.tokens.npy"
+        with atomic_target(tokens) as tmp:
+            with open(tmp, "wb") as fh:
+                np.save(fh, f.tokens[f.mask].numpy())                            # (sum of lengths, D), ragged
+            st, crc = tmp.stat(), file_crc(tmp)                                   # read back from the page cache
+        written = {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "crc": crc}
+        atomic_save({"key": key, "lengths": f.mask.sum(1), "pooled": f.pooled, "grid": f.grid,
+                     "tokens_file": written}, meta)                              # marks it done
         done += stop - start
         log(f"[features] {folder.name}: shard {s + 1}/{plan['n_shards']} ({stop}/{len(inputs)} rows, "
             f"{done / max(time.time() - t0, 1e-9):.0f} rows/s)")
@@ -362,8 +498,7 @@ def extract(encoder, inputs, cache_dir, batch_size=256, device="cpu", **key_part
     unreadable or was written for other settings is rebuilt, never read.
     Sets larger than MEMMAP_BYTES come back as StoredFeatures (memory-mapped shards).
     """
-    key = cache_key(encoder=encoder.name, weights=getattr(encoder, "fingerprint", None), layer=encoder.layer,
-                    preprocess=encoder.preprocess, n=len(inputs), **key_parts)
+    key = feature_key(encoder, inputs, **key_parts)
     path = Path(cache_dir) / "features" / f"{key}.pt"
     folder = Path(cache_dir) / "features" / key
     if distributed.world() > 1:                             # torchrun: every rank calls extract() in the same order

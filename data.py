@@ -319,7 +319,7 @@ def pretrain_images(n, seed):
 
 
 # ---------------------------------------------------------------------------
-# Real datasets on disk (DESIGN.md, "Real data"): standard layouts, lazy images
+# Real datasets on disk: standard layouts, lazy images
 # ---------------------------------------------------------------------------
 # The layouts below are the ones the official archives unpack to. A missing
 # REQUIRED file (the COCO / Flickr30K Karpathy split) is one error naming the
@@ -330,7 +330,9 @@ def pretrain_images(n, seed):
 # 1. COCO train = the Karpathy "train" split (the 82,783 train2014 images; PAL's
 #    "~80K pairs"), one caption per image: the FIRST one, so every run and
 #    method sees the same pairs. Test = Karpathy "test": 5,000 images, their
-#    first 5 captions (25,000). Flickr30K likewise (29K train, 1K test).
+#    first 5 captions (25,000). Flickr30K likewise (29K train, 1K test). An
+#    image with no caption is left out (one printed line): every caption keeps
+#    its own image through txt_to_img, and retrieval has no query without an answer.
 # 2. Classification: the test split of each torchvision set, read with
 #    download=False from <data-root>/<name> as torchvision's download=True
 #    writes it. Class names are torchvision's, "_" and CamelCase split into
@@ -343,13 +345,55 @@ def pretrain_images(n, seed):
 #    unlabelled pixels are IGNORE (PAL's mIoU-fg): VOC20 = VOC2012 val, 20
 #    classes; Pascal Context = the 59-class mmsegmentation layout; ADE20K = the
 #    150 classes of ADEChallengeData2016.
-# 4. A corrupt image file is an error naming the file (when it is read), never
-#    a crash deep inside a worker; there are no worker processes.
+# 4. Faults are found before any encoder runs: the split file is parsed and
+#    checked entry by entry (valid UTF-8 JSON, an "images" list, every entry's
+#    filename / split / sentences, every sentence's "raw"), and every image and
+#    mask file is checked to exist and be non-empty, each fault one `error:`
+#    line naming the file. A file that exists but cannot be decoded (truncated,
+#    a decompression bomb) is one line naming it when it is read; there are no
+#    worker processes.
+# 5. 16-bit grey images (PIL modes I;16, I) are scaled to 8 bits (/ 257), not
+#    clipped at 255; 16-bit colour PNGs PIL already reads as 8-bit RGB.
+# 6. identity(): what features of a set are computed from, for the feature
+#    cache key and the training checkpoint: image files by path, size and
+#    modification time (one stat each, where a content hash of COCO's images
+#    would read 19 GB on every run), texts and in-memory images by content.
+import hashlib
 import json
+import os
 import re
 from pathlib import Path
 
 SEG_SIZE = 224  # side of the stored segmentation masks (the usual ViT input side)
+
+
+def rgb(img):
+    """A PIL image as 8-bit RGB; 16- and 32-bit grey images scaled from 0..65535 to 0..255, not clipped."""
+    from PIL import Image
+    if img.mode.startswith("I;16") or img.mode == "I":
+        grey = np.clip(np.round(np.asarray(img, dtype=np.float64) / 257), 0, 255).astype(np.uint8)
+        img = Image.fromarray(grey)                                     # mode L
+    return img.convert("RGB")
+
+
+def file_scan(paths):
+    """(identity, missing, empty) of image files: a hash of every path, size and mtime, one stat each."""
+    lines, missing, empty = [], [], []
+    for p in map(os.path.abspath, paths):
+        try:
+            st = os.stat(p)
+        except OSError:
+            missing.append(Path(p))
+            continue
+        if st.st_size == 0:
+            empty.append(Path(p))
+        lines.append(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\n")
+    return "files " + hashlib.sha1("".join(lines).encode()).hexdigest()[:16], missing, empty
+
+
+def tree_identity(folder):
+    """identity of every file under folder (a torchvision set's download), by path, size and mtime."""
+    return file_scan(sorted(p for p in Path(folder).rglob("*") if p.is_file()))[0]
 
 
 class LazyImages:
@@ -357,26 +401,81 @@ class LazyImages:
 
     keys are file paths (load = PIL open) or indices into a torchvision dataset.
     square=True centre-crops to a square (segmentation sets). Slicing gives a lazy view.
+    listed_in: the file that lists the images (named in the error of a file that cannot be read).
+    source: for keys that are not paths, a callable giving the identity of what they are read from.
     """
 
-    def __init__(self, keys, load=None, square=False):
-        self.keys, self.load, self.square = list(keys), load, square
+    def __init__(self, keys, load=None, square=False, listed_in=None, source=None):
+        self.keys, self.load, self.square, self.listed_in, self.source = list(keys), load, square, listed_in, source
+        self._scan = None
 
     def __len__(self):
         return len(self.keys)
 
     def __getitem__(self, i):
         if isinstance(i, slice):
-            return LazyImages(self.keys[i], self.load, self.square)
+            return LazyImages(self.keys[i], self.load, self.square, self.listed_in, self.source)
         from PIL import Image
         key = self.keys[i]
         try:
-            img = self.load(key) if self.load else Image.open(key)
-            img = img.convert("RGB")  # also forces the decode, so a broken file fails here
+            img = rgb(self.load(key) if self.load else Image.open(key))  # also forces the decode: a broken file fails here
         except Exception as e:
-            raise OSError(f"cannot read image {key}: {type(e).__name__}: {e}. "
-                          f"Replace the file (re-extract it from its archive) or delete its entry.") from None
+            bomb = isinstance(e, Image.DecompressionBombError)
+            fix = ("if the image is genuine, downscale it" if bomb else "replace it (extract it again from its archive)") \
+                + (f" or remove its entry from {self.listed_in}" if self.listed_in else "")
+            raise SystemExit(f"error: cannot read image {key} ({type(e).__name__}: {e}); {fix}") from None
         return centre_square(img) if self.square else img
+
+    def scan(self):
+        """(identity, missing files, empty files), computed once (file_scan; one stat per file)."""
+        if self._scan is None:
+            if self.load is None:
+                self._scan = file_scan(self.keys)
+            else:
+                self._scan = (f"{self.source() if self.source else 'unknown'} rows {hash_values(self.keys)}", [], [])
+        return self._scan
+
+    def check(self, what):
+        """Stop with one line when any file is missing or empty, before any encoder runs."""
+        _, absent, empty = self.scan()
+        for bad, how in ((absent, "missing"), (empty, "empty (0 bytes)")):
+            if bad:
+                raise SystemExit(f"error: {len(bad)} of {len(self)} {what} are {how}, e.g. {bad[0]}; restore them "
+                                 f"(extract them again from their archive)"
+                                 + (f" or remove their entries from {self.listed_in}" if self.listed_in else ""))
+
+
+def hash_values(values):
+    """sha1 of a list of plain values (texts, numbers), exact."""
+    return hashlib.sha1(json.dumps(list(values), ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+def identity(x):
+    """What features of x are computed from, as a short string; equal strings = the same inputs.
+
+    x: LazyImages (file paths, sizes, mtimes: file_scan), a tensor or array (its bytes),
+    a list of texts or numbers (their values), a list of PIL images (their pixels), or a
+    whole set (PairSet, LabelSet, MaskSet, BindingSet: its images and every other field).
+    """
+    if isinstance(x, LazyImages):
+        return x.scan()[0]
+    if isinstance(x, (torch.Tensor, np.ndarray)):
+        a = x.detach().cpu().contiguous().numpy() if isinstance(x, torch.Tensor) else np.ascontiguousarray(x)
+        return f"array {a.dtype} {a.shape} " + hashlib.sha1(a.view(np.uint8).reshape(-1).data).hexdigest()[:16]
+    if isinstance(x, (PairSet, LabelSet, MaskSet, BindingSet)):
+        parts = {k: identity(v) if isinstance(v, (LazyImages, torch.Tensor, np.ndarray)) else hash_values([repr(v)])
+                 for k, v in vars(x).items() if v is not None}
+        return hashlib.sha1(repr(sorted(parts.items())).encode()).hexdigest()[:16]
+    x = list(x)
+    if all(isinstance(v, (str, int, float)) for v in x):
+        return f"values {len(x)} {hash_values(x)}"
+    from PIL import Image
+    if all(isinstance(v, Image.Image) for v in x):
+        h = hashlib.sha1()
+        for v in x:
+            h.update(f"{v.mode} {v.size}".encode() + v.tobytes())
+        return f"pil {len(x)} " + h.hexdigest()[:16]
+    raise TypeError(f"identity(): no rule for a list of {type(x[0]).__name__}")
 
 
 def centre_square(img):
@@ -392,7 +491,7 @@ def pixels(image, size=224):
     if isinstance(image, torch.Tensor):
         return image
     from PIL import Image
-    img = centre_square(image.convert("RGB")).resize((size, size), Image.BICUBIC)
+    img = centre_square(rgb(image)).resize((size, size), Image.BICUBIC)
     return torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1)
 
 
@@ -412,17 +511,52 @@ FLICKR_LAYOUT = """  <data-root>/flickr30k/         (or <data-root> itself)
       flickr30k-images/*.jpg"""
 FLICKR_URL = ("images: https://shannon.cs.illinois.edu/DenotationGraph/ (request form); "
               "Karpathy split: https://cs.stanford.edu/people/karpathy/deepimagesent/caption_datasets.zip")
+SPLIT_FILE = 'a Karpathy split file: {"images": [{"filename", "split", "sentences": [{"raw"}, ...]}, ...]}'
 
 
-def karpathy_pairs(entries, image_dir, n_captions):
-    """PairSet of Karpathy-split entries: the first n_captions captions of each image."""
-    paths, captions, txt_to_img = [], [], []
+def read_split_file(path):
+    """The entries of a Karpathy split file, every field this loader reads checked: one `error:` line per fault."""
+    again = "unpack it again from caption_datasets.zip"
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise SystemExit(f"error: {path}: byte 0x{raw[e.start]:02x} at offset {e.start} (line {line}) is not UTF-8; "
+                         f"save the file as UTF-8 or {again}") from None
+    try:
+        split_file = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"error: {path} is not valid JSON ({e.msg}: line {e.lineno}, column {e.colno}; "
+                         f"truncated?); {again}") from None
+    entries = split_file.get("images") if isinstance(split_file, dict) else None
+    if not isinstance(entries, list):
+        raise SystemExit(f"error: {path} has no \"images\" list: it is not {SPLIT_FILE}")
     for i, e in enumerate(entries):
+        where = f"{path}: images[{i}]" + (f" ({e['filename']})" if isinstance(e, dict) and "filename" in e else "")
+        if not isinstance(e, dict):
+            raise SystemExit(f"error: {where} is not an object: it is not {SPLIT_FILE}")
+        for field_, kind in (("filename", str), ("split", str), ("sentences", list)):
+            if not isinstance(e.get(field_), kind):
+                raise SystemExit(f"error: {where} has no {field_!r} ({kind.__name__}); fix or remove that entry, "
+                                 f"or {again}")
+        for k, s in enumerate(e["sentences"]):
+            if not isinstance(s, dict) or not isinstance(s.get("raw"), str):
+                raise SystemExit(f"error: {where}: sentences[{k}] has no 'raw' text; fix or remove that sentence, "
+                                 f"or {again}")
+    return entries
+
+
+def karpathy_pairs(entries, image_dir, n_captions, listed_in=None):
+    """PairSet of Karpathy-split entries: the first n_captions captions of each image (images without one left out)."""
+    kept = [e for e in entries if e["sentences"]]
+    paths, captions, txt_to_img = [], [], []
+    for i, e in enumerate(kept):
         paths.append(Path(image_dir) / e.get("filepath", "") / e["filename"])
         for s in e["sentences"][:n_captions]:
             captions.append(s["raw"].strip())
             txt_to_img.append(i)
-    return PairSet(LazyImages(paths), captions, torch.tensor(txt_to_img))
+    return PairSet(LazyImages(paths, listed_in=listed_in), captions, torch.tensor(txt_to_img)), len(entries) - len(kept)
 
 
 def karpathy_dataset(root, sub, split_file, image_dir, layout, url, name):
@@ -431,16 +565,20 @@ def karpathy_dataset(root, sub, split_file, image_dir, layout, url, name):
     base = root / sub if (root / sub).is_dir() else root
     if not (base / split_file).exists():
         missing(f"{name} Karpathy split file {split_file}", base / split_file, layout, url)
-    entries = json.loads((base / split_file).read_text())["images"]
+    entries = read_split_file(base / split_file)
     sets = {}
     for split, n_captions in (("train", 1), ("test", 5)):
         chosen = [e for e in entries if e["split"] == split]
         if not chosen:
             raise SystemExit(f"error: {base / split_file} has no images in split {split!r}")
-        sets[split] = karpathy_pairs(chosen, base / image_dir, n_captions)
-        first = sets[split].images.keys[0]
-        if not first.exists():
-            missing(f"{name} {split} images (e.g. {first.name})", first.parent, layout, url)
+        sets[split], dropped = karpathy_pairs(chosen, base / image_dir, n_captions, base / split_file)
+        if dropped:
+            print(f"[data] {name} {split}: {dropped} image(s) without captions left out")
+        images = sets[split].images
+        _, absent, _ = images.scan()
+        if len(absent) == len(images):                                       # a wrong folder, not a few lost files
+            missing(f"{name} {split} images (e.g. {images.keys[0].name})", images.keys[0].parent, layout, url)
+        images.check(f"{name} {split} images")
     print(f"[data] {name}: {len(sets['train'].images)} train pairs, {len(sets['test'].images)} test images / "
           f"{len(sets['test'].captions)} captions")
     return sets
@@ -478,7 +616,8 @@ def torchvision_set(name, root):
         return None
     labels = torch.as_tensor(np.asarray(getattr(ds, label_attr)), dtype=torch.long)
     names = [pretty(c) for c in getattr(ds, names_attr)]
-    return LabelSet(LazyImages(range(len(ds)), load=lambda i: ds[i][0]), labels, names)
+    images = LazyImages(range(len(ds)), load=lambda i: ds[i][0], source=lambda: tree_identity(Path(root) / name))
+    return LabelSet(images, labels, names)
 
 
 # ----------------------------------------------------------------- zero-shot segmentation sets
@@ -529,7 +668,8 @@ def read_mask(path, lut):
         m = centre_square(Image.open(path)).resize((SEG_SIZE, SEG_SIZE), Image.NEAREST)
         return torch.from_numpy(lut[np.asarray(m, dtype=np.uint8)])
     except Exception as e:
-        raise OSError(f"cannot read mask {path}: {type(e).__name__}: {e}") from None
+        raise SystemExit(f"error: cannot read mask {path} ({type(e).__name__}: {e}); replace it (extract it again "
+                         f"from its archive)") from None
 
 
 def segmentation_set(name, root):
@@ -545,10 +685,14 @@ def segmentation_set(name, root):
         print(f"[data] {name}: not found under {root} (optional; expected {ids_file or mask_pattern}; "
               f"from {SEGMENTATION_URLS[name]}) - skipped")
         return None
+    listed_in = root / ids_file if ids_file else None
+    images = LazyImages([root / image_pattern.format(i) for i in ids], square=True, listed_in=listed_in)
+    images.check(f"{name} images")                                   # every file before any is read
+    LazyImages([root / mask_pattern.format(i) for i in ids], listed_in=listed_in).check(f"{name} masks")
     lut = np.full(256, IGNORE, dtype=np.uint8)                       # background, unlabelled -> IGNORE
     lut[first_label:first_label + len(names)] = np.arange(len(names))  # label k + first_label -> class k
     masks = torch.stack([read_mask(root / mask_pattern.format(i), lut) for i in ids])  # (N, S, S) uint8
-    return MaskSet(LazyImages([root / image_pattern.format(i) for i in ids], square=True), masks, names)
+    return MaskSet(images, masks, names)
 
 
 def evaluation_sets(root):

@@ -16,6 +16,8 @@ text encoders .words(texts); image encoders .head().
 """
 
 import contextlib
+import inspect
+import json
 import math
 import os
 import pickle
@@ -115,6 +117,13 @@ def word_tokens(h, real, special):
 #    is resized straight to the crop size, so the segmentation sets' square
 #    crops (data.py) keep every pixel and their masks stay aligned.
 # 6. fp16 / bf16 autocast on CUDA, under torch.no_grad; batches come from extract().
+# 7. A model folder is checked before anything runs: a readable config.json, a
+#    weights file, a text encoder's tokenizer files (without them every word is
+#    [UNK]), a tokenizer no larger than the embedding table, a readable
+#    preprocessor_config.json when there is one, and a crop the model takes
+#    (DINOv2 interpolates its position embeddings; ViT, DeiT, BEiT and CLIP need
+#    crop = image_size). Each fault is one error line; a pytorch_model.bin that
+#    needs code to unpickle is refused, never loaded.
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 TEXT_POOLING = {"clip": "eos", "clip_text_model": "eos"}  # model_type -> pooling; default masked mean
@@ -175,21 +184,83 @@ class ImagePreprocess:
             return torch.stack(list(pool.map(lambda i: self.one(images[i]), range(len(images)))))
 
 
-def hf_preprocess(source, config):
-    """The checkpoint's own image preprocessing, from its preprocessor_config.json when it has one."""
+def hf_preprocess(source, config, flag="--image-encoder"):
+    """The checkpoint's own image preprocessing, from its preprocessor_config.json when it has one.
+
+    A folder without that file gets the ViT default; a file that is there but cannot be read is an
+    error (a silent default would change the resize, and for CLIP the mean / std)."""
     from transformers import AutoImageProcessor
     size = getattr(config, "image_size", 224)
+    file = Path(source) / "preprocessor_config.json"
+    if Path(source).is_dir() and not file.is_file():
+        return ImagePreprocess(round(size * 256 / 224), size)  # the ViT default, scaled to the model
+    if file.is_file():
+        read_json(file, flag, source)
     try:
         p = AutoImageProcessor.from_pretrained(source, **HF_SAFE)
-    except (OSError, ValueError):
-        return ImagePreprocess(round(size * 256 / 224), size)  # the ViT default, scaled to the model
+    except (OSError, ValueError) as e:
+        if file.is_file():
+            raise SystemExit(f"error: {flag} {source}: its preprocessor_config.json cannot be read "
+                             f"({type(e).__name__}: {first_line(e)}); copy it again from the model's download") from None
+        return ImagePreprocess(round(size * 256 / 224), size)  # a hub model without one: the ViT default
     crop = p.crop_size if getattr(p, "do_center_crop", False) else p.size
     crop = crop["height"] if crop.get("height") else crop["shortest_edge"]
     resize = p.size["shortest_edge"] if p.size.get("shortest_edge") else None  # None: fixed height x width
     return ImagePreprocess(resize, crop, tuple(p.image_mean), tuple(p.image_std), int(getattr(p, "resample", 3) or 3))
 
 
+def first_line(e):
+    """The first line of an exception's message (transformers' messages run to paragraphs)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def read_json(file, flag, folder):
+    """A model folder's JSON file, or one error line saying it is truncated or not JSON."""
+    try:
+        return json.loads(Path(file).read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise SystemExit(f"error: {flag} {folder}: {Path(file).name} is truncated or not JSON ({e}); "
+                         f"copy it again from the model's download") from None
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model",
+                   "tokenizer.model")
+
+
+def check_folder(folder, flag, text=False):
+    """A model folder holds what loading it needs: a readable config.json, a weights file and, for a
+    text encoder, its tokenizer's vocabulary; else one error line saying which file is missing."""
+    folder = Path(folder)
+    again = "download the whole folder again (hf download <name> --local-dir <folder>)"
+    if not (folder / "config.json").is_file():
+        raise SystemExit(f"error: {flag} {folder}: no config.json, so not a Hugging Face model folder; {again}")
+    read_json(folder / "config.json", flag, folder)
+    if not any((folder / f).is_file() for f in WEIGHT_FILES):
+        raise SystemExit(f"error: {flag} {folder}: no weights file ({' / '.join(WEIGHT_FILES[::2])}); {again}")
+    if text and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise SystemExit(f"error: {flag} {folder}: no tokenizer files (one of {', '.join(TOKENIZER_FILES)}), so every "
+                         f"word would be unknown; copy them from the model's download")
+
+
+def load_failed(source, flag, e):
+    """A model folder that fails to load, as one line: truncated weights, a pickle that needs code, ..."""
+    if isinstance(e, pickle.UnpicklingError):
+        return SystemExit(f"error: refusing to load the weights of {flag} {source}: pytorch_model.bin holds pickled "
+                          f"Python objects besides tensors, and unpickling them could run code. Use the model's "
+                          f"model.safetensors instead (hf download <name> model.safetensors).")
+    return SystemExit(f"error: {flag} {source}: its weights cannot be read ({type(e).__name__}: {first_line(e)}); "
+                      f"truncated or corrupt? download the folder again")
+
+
 def not_available(name, flag):
+    parent = Path(name).expanduser().parent
+    if parent != Path(".") and parent.is_dir():                          # models/dinov2-larg: a mistyped folder
+        import difflib
+        near = difflib.get_close_matches(Path(name).name, [p.name for p in parent.iterdir() if p.is_dir()], n=1)
+        hint = f"did you mean {parent / near[0]}?" if near else f"no such folder in {parent}"
+        return SystemExit(f"error: {flag} {name} is neither a folder nor a downloaded hub model ({hint})")
     local = f"models/{Path(name).name}"
     return SystemExit(
         f"error: encoder {name!r} is not available offline: it is neither a local directory nor in the Hugging Face "
@@ -248,11 +319,19 @@ def hf_source(name, flag):
         cached = None
     if isinstance(cached, str):
         return str(Path(cached).parent)                       # .../snapshots/<commit>
-    if hub_unreachable():
+    parent = Path(name).expanduser().parent
+    if (parent != Path(".") and parent.is_dir()) or hub_unreachable():  # a mistyped folder (models/dinov2-larg), or offline
         raise not_available(name, flag)
     return name
 
 
+def _load_faults():
+    """What from_pretrained raises for a folder it cannot read (truncated weights, a pickle needing code, ...)."""
+    from safetensors import SafetensorError
+    return (OSError, RuntimeError, EOFError, pickle.UnpicklingError, SafetensorError)
+
+
+LOAD_FAULTS = _load_faults()
 HF_SAFE = dict(trust_remote_code=False)  # never run a checkpoint's own Python code; weights: safetensors first
 
 
@@ -395,6 +474,9 @@ def hf_fingerprint(source, model):
 def load_hf_image(name, layer=-1):
     from transformers import AutoConfig, AutoModel, AutoModelForImageClassification, CLIPVisionModel
     source = hf_source(name, "--image-encoder")
+    local = Path(source).is_dir()
+    if local:
+        check_folder(source, "--image-encoder")
     try:
         config = AutoConfig.from_pretrained(source, **HF_SAFE)
         if config.model_type not in IMAGE_FAMILIES:
@@ -408,14 +490,22 @@ def load_hf_image(name, layer=-1):
             names = [full.config.id2label[i] for i in range(len(full.config.id2label))]
         else:
             model = AutoModel.from_pretrained(source, **HF_SAFE)
-    except OSError:
+    except LOAD_FAULTS as e:
+        if local:
+            raise load_failed(source, "--image-encoder", e) from None
         raise not_available(name, "--image-encoder") from None
     except ValueError as e:
         raise remote_code_refused(name, "--image-encoder", e) from None
     for p in model.parameters():
         p.requires_grad_(False)
     name = str(Path(name).resolve()) if Path(name).is_dir() else name  # the cache key names the checkpoint itself
-    enc = HFImageEncoder(name, model, hf_preprocess(source, model.config), layer, classifier, names)
+    transform = hf_preprocess(source, model.config)
+    size = getattr(model.config, "image_size", transform.crop)
+    if transform.crop != size and not config.model_type.startswith("dinov2"):   # DINOv2 interpolates its positions
+        raise SystemExit(f"error: --image-encoder {name}: its preprocessor_config.json crops {transform.crop} x "
+                         f"{transform.crop} but the model takes {size} x {size} images (config.json image_size) and "
+                         f"cannot interpolate its position embeddings; set crop_size to {size} there")
+    enc = HFImageEncoder(name, model, transform, layer, classifier, names)
     enc.fingerprint = hf_fingerprint(source, model)
     return enc
 
@@ -447,6 +537,9 @@ def load_hf_text(name, layer=-1):
                              f"{MINILM_HUB} to --text-encoder.") from None
     from transformers import AutoConfig, AutoModel, AutoTokenizer, CLIPTextModel
     source = hf_source(name, "--text-encoder")
+    local = Path(source).is_dir()
+    if local:
+        check_folder(source, "--text-encoder", text=True)
     try:
         config = AutoConfig.from_pretrained(source, **HF_SAFE)
         if config.model_type not in TEXT_FAMILIES:
@@ -454,10 +547,17 @@ def load_hf_text(name, layer=-1):
         clip = config.model_type in ("clip", "clip_text_model")
         model = (CLIPTextModel if clip else AutoModel).from_pretrained(source, **HF_SAFE)
         tokenizer = AutoTokenizer.from_pretrained(source, **HF_SAFE)
-    except OSError:
+    except LOAD_FAULTS as e:
+        if local:
+            raise load_failed(source, "--text-encoder", e) from None
         raise not_available(name, "--text-encoder") from None
     except ValueError as e:
         raise remote_code_refused(name, "--text-encoder", e) from None
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > rows:                                   # ids past the table: an IndexError mid-extraction
+        raise SystemExit(f"error: --text-encoder {name}: its tokenizer has {len(tokenizer)} tokens but the model's "
+                         f"embedding table only {rows} rows: the tokenizer files belong to another model; copy the "
+                         f"model's own tokenizer files into the folder")
     for p in model.parameters():
         p.requires_grad_(False)
     name = str(Path(name).resolve()) if Path(name).is_dir() else name  # the cache key names the checkpoint itself
@@ -549,7 +649,7 @@ def load_torchvision(name, layer=-1, weights="DEFAULT"):
 
 
 # ---------------------------------------------------------------------------
-# Layer selection (STRUCTURE's protocol, REFERENCE.md): the most similar layer pair
+# Layer selection (the STRUCTURE paper's protocol): the most similar layer pair
 # ---------------------------------------------------------------------------
 def select_layers(image_enc, text_enc, pairs, metric="mknn", n=5000, batch_size=64, device="cpu", seed=0, log=print):
     """Score every (image layer, text layer) on n random training pairs; set both encoders to the best.
@@ -588,6 +688,12 @@ def select_layers(image_enc, text_enc, pairs, metric="mknn", n=5000, batch_size=
     return best[0], best[1], table
 
 
+def check_layer(flag, layer, name, first, last):
+    """A layer the encoder has: first..last, or -1 (the last); else one error line."""
+    if not (layer == -1 or first <= layer <= last):
+        raise SystemExit(f"error: {flag} {layer}: {name} has layers {first}..{last} (-1 = the last)")
+
+
 def load_encoders(image_name, text_name, cache_dir, image_layer=-1, text_layer=-1):
     """The frozen (image, text) encoders by name or local path.
 
@@ -602,7 +708,12 @@ def load_encoders(image_name, text_name, cache_dir, image_layer=-1, text_layer=-
     if text_name != "shapes-text":
         text_enc = load_hf_text(text_name, text_layer)
     if image_enc is None or text_enc is None:
-        from shapes_encoders import load_shapes_encoders   # here: shapes_encoders reads this file's token rule
+        from shapes_encoders import ShapesImageEncoder, TinyTextEncoder, load_shapes_encoders  # it reads this file
+        text_layers = inspect.signature(TinyTextEncoder).parameters["n_layers"].default      # shapes-text's blocks
+        if image_enc is None:       # the built-in encoders' layers, checked before any pretraining
+            check_layer("--image-layer", image_layer, image_name, 1, ShapesImageEncoder.n_layers)
+        if text_enc is None:
+            check_layer("--text-layer", text_layer, text_name, 0, text_layers)
         shapes_image, shapes_text = load_shapes_encoders(cache_dir, 0, image_layer, text_layer,
                                                          image_pos=image_name == "shapes-cnn-pos")
         image_enc, text_enc = image_enc or shapes_image, text_enc or shapes_text

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cache import atomic_save, file_lock, safe_load, state_fingerprint
+from cache import atomic_save, file_lock, fits, safe_load, state_fingerprint
 from encoders import TOKEN_RULE, word_positions, word_tokens
 from features import Features
 
@@ -309,21 +309,18 @@ def _load_shapes_encoders(cache_dir, seed, image_layer, text_layer, log, image_p
     import data
     saved = safe_load(path_i, expect_key=f"{tag}-{seed}")
     image_model = TinyImageEncoder(len(data.CLASS_NAMES), pos=image_pos)
-    if saved is None:
+    if saved is None or not fits(image_model, saved["state"], path_i):     # missing, corrupt or of other shapes
         log("[image encoder] not cached: pretraining it on labelled Shapes images (about a minute)")
         image_model, acc = pretrain_image_encoder(seed, log=log, pos=image_pos)
         atomic_save({"key": f"{tag}-{seed}", "state": image_model.state_dict(), "acc": acc}, path_i)
-    else:
-        image_model.load_state_dict(saved["state"])
     saved = safe_load(path_t, expect_key=f"shapes-text-{seed}")
-    if saved is None:
+    if saved is not None:
+        tok = WordTokenizer(saved["vocab"])
+        text_model = TinyTextEncoder(len(tok.vocab))
+    if saved is None or not fits(text_model, saved["state"], path_t):
         log("[text encoder] not cached: pretraining it on Shapes captions alone (about a minute)")
         text_model, tok, acc = pretrain_text_encoder(seed, log=log)
         atomic_save({"key": f"shapes-text-{seed}", "state": text_model.state_dict(), "vocab": tok.vocab, "acc": acc}, path_t)
-    else:
-        tok = WordTokenizer(saved["vocab"])
-        text_model = TinyTextEncoder(len(tok.vocab))
-        text_model.load_state_dict(saved["state"])
     for p in list(image_model.parameters()) + list(text_model.parameters()):
         p.requires_grad_(False)  # frozen: the post-hoc setting
     return ShapesImageEncoder(image_model, image_layer), ShapesTextEncoder(text_model, tok, text_layer)

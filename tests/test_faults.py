@@ -290,9 +290,7 @@ def test_a_run_waits_for_the_run_writing_the_same_cache_file_then_reads_it(tmp_p
     """Another run holds the lock of a cache entry: extract() waits, encodes nothing, reads that run's file."""
     import threading
     enc, texts = CountingEncoder(), ["x"] * 6
-    parts = dict(encoder=enc.name, weights=enc.fingerprint, layer=-1, preprocess="none", n=6,
-                 dataset="d", split="s", modality="text")
-    key, got, logs = cache.cache_key(**parts), [], []
+    key, got, logs = cache.feature_key(enc, texts, dataset="d", split="s", modality="text"), [], []
     theirs = random_features(6, 3, 4, seed=99)
     with cache.file_lock(tmp_path / "locks" / f"{key}.lock"):          # the other run, mid-write
         t = threading.Thread(target=lambda: got.append(cache.extract(enc, texts, tmp_path, dataset="d",
@@ -432,8 +430,7 @@ def test_a_planted_pickle_in_the_cache_is_refused_and_never_run(shared, tmp_path
     assert not marker.exists()
     enc = shapes_encoders.ShapesTextEncoder(shapes_encoders.TinyTextEncoder(6), shapes_encoders.WordTokenizer(shapes_encoders.SPECIALS + ["a", "b"]))
     (folder / "features").mkdir()
-    key = cache.cache_key(encoder=enc.name, weights=enc.fingerprint, layer=enc.layer, preprocess=enc.preprocess,
-                          n=2, dataset="t", split="s", modality="text")
+    key = cache.feature_key(enc, ["a", "b"], dataset="t", split="s", modality="text")
     torch.save({"key": key, "tokens": RunsCode(marker)}, folder / "features" / f"{key}.pt")   # a planted feature file
     with pytest.raises(SystemExit, match="refusing to load .*could run code"):
         cache.extract(enc, ["a", "b"], folder, dataset="t", split="s", modality="text")

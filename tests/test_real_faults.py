@@ -1,0 +1,516 @@
+"""Faults on real data folders, real model folders and the feature cache: tiny files in the real
+layouts (COCO + Karpathy JSON, VOC masks, Hugging Face folders saved with save_pretrained), each
+fault planted by hand. Every user fault must end in ONE `error:` line naming the file and what to
+do, before any long work; every cache fault must be rebuilt, never read as valid; features of one
+data folder must never be read for another. docs/faults.md lists each row with its test."""
+import errno
+import json
+import os
+import struct
+import subprocess
+import sys
+import time
+import zipfile
+import zlib
+from argparse import Namespace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import align
+import cache
+import data
+import encoders
+from features import Features
+from test_real import images, write_image, write_karpathy, write_models, write_voc
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return write_models(tmp_path_factory.mktemp("models"))
+
+
+def one_line(e):
+    """The text of a SystemExit, checked to be one `error:` line."""
+    text = str(e.value)
+    assert text.startswith("error: ") and "\n" not in text, text
+    return text
+
+
+def entries_of(root):
+    return json.loads((root / "coco" / "dataset_coco.json").read_text())
+
+
+def rewrite(root, split_file):
+    (root / "coco" / "dataset_coco.json").write_text(json.dumps(split_file))
+
+
+def extract(enc, inputs, cache_dir, split="test", modality="text"):
+    return cache.extract(enc, inputs, cache_dir, batch_size=4, dataset="coco", split=split, modality=modality)
+
+
+# ----------------------------------------------------------------------------- features never mix across folders
+def test_two_data_folders_sharing_a_cache_each_get_their_own_features(tmp_path, models):
+    """d_edit differs from d_ok only in caption text, d_black only in image pixels: with one shared
+    cache each folder's features equal those of a fresh cache of its own."""
+    for name in ("d_ok", "d_edit", "d_black"):
+        write_karpathy(tmp_path / name / "coco")
+    split = entries_of(tmp_path / "d_edit")
+    for e in split["images"]:
+        for s in e["sentences"]:
+            s["raw"] = s["raw"].replace("caption", "sentence").upper()
+    rewrite(tmp_path / "d_edit", split)
+    for f in (tmp_path / "d_black" / "coco" / "val2014").iterdir():
+        Image.new("RGB", (40, 30)).save(f)
+    img_enc = encoders.load_hf_image(str(models / "dinov2"))
+    txt_enc = encoders.load_hf_text(str(models / "bert"))
+    shared = tmp_path / "shared"
+    got = {}
+    for name in ("d_ok", "d_edit", "d_black"):
+        test = data.coco(tmp_path / name)["test"]
+        got[name] = (extract(img_enc, test.images, shared, modality="image"), extract(txt_enc, test.captions, shared))
+        fresh = (extract(img_enc, test.images, tmp_path / f"fresh_{name}", modality="image"),
+                 extract(txt_enc, test.captions, tmp_path / f"fresh_{name}"))
+        for a, b in zip(got[name], fresh):
+            assert torch.equal(a.pooled, b.pooled) and torch.equal(a.tokens, b.tokens)
+    assert not torch.equal(got["d_ok"][1].pooled, got["d_edit"][1].pooled)       # other captions
+    assert torch.equal(got["d_ok"][0].pooled, got["d_edit"][0].pooled)           # the same pixels
+    assert not torch.equal(got["d_ok"][0].pooled, got["d_black"][0].pooled)      # other pixels
+    assert len(list((shared / "features").glob("coco-test-text-*.pt"))) == 2      # d_black shares d_ok's texts
+
+
+def test_data_identity_follows_the_files_and_the_texts(tmp_path):
+    """data.identity(set): what --resume's checkpoint records; equal for the same files, different for any edit."""
+    write_karpathy(tmp_path / "a" / "coco")
+    ident = lambda: data.identity(data.coco(tmp_path / "a")["train"])
+    first = ident()
+    assert ident() == first                                                       # stable across loads
+    f = tmp_path / "a" / "coco" / "train2014" / "train_3.jpg"
+    os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))          # an image rewritten
+    touched = ident()
+    assert touched != first
+    split = entries_of(tmp_path / "a")
+    split["images"][1]["sentences"][0]["raw"] += " edited"
+    rewrite(tmp_path / "a", split)
+    assert ident() not in (first, touched)
+    assert data.identity(["a", "b"]) != data.identity(["a", "c"]) and data.identity(["a"]) == data.identity(["a"])
+    x = torch.zeros(2, 3, 4, 4, dtype=torch.uint8)
+    y = x.clone()
+    y[1, 2, 3, 3] = 1
+    assert data.identity(x) != data.identity(y)
+
+
+def run_align(tmp_path, root, cache_dir, out, models, *extra, check=True):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, str(ROOT / "align.py"), "--data", "coco", "--data-root", str(root), "--cache-dir",
+           str(cache_dir), "--out", str(tmp_path / out), "--threads", "1", "--epochs", "1", "--method", "linear",
+           "--no-figures", "--image-encoder", str(models / "dinov2"), "--text-encoder", str(models / "bert"), *extra]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    if not check:
+        return r
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return json.loads((tmp_path / out / "metrics.json").read_text())
+
+
+def test_align_over_two_folders_differing_only_in_captions_gives_each_its_own_numbers(tmp_path, models):
+    """The two-folder check: d_edit's captions are d_ok's, moved one image on (every pair changes);
+    run on d_ok, then on d_edit with the same --cache-dir: d_edit's numbers are those of a fresh cache."""
+    for name in ("d_ok", "d_edit"):
+        write_karpathy(tmp_path / name / "coco", n_train=12, n_test=6)
+    split = entries_of(tmp_path / "d_edit")
+    sentences = [e["sentences"] for e in split["images"]]
+    for e, s in zip(split["images"], sentences[1:] + sentences[:1]):
+        e["sentences"] = s
+    rewrite(tmp_path / "d_edit", split)
+    ok = run_align(tmp_path, tmp_path / "d_ok", tmp_path / "shared", "ok", models)
+    edit = run_align(tmp_path, tmp_path / "d_edit", tmp_path / "shared", "edit", models)
+    fresh = run_align(tmp_path, tmp_path / "d_edit", tmp_path / "fresh", "fresh", models)
+    assert edit["retrieval"] == fresh["retrieval"]
+    assert edit["retrieval"] != ok["retrieval"]
+
+
+# ----------------------------------------------------------------------------- pairs follow txt_to_img
+def caption_index_features(sets):
+    """Planted features: image row i holds the number of its file (train_<k>.jpg -> k), caption j the
+    number its text names ("train <k> caption 0"): a pair is right iff the two rows are equal."""
+    train = sets["train"]
+    k_img = torch.tensor([float(p.stem.split("_")[1]) for p in train.images.keys])
+    k_txt = torch.tensor([float(c.split()[1]) for c in train.captions])
+    F = lambda v: Features.from_vectors(v[:, None].repeat(1, 4))
+    return {("train", "image"): F(k_img), ("train", "text"): F(k_txt), "sets": sets}
+
+
+@pytest.mark.parametrize("num_pairs", [None, 4])
+def test_a_train_image_without_captions_never_shifts_the_pairs(tmp_path, num_pairs):
+    write_karpathy(tmp_path / "coco", n_train=6)
+    split = entries_of(tmp_path)
+    split["images"][0]["sentences"] = []                                        # train_0.jpg: no caption
+    rewrite(tmp_path, split)
+    sets = data.coco(tmp_path)
+    assert len(sets["train"].captions) == 5
+    img, txt = align.alignment_data(Namespace(num_pairs=num_pairs, align_data="pairs"), caption_index_features(sets))
+    assert len(img) == len(txt) == (num_pairs or 5)
+    assert torch.equal(img.pooled, txt.pooled)                                   # every pair is an image and its caption
+
+
+def test_pairs_come_from_txt_to_img_when_an_image_has_several_captions():
+    images_ = torch.arange(4.0)                                                  # image i holds i
+    links = torch.tensor([0, 1, 1, 3, 2, 3])
+    sets = {"train": data.PairSet(torch.zeros(4, 3, 2, 2, dtype=torch.uint8), ["c"] * 6, links)}
+    F = {("train", "image"): Features.from_vectors(images_[:, None]), ("train", "text"):
+         Features.from_vectors(links.float()[:, None]), "sets": sets}
+    for n in (None, 3):
+        img, txt = align.alignment_data(Namespace(num_pairs=n, align_data="pairs"), F)
+        assert len(txt) == (n or 6) and torch.equal(img.pooled, txt.pooled)
+
+
+# ----------------------------------------------------------------------------- cache files: checksums
+def flip_sign_bits(path, n=20):
+    """Flip the sign bit of the first n fp16 / fp32 values of every tensor stored in a torch file, in place
+    (the zip container and its pickle stay intact: what a disk or a careless script does)."""
+    with zipfile.ZipFile(path) as z:
+        entries = [(i.header_offset, i.filename, i.file_size) for i in z.infolist() if "/data/" in i.filename]
+    with open(path, "r+b") as f:
+        for offset, name, size in entries:
+            f.seek(offset + 26)
+            name_len, extra_len = struct.unpack("<HH", f.read(4))
+            start = offset + 30 + name_len + extra_len
+            for k in range(1, min(n, size // 2) * 2, 2):                          # the high byte of each fp16
+                f.seek(start + k)
+                b = f.read(1)[0]
+                f.seek(start + k)
+                f.write(bytes([b ^ 0x80]))
+
+
+def test_a_bit_flipped_cache_file_is_rebuilt_not_read(tmp_path, models, capsys):
+    txt_enc = encoders.load_hf_text(str(models / "bert"))
+    texts = ["a dog sits on the cat.", "the man rides a red dog.", "a photo of a cat."] * 3
+    want = extract(txt_enc, texts, tmp_path)
+    (path,) = (tmp_path / "features").glob("*.pt")
+    flip_sign_bits(path)
+    assert not torch.equal(torch.load(path, weights_only=True)["pooled"], want.pooled)   # the file did change
+    got = extract(txt_enc, texts, tmp_path)
+    assert "fails its checksum; rebuilding it" in capsys.readouterr().out
+    assert torch.equal(got.pooled, want.pooled) and torch.equal(got.tokens, want.tokens)
+
+
+@pytest.fixture
+def sharded(monkeypatch):
+    monkeypatch.setattr(cache, "MEMMAP_BYTES", 0)                # every set goes to shards
+    monkeypatch.setattr(cache, "SHARD_BYTES", 1)                 # one batch (4 rows) per shard
+
+
+def truncate(f):
+    f.write_bytes(f.read_bytes()[:-64])
+
+
+def delete(f):
+    f.unlink()
+
+
+def object_dtype(f):
+    np.save(f, np.array([{"x": 1}] * 3, dtype=object), allow_pickle=True)
+
+
+def bit_flip(f):
+    time.sleep(0.05)                                        # a later write: file times tick in jiffies (ms)
+    raw = bytearray(f.read_bytes())
+    raw[-10] ^= 0x80
+    f.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("fault", [truncate, delete, object_dtype, bit_flip])
+def test_a_broken_token_shard_is_written_again_never_read(tmp_path, models, sharded, fault, capsys):
+    txt_enc = encoders.load_hf_text(str(models / "bert"))
+    texts = [f"a dog {w} the cat." for w in ("sits on", "rides", "is in", "photo of", "on", "of", "in")] * 2
+    want = extract(txt_enc, texts, tmp_path)[:]
+    (folder,) = [p for p in (tmp_path / "features").iterdir() if p.is_dir()]
+    fault(folder / "00001.tokens.npy")
+    got = extract(txt_enc, texts, tmp_path)
+    assert "writing shard 1 again" in capsys.readouterr().out
+    got = got[:]
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.pooled, want.pooled)
+    extract(txt_enc, texts, tmp_path)
+    assert "again" not in capsys.readouterr().out                                # mended: nothing redone
+
+
+def test_a_cached_encoder_checkpoint_of_other_shapes_is_rebuilt(tmp_path, monkeypatch, capsys):
+    """A checkpoint with the right key and checksum but weights of other shapes (another version of
+    the tiny CNN): pretrained again (here a stand-in for the minute of pretraining), not a traceback."""
+    import shapes_encoders as se
+    torch.manual_seed(0)
+    small = se.TinyImageEncoder(len(data.CLASS_NAMES), D=16)
+    cache.atomic_save({"key": "shapes-cnn-0", "state": small.state_dict(), "acc": 0.9},
+                      tmp_path / "encoders" / "shapes-cnn-seed0.pt")
+    calls = []
+    fresh_image = se.TinyImageEncoder(len(data.CLASS_NAMES))
+    monkeypatch.setattr(se, "pretrain_image_encoder", lambda *a, **k: calls.append("image") or (fresh_image, 0.5))
+    vocab = se.SPECIALS + ["a", "dog"]
+    monkeypatch.setattr(se, "pretrain_text_encoder", lambda *a, **k: calls.append("text") or
+                        (se.TinyTextEncoder(len(vocab)), se.WordTokenizer(vocab), 0.5))
+    image, _ = se.load_shapes_encoders(tmp_path, log=lambda s: None)
+    assert "holds weights of other shapes" in capsys.readouterr().out and calls == ["image", "text"]
+    assert image.dim == 96
+    saved = cache.safe_load(tmp_path / "encoders" / "shapes-cnn-seed0.pt", expect_key="shapes-cnn-0")
+    assert saved["state"]["head.weight"].shape == fresh_image.head.weight.shape   # the rebuilt one replaced it
+
+
+@pytest.fixture
+def full_disk(tmp_path, monkeypatch):
+    """A folder on a full disk: a real 256 KB tmpfs when this runs as root, else torch's own writer
+    on a file that takes only part of what is written (what a disk filling mid-file does)."""
+    folder = tmp_path / "small"
+    folder.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(folder)], capture_output=True)
+    if r.returncode == 0:
+        yield folder
+        subprocess.run(["umount", str(folder)], check=True)
+        return
+
+    class Short:                                           # writes 100 bytes, then the disk is full
+        def __init__(self, f):
+            self.f, self.left = f, 100
+
+        def write(self, b):
+            n = min(len(b), self.left)
+            self.left -= n
+            return self.f.write(bytes(b[:n])) if n else 0
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+    save = torch.save
+    monkeypatch.setattr(cache.torch, "save", lambda obj, f: save(obj, Short(f)))
+    monkeypatch.setattr(cache, "free_bytes", lambda folder: 0)
+    yield folder
+
+
+def test_a_full_disk_during_torch_save_is_one_line_and_leaves_no_file(full_disk):
+    with pytest.raises(RuntimeError, match="inline_container|PytorchStreamWriter"):     # torch's own exception
+        with open(full_disk / "raw.pt", "wb") as f:
+            torch.save({"x": torch.zeros(2**17)}, f)
+    (full_disk / "raw.pt").unlink()
+    with pytest.raises(SystemExit) as e:
+        cache.atomic_save({"key": "k", "x": torch.zeros(2**17)}, full_disk / "features" / "x.pt")
+    assert "no space left in" in one_line(e) and str(full_disk / "features") in str(e.value)
+    assert list((full_disk / "features").iterdir()) == []                         # no half file
+
+
+# ----------------------------------------------------------------------------- text, preprocessing, 16-bit images
+def test_a_text_model_folder_without_tokenizer_files_is_refused(tmp_path, models):
+    folder = tmp_path / "bert"
+    folder.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        (folder / f).write_bytes((models / "bert" / f).read_bytes())
+    with pytest.raises(SystemExit) as e:
+        encoders.load_hf_text(str(folder))
+    assert "no tokenizer files" in one_line(e)
+
+
+def test_a_truncated_preprocessor_config_is_refused_not_replaced_by_the_default(tmp_path, models):
+    folder = tmp_path / "clip"
+    folder.mkdir()
+    for f in (models / "clip").iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    text = (folder / "preprocessor_config.json").read_text()
+    (folder / "preprocessor_config.json").write_text(text[:len(text) // 2])
+    with pytest.raises(SystemExit) as e:
+        encoders.load_hf_image(str(folder))
+    assert "preprocessor_config.json is truncated or not JSON" in one_line(e)
+
+
+def test_a_16_bit_png_is_scaled_not_clipped(tmp_path):
+    grey = (np.arange(30 * 40, dtype=np.uint32).reshape(30, 40) * 54).astype(np.uint16)   # 0 .. 64746
+    Image.fromarray(grey).save(tmp_path / "deep.png")
+    assert Image.open(tmp_path / "deep.png").mode == "I;16"
+    got = np.asarray(data.LazyImages([tmp_path / "deep.png"])[0])
+    want = np.round(grey / 257).astype(np.uint8)
+    assert got.shape == (30, 40, 3) and (got == want[..., None]).all()
+    assert (got == 255).mean() < 0.01
+
+
+# ----------------------------------------------------------------------------- layers of the built-in encoders
+@pytest.mark.parametrize("layers, flag", [((5, -1), "--image-layer 5"), ((0, -1), "--image-layer 0"),
+                                          ((-1, 7), "--text-layer 7"), ((-1, -3), "--text-layer -3")])
+def test_built_in_encoder_layers_out_of_range_are_refused_before_pretraining(tmp_path, layers, flag):
+    with pytest.raises(SystemExit) as e:
+        encoders.load_encoders("shapes-cnn", "shapes-text", tmp_path, *layers)
+    assert one_line(e).startswith(f"error: {flag}: ") and "has layers" in str(e.value)
+    assert not (tmp_path / "encoders").exists()                                 # nothing pretrained
+
+
+# ----------------------------------------------------------------------------- annotation faults
+def truncated_json(root):
+    f = root / "coco" / "dataset_coco.json"
+    f.write_text(f.read_text()[:300])
+
+
+def non_utf8_byte(root):
+    f = root / "coco" / "dataset_coco.json"
+    f.write_bytes(f.read_bytes().replace(b"train 2 caption 0", b"train 2 caf\xe9 0"))
+
+
+def no_images_key(root):
+    rewrite(root, {"imgs": entries_of(root)["images"]})
+
+
+def entry_without_split(root):
+    split = entries_of(root)
+    del split["images"][3]["split"]
+    rewrite(root, split)
+
+
+def sentence_without_raw(root):
+    split = entries_of(root)
+    del split["images"][7]["sentences"][2]["raw"]
+    rewrite(root, split)
+
+
+@pytest.mark.parametrize("fault, says", [
+    (truncated_json, "is not valid JSON"), (non_utf8_byte, "byte 0xe9 at offset"),
+    (no_images_key, 'has no "images" list'), (entry_without_split, "images[3] (train_3.jpg) has no 'split'"),
+    (sentence_without_raw, "images[7] (test_1.jpg): sentences[2] has no 'raw'")])
+def test_annotation_faults_are_one_line_naming_the_file(tmp_path, fault, says):
+    write_karpathy(tmp_path / "coco")
+    fault(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        data.coco(tmp_path)
+    assert says in one_line(e) and "dataset_coco.json" in str(e.value)
+
+
+# ----------------------------------------------------------------------------- image and mask faults
+@pytest.mark.parametrize("split, name, fault, says", [
+    ("val2014", "test_2.jpg", "missing", "1 of 3 COCO test images are missing"),
+    ("train2014", "train_4.jpg", "empty", "1 of 6 COCO train images are empty (0 bytes)")])
+def test_a_missing_or_empty_image_anywhere_is_one_line_before_any_encoder_runs(tmp_path, split, name, fault, says):
+    write_karpathy(tmp_path / "coco")
+    f = tmp_path / "coco" / split / name
+    f.unlink() if fault == "missing" else f.write_bytes(b"")
+    with pytest.raises(SystemExit) as e:
+        data.coco(tmp_path)
+    assert says in one_line(e) and str(f) in str(e.value) and "dataset_coco.json" in str(e.value)
+
+
+def bomb_png(path, side=14000):
+    """A PNG whose header says side x side (196 megapixels) with almost no data: a decompression bomb."""
+    chunk = lambda t, d: struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d) & 0xffffffff)
+    ihdr = struct.pack(">IIBBBBB", side, side, 8, 0, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+                     + chunk(b"IEND", b""))
+
+
+@pytest.mark.parametrize("fault, says", [("truncated", "cannot read image"), ("bomb", "downscale it")])
+def test_an_undecodable_image_is_one_line_naming_it(tmp_path, models, fault, says):
+    write_karpathy(tmp_path / "coco")
+    f = tmp_path / "coco" / "val2014" / "test_2.jpg"
+    f.write_bytes(f.read_bytes()[:200]) if fault == "truncated" else bomb_png(f)
+    test = data.coco(tmp_path)["test"]
+    enc = encoders.load_hf_image(str(models / "dinov2"))
+    with pytest.raises(SystemExit) as e:                                          # from the decoding threads
+        extract(enc, test.images, tmp_path / "cache", modality="image")
+    assert says in one_line(e) and str(f) in str(e.value) and "dataset_coco.json" in str(e.value)
+
+
+def test_align_reports_an_unreadable_test_image_in_one_line_without_a_traceback(tmp_path, models):
+    write_karpathy(tmp_path / "coco")
+    f = tmp_path / "coco" / "val2014" / "test_1.jpg"
+    f.write_bytes(f.read_bytes()[:200])
+    r = run_align(tmp_path, tmp_path, tmp_path / "cache", "out", models, check=False)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1].startswith(f"error: cannot read image {f}")
+
+
+def test_a_missing_voc_mask_is_one_line_before_any_encoder_runs(tmp_path):
+    write_voc(tmp_path)
+    mask = tmp_path / "VOCdevkit" / "VOC2012" / "SegmentationClass" / "2007_000002.png"
+    mask.unlink()
+    with pytest.raises(SystemExit) as e:
+        data.segmentation_set("voc20", tmp_path)
+    assert "1 of 2 voc20 masks are missing" in one_line(e) and str(mask) in str(e.value)
+
+
+# ----------------------------------------------------------------------------- model folder faults
+def copy_folder(src, dst):
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def truncated_weights(folder):
+    w = folder / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:3000])
+
+
+def config_only(folder):
+    for f in folder.iterdir():
+        if f.name != "config.json":
+            f.unlink()
+
+
+def truncated_config(folder):
+    c = folder / "config.json"
+    c.write_text(c.read_text()[:40])
+
+
+PAYLOAD = Path("/tmp") / f"align-pickle-payload-{os.getpid()}"
+
+
+class Payload:
+    def __reduce__(self):
+        return exec, (f"open({str(PAYLOAD)!r}, 'w').write('ran')",)
+
+
+def planted_pickle(folder):
+    from safetensors.torch import load_file
+    state = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    torch.save({**state, "boom": Payload()}, folder / "pytorch_model.bin")
+
+
+def crop_too_large(folder):
+    from transformers import BitImageProcessor, ViTConfig, ViTModel
+    from test_real import VISION
+    for f in folder.iterdir():
+        f.unlink()
+    ViTModel(ViTConfig(**VISION)).save_pretrained(folder)                          # takes 32 x 32 images
+    BitImageProcessor(size={"shortest_edge": 72}, crop_size={"height": 64, "width": 64}).save_pretrained(folder)
+
+
+@pytest.mark.parametrize("fault, says", [
+    (truncated_weights, "its weights cannot be read (SafetensorError"),
+    (config_only, "no weights file"),
+    (truncated_config, "config.json is truncated or not JSON"),
+    (planted_pickle, "refusing to load the weights"),
+    (crop_too_large, "crops 64 x 64 but the model takes 32 x 32 images")])
+def test_image_model_folder_faults_are_one_line(tmp_path, models, fault, says):
+    folder = copy_folder(models / "dinov2", tmp_path / "model")
+    fault(folder)
+    with pytest.raises(SystemExit) as e:
+        encoders.load_hf_image(str(folder))
+    assert says in one_line(e) and str(folder) in str(e.value)
+    assert not PAYLOAD.exists()                                                  # nothing in the pickle ran
+
+
+def test_a_tokenizer_larger_than_the_embedding_table_is_refused(tmp_path, models):
+    from transformers import AutoModel, BertConfig
+    from test_real import TEXT
+    folder = tmp_path / "bert"
+    AutoModel.from_config(BertConfig(vocab_size=10, max_position_embeddings=40, **TEXT)).save_pretrained(folder)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / f).write_bytes((models / "bert" / f).read_bytes())
+    with pytest.raises(SystemExit) as e:
+        encoders.load_hf_text(str(folder))
+    assert "tokenizer has 36 tokens but the model's embedding table only 10 rows" in one_line(e)
+
+
+def test_a_mistyped_local_path_is_neither_a_folder_nor_a_hub_model(tmp_path, models, monkeypatch):
+    copy_folder(models / "dinov2", tmp_path / "models" / "dinov2-large")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        encoders.load_hf_image("models/dinov2-larg")
+    assert "neither a folder nor a downloaded hub model (did you mean models/dinov2-large?)" in one_line(e)
