@@ -176,18 +176,20 @@ def load_features(args, device):
     ext = lambda enc, inputs, split, modality: features.extract(enc, inputs, args.cache_dir, device=device,
                                                                 dataset=args.data, split=split, modality=modality)
     F = {"image_encoder": image_enc, "text_encoder": text_enc, "sets": sets}
+    jobs = {}                                                   # F key -> (encoder, inputs, split, modality)
     for split, s in sets.items():
         if hasattr(s, "captions"):
             check_texts(s.captions, f"{args.data}/{split}")
-        F[split, "image"] = ext(image_enc, s.images, split, "image")
+        jobs[split, "image"] = (image_enc, s.images, split, "image")
         if isinstance(s, data.PairSet) or isinstance(s, data.BindingSet):
-            F[split, "text"] = ext(text_enc, s.captions, split, "text")
+            jobs[split, "text"] = (text_enc, s.captions, split, "text")
         if isinstance(s, (data.LabelSet, data.MaskSet)):
             prompts = [t.format(c) for c in s.class_names for t in s.templates]  # class-major
-            F[split, "text"] = ext(text_enc, prompts, split, "prompts")
+            jobs[split, "text"] = (text_enc, prompts, split, "prompts")
         if isinstance(s, data.BindingSet):
             for kind, caps in s.distractors.items():
-                F[split, kind] = ext(text_enc, caps, split, kind)
+                jobs[split, kind] = (text_enc, caps, split, kind)
+    F.update(encoders.extract_sets(jobs, ext, concurrent=device == "cpu" and distributed.world() == 1))
     if args.hard_negatives:
         F["train", "negatives"] = hard_negative_features(sets["train"], lambda caps: ext(text_enc, caps, "train", "negatives"))
     print(f"[features] ready in {time.time() - t0:.0f}s (cache: {args.cache_dir})")
