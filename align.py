@@ -172,7 +172,8 @@ def load_features(args, device):
                                                  args.image_layer, args.text_layer)   # a wrong name fails first
     sets = data.DATASETS[args.data](**({"root": args.data_root} if args.data != "shapes" else {}))
     if args.select_layers:
-        encoders.select_layers(image_enc, text_enc, sets["train"], args.select_layers, n=args.select_pairs, device=device)
+        encoders.select_layers(image_enc, text_enc, sets["train"], args.select_layers, n=args.select_pairs, device=device,
+                               cache_dir=args.cache_dir)
     ext = lambda enc, inputs, split, modality: features.extract(enc, inputs, args.cache_dir, device=device,
                                                                 dataset=args.data, split=split, modality=modality)
     F = {"image_encoder": image_enc, "text_encoder": text_enc, "sets": sets}

@@ -251,7 +251,13 @@ class ShapesImageEncoder:
     def pooled_layers(self, images, device="cpu"):
         """{layer: (B, D_l) mean feature after block l} for l = 1..4 (layer selection)."""
         x, m = shapes_pixels(torch.as_tensor(images).to(device)), self.model.to(device)
-        return {l: m(x, l).mean((2, 3)).cpu() for l in range(1, len(m.blocks) + 1)}  # forward() adds the position code
+        out = {}
+        for l, block in enumerate(m.blocks, start=1):          # forward()'s blocks, each output kept once
+            if m.pos and l == len(m.blocks):
+                x = x + sincos_2d(x.shape[1], x.shape[2], x.shape[3]).to(x)
+            x = block(x)
+            out[l] = x.mean((2, 3))                             # (B, D_l) on device
+        return out
 
 
 class ShapesTextEncoder:
@@ -282,10 +288,14 @@ class ShapesTextEncoder:
     def pooled_layers(self, texts, device="cpu"):
         """{layer: (B, D) masked mean after block l} for l = 1..n_layers (the last normalised)."""
         ids, mask = self.tokenizer(texts)
-        n = len(self.model.layers)
+        model, ids, mask = self.model.to(device), ids.to(device), mask.to(device)
         m = mask[..., None].float()
-        return {l: (self.model.to(device)(ids.to(device), mask.to(device), l).cpu() * m).sum(1) / m.sum(1)
-                for l in range(1, n + 1)}
+        x, out = model.embed(ids) + model.pos[:ids.shape[1]], {}
+        for l, block in enumerate(model.layers, start=1):      # forward()'s blocks, each output kept once
+            x = block(x, src_key_padding_mask=~mask)
+            h = model.norm(x) if l == len(model.layers) else x
+            out[l] = (h * m).sum(1) / m.sum(1)                  # (B, D) on device
+        return out
 
     @property
     def n_layers(self):

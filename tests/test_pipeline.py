@@ -1,0 +1,111 @@
+"""The data path's fast forms against their naive forms: layer selection (each layer's kNN once,
+pooled on the device, cached), concurrent extraction, the feature reader, chunked evaluation."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import data
+import encoders
+import shapes_encoders as se
+import similarity
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_shapes(n=40, seed=0):
+    """A small Shapes PairSet and randomly initialised tiny encoders (no pretraining needed)."""
+    w = data.shapes_world(seed, n_train=n, n_test=2, n_cls=2, n_seg=2, n_bind=2)
+    vocab = se.SPECIALS + sorted({x for c in w["train"].captions for x in se.WordTokenizer.split(c)})
+    torch.manual_seed(seed)
+    img = se.ShapesImageEncoder(se.TinyImageEncoder(len(data.CLASS_NAMES), pos=True))
+    txt = se.ShapesTextEncoder(se.TinyTextEncoder(len(vocab)), se.WordTokenizer(vocab))
+    return w, img, txt
+
+
+def naive_pooled(img, txt, images, captions):
+    """Each layer's pooled vectors from its own forward pass, as layer selection first read them."""
+    x = se.shapes_pixels(images)
+    X = {l: img.model(x, l).mean((2, 3)) for l in range(1, 5)}
+    ids, mask = txt.tokenizer(captions)
+    m = mask[..., None].float()
+    Y = {l: (txt.model(ids, mask, l) * m).sum(1) / m.sum(1) for l in range(1, txt.n_layers + 1)}
+    return X, Y
+
+
+@pytest.mark.parametrize("metric", ["mknn", "cka"])
+def test_layer_selection_equals_the_naive_pairwise_form_and_a_rerun_reads_the_cache(metric, tmp_path, monkeypatch):
+    w, img, txt = tiny_shapes()
+    pairs = w["train"]
+    n = 30
+    pick = torch.randperm(len(pairs.images), generator=torch.Generator().manual_seed(0))[:n].sort().values
+    first = {}
+    for j, i in enumerate(pairs.txt_to_img.tolist()):
+        first.setdefault(i, j)
+    with torch.no_grad():
+        X, Y = naive_pooled(img, txt, pairs.images[pick], [pairs.captions[first[i]] for i in pick.tolist()])
+    k = 7                                                     # ceil(2 * 30^(1/3))
+    naive = {(a, b): (similarity.mutual_knn(X[a], Y[b], k) if metric == "mknn" else similarity.cka(X[a], Y[b]))
+             for a in X for b in Y}
+    li, lt, table = encoders.select_layers(img, txt, pairs, metric, n=n, batch_size=8, log=lambda s: None,
+                                           cache_dir=tmp_path)
+    assert table == naive                                     # to the last digit
+    assert (li, lt) == max(naive, key=naive.get) and (img.layer, txt.layer) == (li, lt)
+    assert len(list((tmp_path / "layers").glob("*.json"))) == 1
+    img.layer = txt.layer = -1
+
+    def no_forward(*a, **k):
+        raise AssertionError("a cached selection ran an encoder")
+    monkeypatch.setattr(img, "pooled_layers", no_forward)
+    monkeypatch.setattr(txt, "pooled_layers", no_forward)
+    lines = []
+    again = encoders.select_layers(img, txt, pairs, metric, n=n, batch_size=8, log=lines.append, cache_dir=tmp_path)
+    assert again == (li, lt, table) and (img.layer, txt.layer) == (li, lt) and "cached" in lines[0]
+    with pytest.raises(AssertionError, match="cached selection ran"):   # other pairs: another key
+        encoders.select_layers(img, txt, pairs, metric, n=n - 1, log=lambda s: None, cache_dir=tmp_path)
+
+
+def test_mutual_knn_and_cka_tables_equal_the_pairwise_measures():
+    g = torch.Generator().manual_seed(1)
+    Xs = {a: torch.randn(50, d, generator=g) for a, d in ((1, 8), (2, 16), (3, 4))}
+    Ys = {b: torch.randn(50, d, generator=g) + 0.5 * Xs[1][:, :1] for b, d in ((1, 12), (2, 6))}
+    assert similarity.mutual_knn_table(Xs, Ys, 5) == {(a, b): similarity.mutual_knn(Xs[a], Ys[b], 5) for a in Xs for b in Ys}
+    assert similarity.cka_table(Xs, Ys) == {(a, b): similarity.cka(Xs[a], Ys[b]) for a in Xs for b in Ys}
+    assert similarity.mutual_knn_table({0: Xs[1]}, {0: Xs[1]}, 5)[0, 0] == 1.0      # a set with itself
+
+
+def test_concurrent_extraction_gives_the_serial_features():
+    w, img, txt = tiny_shapes(n=24)
+    jobs = {("train", "image"): (img, w["train"].images, "train", "image"),
+            ("train", "text"): (txt, w["train"].captions, "train", "text"),
+            ("test", "image"): (img, w["test"].images, "test", "image")}
+    ext = lambda enc, inputs, split, modality: enc.encode(inputs)
+    serial = encoders.extract_sets(jobs, ext, concurrent=False)
+    both = encoders.extract_sets(jobs, ext, concurrent=True)
+    assert list(both) == list(jobs)
+    for key in jobs:
+        assert torch.equal(serial[key].tokens, both[key].tokens) and torch.equal(serial[key].pooled, both[key].pooled)
+
+    def fails(enc, inputs, split, modality):
+        if modality == "image":
+            raise SystemExit("error: planted")
+        return enc.encode(inputs)
+    with pytest.raises(SystemExit, match="planted"):          # an error in the second thread reaches the caller
+        encoders.extract_sets(jobs, fails, concurrent=True)
+
+
+def test_bench_pipeline_prints_every_figure_at_a_tiny_size(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_pipeline.py"), "--tiny", "--work",
+                        str(tmp_path), "--json", str(tmp_path / "out.json")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for label in ("reader rows/s", "numpy fancy-index rows/s", "decode images/s", "model images/s",
+                  "pipeline images/s", "layer selection s", "naive layer selection s", "rerun (cached) s",
+                  "evaluation"):
+        assert label in r.stdout, (label, r.stdout)
+    figures = json.loads((tmp_path / "out.json").read_text())
+    assert {"reader", "extraction", "layers", "evaluation"} <= set(figures)
+    assert all(v["value"] > 0 and v["ratio"] > 0 for section in figures.values() for v in section.values())
