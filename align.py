@@ -21,11 +21,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import cache
 import data
 import distributed
 import encoders
-import features
 import evaluate
+import features
 from features import Features
 from methods import METHODS
 
@@ -174,7 +175,7 @@ def load_features(args, device):
     if args.select_layers:
         encoders.select_layers(image_enc, text_enc, sets["train"], args.select_layers, n=args.select_pairs, device=device,
                                cache_dir=args.cache_dir)
-    ext = lambda enc, inputs, split, modality: features.extract(enc, inputs, args.cache_dir, device=device,
+    ext = lambda enc, inputs, split, modality: cache.extract(enc, inputs, args.cache_dir, device=device,
                                                                 dataset=args.data, split=split, modality=modality)
     F = {"image_encoder": image_enc, "text_encoder": text_enc, "sets": sets}
     jobs = {}                                                   # F key -> (encoder, inputs, split, modality)
@@ -255,7 +256,7 @@ def hard_negative_loss(method, img, txt, neg, has_neg, scale):
 
 def class_name_features(F, names, args):
     """Text features of the raw class names of the image encoder's head (weight recycling §4), fp32."""
-    return features.extract(F["text_encoder"], names, args.cache_dir, dataset=args.data, split="head",
+    return cache.extract(F["text_encoder"], names, args.cache_dir, dataset=args.data, split="head",
                             modality="classnames").to("cpu")
 
 
@@ -294,7 +295,7 @@ def load_checkpoint(ckpt, settings):
     """A --resume checkpoint, refused with one line when it is truncated, holds code, or was
     written under other settings (listing what differs); only the keys in `settings` are compared."""
     try:
-        state = features.load_plain(ckpt)
+        state = cache.load_plain(ckpt)
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         sys.exit(f"error: --resume: {ckpt} is truncated or corrupt ({type(e).__name__}); delete it to start over, "
                  f"or run without --resume")
@@ -307,20 +308,6 @@ def load_checkpoint(ckpt, settings):
         sys.exit(f"error: --resume: {ckpt} was written under other settings: {'; '.join(diff)}. Rerun with its "
                  f"settings, or without --resume (or with another --out) to start over")
     return state
-
-
-def batch_loader(img, txt, index_batches, device):
-    """(idx, img[idx], txt[idx]) on device for each idx of index_batches, in order.
-
-    Memory-mapped sets (features.is_stored) are read one batch ahead by a background thread
-    (features.read_ahead), so the disk read of batch n + 1 overlaps the step on batch n; on
-    CUDA the batches cross through pinned memory with non_blocking copies (features.batch_to),
-    pinned in the reader thread when there is one. The batches are the same either way."""
-    cuda = str(device).startswith("cuda")
-    fetch = lambda idx: (idx, *((features.pin(img[idx]), features.pin(txt[idx])) if cuda else (img[idx], txt[idx])))
-    stored = features.is_stored(img) or features.is_stored(txt)
-    for idx, img_b, txt_b in (features.read_ahead(fetch, index_batches) if stored else map(fetch, index_batches)):
-        yield idx, features.batch_to(img_b, device), features.batch_to(txt_b, device)
 
 
 def train(method, img, txt, args, out, device, settings=None, negatives=None):
@@ -370,7 +357,7 @@ def train(method, img, txt, args, out, device, settings=None, negatives=None):
         t_epoch, total = time.time(), 0.0
         index_batches = (dd.rows(order[step * batch_size:(step + 1) * batch_size])   # this rank's slice (all: one process)
                          for step in range(steps_per_epoch))
-        for step, (idx, img_b, txt_b) in enumerate(batch_loader(img, txt, index_batches, device)):
+        for step, (idx, img_b, txt_b) in enumerate(features.batch_loader(img, txt, index_batches, device)):
             loss, logs = dd.loss(img_b, txt_b)            # method.loss unless split by torchrun
             if negatives is not None:                     # --hard-negatives: L = L_method + L_hn (never split)
                 j = negatives[1][idx]                                                   # (B, M), -1 = none
@@ -393,7 +380,7 @@ def train(method, img, txt, args, out, device, settings=None, negatives=None):
               f"{steps_per_epoch / max(dt, 1e-9):.1f} steps/s  {time.time() - t0:.0f}s")
         last = float(loss.item())
         if distributed.rank() == 0:
-            features.atomic_save({"method": method.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+            cache.atomic_save({"method": method.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
                                   "epoch": epoch, "rng": torch.get_rng_state(), "loss": last, "settings": settings}, ckpt)
     return {"seconds": round(time.time() - t0, 2), "final_loss": last}  # a resumed finished run: the checkpoint's
 
@@ -516,8 +503,8 @@ def main(argv=None):
     check_flags(args, method_cls)
     for name, flag in ((args.image_encoder, "--image-encoder"), (args.text_encoder, "--text-encoder")):
         encoders.check_path(name, flag)
-    features.check_writable(args.cache_dir, "--cache-dir")
-    features.check_writable(out, "--out")
+    cache.check_writable(args.cache_dir, "--cache-dir")
+    cache.check_writable(out, "--out")
     settings = run_settings(args, method_cls, hp)
     if args.resume and (out / "checkpoint.pt").exists():   # refuse a wrong checkpoint before the features
         loop = {k: v for k, v in loop_settings(args, method_cls.defaults).items()
@@ -531,7 +518,7 @@ def main(argv=None):
               f"[threads] 1 for the encoders and feature extraction; training on all {cores} cores when a step's forward "
               f"has >= {BIG_STEP_GFLOP:g} GFLOP of matrix products, else on 1 (--threads N: N throughout)")
     if distributed.rank() == 0:
-        features.atomic_write_text(json.dumps(config, indent=2, default=str), out / "config.json")
+        cache.atomic_write_text(json.dumps(config, indent=2, default=str), out / "config.json")
 
     if args.hard_negatives and (args.align_data != "pairs" or not hasattr(method_cls, "loss")
                                 or contrastive_scale(method_cls(4, 4)) is None):
@@ -542,7 +529,7 @@ def main(argv=None):
     if head_rows_only and "head_rows" in inspect.signature(method_cls.__init__).parameters:
         hp.setdefault("head_rows", getattr(F["image_encoder"], "head_reads", "pooled"))  # what the head rows are
         if distributed.rank() == 0:
-            features.atomic_write_text(json.dumps(dict(config, hp=hp), indent=2, default=str), out / "config.json")  # pal.py choice 8
+            cache.atomic_write_text(json.dumps(dict(config, hp=hp), indent=2, default=str), out / "config.json")  # pal.py choice 8
     img, txt = alignment_data(args, F)
     seed_everything(args.seed)
     method = method_cls(F["train", "image"].pooled.shape[-1], F["train", "text"].pooled.shape[-1], **hp).to(device)
@@ -558,7 +545,7 @@ def main(argv=None):
         torch.set_num_threads(args.threads or cpu_threads(gflop, cores))
         print(f"[threads] training on {torch.get_num_threads()} (a step's forward: {gflop:.2f} GFLOP of matrix products)")
         config.update(epochs=args.epochs, batch_size=args.batch_size, train_threads=torch.get_num_threads())
-        features.atomic_write_text(json.dumps(dict(config, hp=hp), indent=2, default=str), out / "config.json")
+        cache.atomic_write_text(json.dumps(dict(config, hp=hp), indent=2, default=str), out / "config.json")
     metrics = {"train": {"seconds": 0.0, "final_loss": None}}
     t0 = time.time()
     if hasattr(method, "fit"):  # closed-form methods are global: pass pooled vectors, never a whole token cache
@@ -573,13 +560,13 @@ def main(argv=None):
             sys.exit(f"error: {e}")
     if not distributed.finish():                    # torchrun: the group ends; rank 0 evaluates and writes alone
         return {}
-    features.atomic_save(method.state_dict(), out / "method.pt")
+    cache.atomic_save(method.state_dict(), out / "method.pt")
     metrics.update(evaluate_all(method, F, args, out, device))
-    features.atomic_write_text(json.dumps(metrics, indent=2), out / "metrics.json")  # before anything else can fail
+    cache.atomic_write_text(json.dumps(metrics, indent=2), out / "metrics.json")  # before anything else can fail
     print(evaluate.results_table(metrics))
     if args.analyses:
         metrics["recycling"] = recycling_analyses(F, args, device)
-        features.atomic_write_text(json.dumps(metrics, indent=2), out / "metrics.json")
+        cache.atomic_write_text(json.dumps(metrics, indent=2), out / "metrics.json")
     print(f"[done] results in {out}/")
     return metrics
 
@@ -647,7 +634,7 @@ def recycling_analyses(F, args, device):
         fewest = int(per_class[per_class > 0].min()) if len(per_class) else 0     # held-out images of the rarest class
         shots = tuple(n for n in (1, 2, 4) if n < fewest)
         if shots:
-            prompts = features.extract(F["text_encoder"], [recycling.FEW_SHOT_TEMPLATE.format(c) for c in s.class_names],
+            prompts = cache.extract(F["text_encoder"], [recycling.FEW_SHOT_TEMPLATE.format(c) for c in s.class_names],
                                        args.cache_dir, dataset=args.data, split=name, modality="fewshot",
                                        template=recycling.FEW_SHOT_TEMPLATE).to("cpu")  # the key holds the text
             aligned = lambda sf, sl: recycling.finetune_mlp_classifier(mlp, prompts, sf, sl)

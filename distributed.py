@@ -8,7 +8,7 @@ CPUs); DistributedDataParallel (DDP) averages the gradients. Without torchrun ev
 here is a no-op and align.py runs exactly as before.
 
 What each stage does under N ranks (README "Scaling out"):
-1. Extraction (features.extract): the ranks write disjoint cache shards (shard s by rank
+1. Extraction (cache.extract): the ranks write disjoint cache shards (shard s by rank
    s mod N); a set small enough for one file is extracted by rank 0 while the others wait.
 2. Training (Training below): every rank draws the same seeded permutation, so the global
    batch of --batch-size B is the one a single process draws; rank r takes its slice

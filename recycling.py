@@ -58,7 +58,8 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from features import ConcatFeatures, Features
+from cache import ConcatFeatures
+from features import Features
 from similarity import mutual_knn
 
 

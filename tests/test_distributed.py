@@ -170,7 +170,7 @@ import os, signal, sys
 sys.path.insert(0, sys.argv[1])
 import torch
 torch.set_num_threads(1)
-import data, distributed, encoders, features
+import cache, data, distributed, encoders
 distributed.setup("cpu")
 kill_after = int(os.environ.get("KILL_RANK1_AFTER", "0"))            # rank 1 dies after writing this many shards
 if kill_after and distributed.rank() == 1:
@@ -184,8 +184,8 @@ if kill_after and distributed.rank() == 1:
 image, text = encoders.load_encoders("shapes-cnn", "shapes-text", sys.argv[2])
 test = data.shapes_world(n_train=16, n_test=96, n_cls=8, n_seg=8, n_bind=8)["test"]
 for enc, inputs, modality in ((image, test.images, "image"), (text, test.captions, "text")):
-    f = features.extract(enc, inputs, sys.argv[2], batch_size=8, dataset="t", split="test", modality=modality)
-    assert isinstance(f, features.StoredFeatures) and len(f) == len(inputs)
+    f = cache.extract(enc, inputs, sys.argv[2], batch_size=8, dataset="t", split="test", modality=modality)
+    assert isinstance(f, cache.StoredFeatures) and len(f) == len(inputs)
 distributed.finish()
 """
 SHARDED = dict(ALIGN_MEMMAP_GB="0", ALIGN_SHARD_MB="1e-4")            # every set sharded, one batch of 8 per shard

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import align
+import cache
 import features
 from conftest import interrupted, random_features
 from methods.linear import Linear
@@ -32,11 +33,11 @@ class RandomEncoder:
 
 def stored_and_dense(tmp_path, monkeypatch, n=70):
     """The same pairs as memory-mapped StoredFeatures (shards of 16 rows) and as in-RAM Features."""
-    monkeypatch.setattr(features, "MEMMAP_BYTES", 0)            # every set goes to shards
-    monkeypatch.setattr(features, "SHARD_BYTES", 1)            # one batch per shard
+    monkeypatch.setattr(cache, "MEMMAP_BYTES", 0)            # every set goes to shards
+    monkeypatch.setattr(cache, "SHARD_BYTES", 1)            # one batch per shard
     enc_i, enc_t = RandomEncoder("img", 5, 8, ragged=False), RandomEncoder("txt", 6, 6, ragged=True)
-    img = features.extract(enc_i, list(range(n)), tmp_path, batch_size=16, dataset="t", split="a", modality="image")
-    txt = features.extract(enc_t, list(range(n)), tmp_path, batch_size=16, dataset="t", split="a", modality="text")
+    img = cache.extract(enc_i, list(range(n)), tmp_path, batch_size=16, dataset="t", split="a", modality="image")
+    txt = cache.extract(enc_t, list(range(n)), tmp_path, batch_size=16, dataset="t", split="a", modality="text")
     assert features.is_stored(img) and features.is_stored(txt) and len(img.tokens_files) == -(-n // 16)
     return (img, txt), (img[:], txt[:])
 
@@ -47,7 +48,7 @@ def test_read_ahead_gives_the_plain_loaders_batches_in_order(tmp_path, monkeypat
     index_batches = [order[s * 16:(s + 1) * 16] for s in range(len(img) // 16)]
     seen_threads = []
     ahead = []
-    for idx, a, b in align.batch_loader(img, txt, iter(index_batches), "cpu"):
+    for idx, a, b in features.batch_loader(img, txt, iter(index_batches), "cpu"):
         seen_threads.append(any(t.name == "read-ahead" for t in threading.enumerate()))
         ahead.append((idx, a, b))
     assert all(seen_threads[:-1])      # read by the background thread (after the last batch it may have ended)

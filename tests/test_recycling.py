@@ -311,8 +311,7 @@ def test_weights_plus_pairs_on_a_memory_mapped_training_set(tmp_path, monkeypatc
     rows equal the in-memory union, batches read only their own rows, the training loop runs on it."""
     import argparse
     import align
-    import features
-    from features import StoredFeatures
+    from cache import StoredFeatures
     from methods.linear import Linear
     from test_cache import FakeEncoder, extract, shard_rows
     n = 30
@@ -349,8 +348,8 @@ def test_analyses_run_on_real_data_with_a_head_and_a_torchvision_set(tmp_path, m
     checked against the checkpoint's own logits; Table 2 uses "A photo of a {class}" (issue 11.6)."""
     import align
     import data
+    import cache
     import encoders
-    import features
     from transformers import BeitConfig, BeitForImageClassification
     from test_real import VISION, write_image, write_karpathy
     root = tmp_path / "data"
@@ -363,10 +362,10 @@ def test_analyses_run_on_real_data_with_a_head_and_a_torchvision_set(tmp_path, m
     model = BeitForImageClassification(BeitConfig(**VISION, use_mean_pooling=True, id2label=head,
                                                   label2id={v: k for k, v in head.items()})).eval()
     model.save_pretrained(tmp_path / "beit")
-    prompts, extract = [], features.extract
+    prompts, extract = [], cache.extract
     spy = lambda enc, inputs, *a, **kw: (prompts.append(list(inputs)) if kw.get("modality") == "fewshot" else None) \
         or extract(enc, inputs, *a, **kw)
-    monkeypatch.setattr(features, "extract", spy)
+    monkeypatch.setattr(cache, "extract", spy)
     m = align.main(["--data", "coco", "--data-root", str(root), "--method", "linear", "--epochs", "1", "--analyses",
                     "--image-encoder", str(tmp_path / "beit"), "--text-encoder", str(models / "bert"), "--no-figures",
                     "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "out"), "--threads", "1"])
