@@ -11,7 +11,6 @@ import errno
 import hashlib
 import json
 import math
-import mmap
 import os
 import pickle
 import re
@@ -177,11 +176,15 @@ class StoredFeatures:
         for s in range(plan["n_shards"]):
             self.tokens_files.append(np.load(Path(folder) / f"{s:05d}.tokens.npy", mmap_mode="r"))  # (sum_len_s, D) fp16
             metas.append(load_plain(Path(folder) / f"{s:05d}.pt"))
-            self.offsets.append([0] + metas[-1]["lengths"].cumsum(0).tolist())                  # row r: [off[r], off[r+1])
+            self.offsets.append(np.concatenate([[0], metas[-1]["lengths"].cumsum(0).numpy()]))   # row r: [off[r], off[r+1])
         self.starts = torch.tensor([0] + [len(m["lengths"]) for m in metas]).cumsum(0)          # (S + 1,) first row of shard
         self.pooled = torch.cat([m["pooled"] for m in metas])                                   # (N, D) fp16
         self.lengths = torch.cat([m["lengths"] for m in metas])                                 # (N,) real tokens
         self.grid, self.dim = metas[0]["grid"], self.tokens_files[0].shape[1]
+        self.starts_np = self.starts.numpy()
+        # tokens per row of a shard whose rows all have the same length (images), else None
+        self.row_tokens = [int(m["lengths"][0]) if bool((m["lengths"] == m["lengths"][0]).all()) else None
+                           for m in metas]
 
     def __len__(self):
         return len(self.pooled)
@@ -192,20 +195,37 @@ class StoredFeatures:
         return torch.arange(int(self.lengths.max()))[None] < self.lengths[:, None]
 
     def __getitem__(self, idx):
+        """Rows idx in the order asked. Read in file order: the rows sorted, each shard's rows taken by
+        one numpy fancy-index straight into the batch (images: every row has the same length, so a
+        shard is a (rows, T, D) array) or, for ragged text rows, one gather of all their tokens; then
+        put back in the order asked. The mapped pages are left to the OS (its page cache keeps them)."""
         rows = torch.arange(len(self))[idx].reshape(-1)                                        # (B,)
-        T = int(self.lengths[rows].max())
-        tokens = torch.zeros(len(rows), T, self.dim, dtype=torch.float16)                      # (B, T, D)
+        lengths = self.lengths[rows]
+        T = int(lengths.max())
+        order = rows.argsort(stable=True)                                                        # (B,) file order
+        srt = rows[order].numpy()
+        tokens = torch.zeros(len(rows), T, self.dim, dtype=torch.float16)                      # (B, T, D) file order
         out = tokens.numpy()                                                                     # the same memory
-        shard = torch.searchsorted(self.starts, rows, right=True) - 1                            # (B,) shard of each row
-        for s in shard.unique().tolist():
-            at = (shard == s).nonzero().squeeze(1)
-            local = rows[at] - self.starts[s]
-            order = local.argsort()                                                              # read in file order
-            flat, off = self.tokens_files[s], self.offsets[s]
-            for b, r in zip(at[order].tolist(), local[order].tolist()):
-                out[b, :off[r + 1] - off[r]] = flat[off[r]:off[r + 1]]                          # one contiguous read
-            release(flat)
-        mask = torch.arange(T)[None] < self.lengths[rows][:, None]
+        shard = np.searchsorted(self.starts_np, srt, side="right") - 1                          # (B,) shard of each row
+        a = 0
+        for s, count in zip(*np.unique(shard, return_counts=True)):
+            local, flat = srt[a:a + count] - self.starts_np[s], self.tokens_files[s]
+            T_s = self.row_tokens[s]
+            if T_s is not None:                                                                  # fixed-length rows
+                view = flat.reshape(-1, T_s, self.dim)
+                if T_s == T:
+                    np.take(view, local, axis=0, out=out[a:a + count])                           # one copy, no temporary
+                else:
+                    out[a:a + count, :T_s] = view[local]
+            else:                                                                                # ragged rows
+                off = self.offsets[s]
+                n = off[local + 1] - off[local]                                                  # (b,) tokens per row
+                first = np.repeat(off[local] - np.cumsum(n) + n, n)                              # row start - its first slot
+                out[a:a + count][np.arange(T)[None] < n[:, None]] = flat[first + np.arange(int(n.sum()))]
+            a += count
+        if not bool((order == torch.arange(len(rows))).all()):
+            tokens = tokens[order.argsort()]                                                     # back to the order asked
+        mask = torch.arange(T)[None] < lengths[:, None]
         return Features(tokens=tokens, mask=mask, pooled=self.pooled[rows], grid=self.grid)
 
     def to(self, device, dtype=torch.float32):
@@ -254,14 +274,6 @@ class ConcatFeatures:
 
     def to(self, device, dtype=torch.float32):
         return self[:].to(device, dtype)
-
-
-def release(array):
-    """Unmap the pages of a memory-mapped array that were read: they stay in the kernel's page cache
-    (a re-read is cheap) but no longer count in this process's resident memory."""
-    m = getattr(array, "_mmap", None)
-    if m is not None and hasattr(m, "madvise"):
-        m.madvise(mmap.MADV_DONTNEED)
 
 
 def extract_shards(encoder, inputs, folder, key, batch_size, device, first=None, log=print):

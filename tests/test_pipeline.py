@@ -109,3 +109,59 @@ def test_bench_pipeline_prints_every_figure_at_a_tiny_size(tmp_path):
     figures = json.loads((tmp_path / "out.json").read_text())
     assert {"reader", "extraction", "layers", "evaluation"} <= set(figures)
     assert all(v["value"] > 0 and v["ratio"] > 0 for section in figures.values() for v in section.values())
+
+
+class RaggedEncoder:
+    """Random rows with their own lengths (texts) or one length (images), for the shard reader."""
+
+    def __init__(self, name, T, D, ragged):
+        self.name, self.layer, self.preprocess, self.fingerprint = name, -1, "none", name
+        self.T, self.D, self.ragged = T, D, ragged
+
+    def encode(self, rows, device="cpu"):
+        from features import Features
+        g = torch.Generator().manual_seed(int(rows[0]))
+        B = len(rows)
+        n = torch.randint(1, self.T + 1, (B,), generator=g) if self.ragged else torch.full((B,), self.T)
+        mask = torch.arange(self.T)[None] < n[:, None]
+        tokens = torch.randn(B, self.T, self.D, generator=g) * mask[..., None]
+        return Features(tokens=tokens, mask=mask, pooled=tokens.sum(1), grid=None if self.ragged else (1, self.T - 1))
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_shard_reader_equals_a_row_by_row_read_in_the_order_asked(ragged, tmp_path, monkeypatch):
+    import cache
+    import numpy as np
+    monkeypatch.setattr(cache, "MEMMAP_BYTES", 0)
+    monkeypatch.setattr(cache, "SHARD_BYTES", 1)                 # one batch (8 rows) per shard
+    f = cache.extract(RaggedEncoder("r", 5, 4, ragged), list(range(30)), tmp_path, batch_size=8, dataset="t",
+                      split="a", modality="x")
+    assert len(f.tokens_files) == 4
+    lengths, flat = f.lengths.tolist(), [np.load(p, mmap_mode="r") for p in sorted((tmp_path / "features").rglob("*.tokens.npy"))]
+    def naive(rows):                                             # row r of shard s: its own slice of the file
+        T = max(lengths[r] for r in rows)
+        out = torch.zeros(len(rows), T, 4, dtype=torch.float16)
+        for b, r in enumerate(rows):
+            s, local = r // 8, r % 8
+            start = sum(lengths[s * 8:s * 8 + local])
+            out[b, :lengths[r]] = torch.from_numpy(np.array(flat[s][start:start + lengths[r]]))
+        return out
+    g = torch.Generator().manual_seed(3)
+    for idx in (torch.randperm(30, generator=g)[:13], torch.tensor([29, 3, 3, 17, 0]), torch.arange(5, 11),
+                torch.tensor([9])):
+        got = f[idx]
+        assert torch.equal(got.tokens, naive(idx.tolist()))
+        assert torch.equal(got.mask, torch.arange(got.tokens.shape[1])[None] < f.lengths[idx][:, None])
+        assert torch.equal(got.pooled, f.pooled[idx])
+    assert torch.equal(f[:].tokens, naive(list(range(30))))
+
+
+def test_read_ahead_pool_keeps_the_order_and_the_values():
+    import random
+    import time
+    import features
+    def slow(i):
+        time.sleep(random.random() * 0.003)                     # workers finish out of order
+        return i * i
+    assert list(features.read_ahead(slow, range(40), depth=5, workers=3)) == [i * i for i in range(40)]
+    assert list(features.read_ahead(slow, iter([]), depth=2, workers=2)) == []
