@@ -633,7 +633,6 @@ def select_layers(image_enc, text_enc, pairs, metric="mknn", n=5000, batch_size=
     first_caption = {}
     for j, i in enumerate(pairs.txt_to_img.tolist()):
         first_caption.setdefault(i, j)
-    images = pairs.images[pick] if isinstance(pairs.images, torch.Tensor) else [pairs.images[i] for i in pick.tolist()]
     captions = [pairs.captions[first_caption[i]] for i in pick.tolist()]
     k = math.ceil(2 * len(pick) ** (1 / 3))
     path = None
@@ -642,7 +641,7 @@ def select_layers(image_enc, text_enc, pairs, metric="mknn", n=5000, batch_size=
                               + [metric, len(pick), seed, captions]).encode())
         keys = getattr(pairs.images, "keys", None)                              # LazyImages: the files
         h.update(pairs.images[pick].numpy().tobytes() if isinstance(pairs.images, torch.Tensor)
-                 else repr([keys[i] for i in pick.tolist()] if keys is not None else len(images)).encode())
+                 else repr([keys[i] for i in pick.tolist()] if keys is not None else len(pick)).encode())
         path = Path(cache_dir) / "layers" / f"{metric}-{h.hexdigest()[:16]}.json"
     saved = None
     if path is not None and path.exists():
@@ -653,6 +652,8 @@ def select_layers(image_enc, text_enc, pairs, metric="mknn", n=5000, batch_size=
     if saved is not None:
         table, where = saved, f" (cached: {path})"
     else:
+        images = pairs.images[pick] if isinstance(pairs.images, torch.Tensor) else \
+            [pairs.images[i] for i in pick.tolist()]                            # real images: opened here only
         X = pooled_by_layer(image_enc, images)                                  # {li: (n, D_i)}
         Y = pooled_by_layer(text_enc, captions)                                 # {lt: (n, D_t)}
         table = similarity.cka_table(X, Y) if metric == "cka" else similarity.mutual_knn_table(X, Y, k)
