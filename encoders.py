@@ -129,7 +129,13 @@ def autocast(device):
     return contextlib.nullcontext()
 
 
-IMAGE_THREADS = int(os.environ.get("ALIGN_IMAGE_THREADS", min(8, os.cpu_count() or 1)))  # JPEG decode + resize
+# JPEG decode + resize threads (PIL releases the GIL): all cores, at most 32; ALIGN_IMAGE_THREADS sets it
+IMAGE_THREADS = int(os.environ.get("ALIGN_IMAGE_THREADS", min(32, os.cpu_count() or 1)))
+
+
+def host_batch(x, device):
+    """A host batch ready to cross: pinned on CUDA (its copy then runs without blocking), as is elsewhere."""
+    return x.pin_memory() if str(device).startswith("cuda") else x
 
 
 class ImagePreprocess:
@@ -164,15 +170,23 @@ class ImagePreprocess:
             w, h = img.size
             left, top = (w - self.crop) // 2, (h - self.crop) // 2
             img = img.crop((left, top, left + self.crop, top + self.crop))
-        x = torch.from_numpy(np.asarray(img, dtype=np.float32).copy()).permute(2, 0, 1) / 255  # (3, crop, crop)
-        return (x - self.mean) / self.std
+        return torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1)   # (3, crop, crop) uint8
 
-    def __call__(self, images):
+    def uint8(self, images):
+        """(B, 3, crop, crop) uint8: decoded, resized and cropped in IMAGE_THREADS threads, not normalised."""
         if IMAGE_THREADS <= 1 or len(images) == 1:
             return torch.stack([self.one(images[i]) for i in range(len(images))])
         from concurrent.futures import ThreadPoolExecutor
         with ThreadPoolExecutor(IMAGE_THREADS) as pool:  # images[i] opens the file inside the thread
             return torch.stack(list(pool.map(lambda i: self.one(images[i]), range(len(images)))))
+
+    def normalise(self, x):
+        """uint8 (B, 3, S, S), on any device -> floats scaled to [0, 1], minus mean, over std (on that device)."""
+        mean, std = self.mean.to(x.device), self.std.to(x.device)
+        return (x.float() / 255 - mean) / std
+
+    def __call__(self, images):
+        return self.normalise(self.uint8(images))
 
 
 def hf_preprocess(source, config):
@@ -291,9 +305,23 @@ class HFImageEncoder:
         with autocast(device):
             return self.model.to(device)(pixel_values=x, output_hidden_states=every)
 
+    def prepare(self, images, device):
+        """The host side of encode (cache.encoded_batches runs it a batch ahead): uint8 pixels, pinned on CUDA."""
+        return host_batch(self.transform.uint8(images), device)
+
     @torch.no_grad()
-    def layer_features(self, out, layer):
-        """Features of one layer, on the CPU: [pooled, patches], by the token contract."""
+    def encode_prepared(self, x, device):
+        """encode() from prepare()'s uint8 pixels: sent as uint8, normalised on the device; on CUDA the
+        tokens are cast to fp16 there (what the cache stores) before the copy back."""
+        x = self.transform.normalise(x.to(device, non_blocking=True))                  # (B, 3, S, S)
+        every = self.layer not in (-1, self.n_layers)
+        with autocast(device):
+            out = self.model.to(device)(pixel_values=x, output_hidden_states=every)
+        return self.layer_features(out, self.layer, half=str(device).startswith("cuda"))
+
+    @torch.no_grad()
+    def layer_features(self, out, layer, half=False):
+        """Features of one layer, on the CPU: [pooled, patches], by the token contract (half: fp16, cast on the device)."""
         final = layer in (-1, self.n_layers)
         h = (out.last_hidden_state if final else out.hidden_states[layer]).float()   # (B, T, D) as the model emits it
         patches = h[:, self.n_prefix:]                                          # (B, H*W, D)
@@ -304,7 +332,8 @@ class HFImageEncoder:
             pooled = out.pooler_output.float()                                  # what the head / projection reads
         else:
             pooled = patches.mean(1) if self.mean_pooling else h[:, 0]          # BEiT's mean patch, else CLS
-        tokens = torch.cat([pooled[:, None], patches], 1).cpu()                 # (B, 1 + H*W, D)
+        tokens = torch.cat([pooled[:, None], patches], 1)                       # (B, 1 + H*W, D)
+        tokens = (tokens.half() if half else tokens).cpu()
         return Features(tokens=tokens, mask=torch.ones(tokens.shape[:2], dtype=torch.bool), pooled=tokens[:, 0],
                         grid=(H, W))
 
@@ -520,6 +549,20 @@ class TorchvisionEncoder:
         patches = fmap.flatten(2).transpose(1, 2)                         # (B, H*W, D)
         tokens = torch.cat([patches.mean(1, keepdim=True), patches], 1)   # (B, 1 + H*W, D)
         return Features(tokens=tokens, mask=torch.ones(B, 1 + H * W, dtype=torch.bool), pooled=tokens[:, 0], grid=(H, W))
+
+    def prepare(self, images, device):
+        """The host side of encode (run a batch ahead by cache.encoded_batches): uint8 pixels, pinned on CUDA."""
+        return host_batch(self.transform.uint8(images), device)
+
+    @torch.no_grad()
+    def encode_prepared(self, x, device):
+        """encode() from prepare()'s pixels, normalised on the device; fp16 there before the copy back on CUDA."""
+        l = self.n_layers if self.layer == -1 else self.layer
+        with autocast(device):
+            fmap = self.maps(self.transform.normalise(x.to(device, non_blocking=True)), device, (l,))[l]
+        f = self.features(fmap.float())
+        host = (lambda t: t.half().cpu()) if str(device).startswith("cuda") else (lambda t: t.cpu())
+        return Features(tokens=host(f.tokens), mask=f.mask, pooled=host(f.pooled), grid=f.grid)
 
     def encode(self, images, device="cpu"):
         l = self.n_layers if self.layer == -1 else self.layer

@@ -11,6 +11,7 @@ import collections
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
@@ -98,6 +99,42 @@ def is_stored(f):
     return not isinstance(f, Features)
 
 
+def clock(seconds):
+    """Seconds as 42s, 3m07s or 1h02m."""
+    s = int(round(seconds))
+    return f"{s}s" if s < 60 else f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+class Progress:
+    """Progress lines of a long loop, in the style of [train]'s: done / total, rate, elapsed, ETA.
+
+    t0: when the work began (the rate counts everything done since, the first batch included).
+    A line at most every `every` seconds and one at the end, only when the loop ran that long."""
+
+    def __init__(self, tag, total, unit="rows", every=10.0, log=print, t0=None):
+        self.tag, self.total, self.unit, self.every, self.log = tag, total, unit, every, log
+        self.t0 = time.time() if t0 is None else t0
+        self.done, self.last = 0, self.t0
+
+    def line(self):
+        dt = max(time.time() - self.t0, 1e-9)
+        rate = self.done / dt
+        eta = (self.total - self.done) / rate if rate > 0 else float("inf")
+        return (f"{self.tag} {self.done}/{self.total} {self.unit} ({100 * self.done / max(self.total, 1):.0f}%), "
+                f"{rate:,.0f} {self.unit}/s, {clock(dt)} elapsed, ETA {clock(eta) if eta < 1e7 else '?'}")
+
+    def update(self, n, force=False):
+        self.done += n
+        now = time.time()
+        if force or (now - self.last >= self.every and self.done < self.total):
+            self.last = now
+            self.log(self.line())
+
+    def close(self):
+        if time.time() - self.t0 >= self.every:
+            self.log(self.line())
+
+
 READ_AHEAD = int(os.environ.get("ALIGN_READ_AHEAD", "4"))        # batches read ahead of the one in use
 READ_WORKERS = int(os.environ.get("ALIGN_READ_WORKERS", "2"))    # threads reading them
 
@@ -151,17 +188,18 @@ def batch_loader(img, txt, index_batches, device):
     """(idx, img[idx], txt[idx]) on device for each idx of index_batches, in order.
 
     Memory-mapped sets (is_stored) are read READ_AHEAD batches ahead by READ_WORKERS threads
-    (read_ahead), so the disk reads of the next batches overlap the step on this one. On CUDA
+    (read_ahead), so the disk reads of the next batches (and, on a CPU, their cast to fp32) overlap
+    the step on this one. On CUDA
     the batches are pinned in the reader threads, and batch n + 1 is copied to the GPU (and
     cast to fp32 there) on a side stream while the step on batch n runs: the step waits only
     for its own batch's copy. The batches are the same either way."""
     cuda = str(device).startswith("cuda")
-    fetch = lambda idx: (idx, *((pin(img[idx]), pin(txt[idx])) if cuda else (img[idx], txt[idx])))
+    fetch = lambda idx: (idx, *((pin(img[idx]), pin(txt[idx])) if cuda else                # CPU: fp32 in the readers
+                                (batch_to(img[idx], device), batch_to(txt[idx], device))))
     stored = is_stored(img) or is_stored(txt)
     batches = read_ahead(fetch, index_batches) if stored else map(fetch, index_batches)
     if not cuda:
-        for idx, img_b, txt_b in batches:
-            yield idx, batch_to(img_b, device), batch_to(txt_b, device)
+        yield from batches
         return
     copy = torch.cuda.Stream(device)
 

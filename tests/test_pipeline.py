@@ -165,3 +165,43 @@ def test_read_ahead_pool_keeps_the_order_and_the_values():
         return i * i
     assert list(features.read_ahead(slow, range(40), depth=5, workers=3)) == [i * i for i in range(40)]
     assert list(features.read_ahead(slow, iter([]), depth=2, workers=2)) == []
+
+
+def random_dinov2(layer=-1):
+    from transformers import Dinov2Config, Dinov2Model
+    torch.manual_seed(0)
+    model = Dinov2Model(Dinov2Config(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                                     image_size=28, patch_size=14)).eval()
+    enc = encoders.HFImageEncoder("random-dinov2", model, encoders.ImagePreprocess(32, 28), layer)
+    enc.fingerprint = "random"
+    return enc
+
+
+@pytest.mark.parametrize("layer", [-1, 1])
+def test_extraction_pipeline_equals_the_serial_encode(layer, tmp_path):
+    """uint8 pixels prepared a batch ahead, normalised on the device: the features of encode(), to the last digit."""
+    import cache
+    from PIL import Image
+    g = torch.Generator().manual_seed(0)
+    imgs = [Image.fromarray((torch.rand(40 + 3 * i, 50, 3, generator=g) * 255).byte().numpy()) for i in range(7)]
+    enc = random_dinov2(layer)
+    want = enc.encode(imgs)
+    got = enc.encode_prepared(enc.prepare(imgs, "cpu"), "cpu")
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.pooled, want.pooled) and got.grid == want.grid
+    f = cache.extract(enc, imgs, tmp_path, batch_size=3, dataset="t", split="a", modality="image")   # 3 batches
+    assert torch.equal(f.tokens, want.tokens.half()) and torch.equal(f.pooled, want.pooled.half())
+
+
+def test_progress_lines_count_from_the_start_and_give_an_eta(monkeypatch):
+    import features
+    now = [100.0]
+    monkeypatch.setattr(features.time, "time", lambda: now[0])
+    lines = []
+    p = features.Progress("[x]", 1000, every=10, log=lines.append, t0=90.0)   # the first batch took 10 s
+    p.update(100)
+    now[0] = 101.0
+    p.update(100)                                                  # 1 s since the last line: none
+    now[0] = 111.0
+    p.update(300)
+    assert lines == ["[x] 100/1000 rows (10%), 10 rows/s, 10s elapsed, ETA 1m30s",
+                     "[x] 500/1000 rows (50%), 24 rows/s, 21s elapsed, ETA 21s"]
