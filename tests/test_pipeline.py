@@ -205,3 +205,56 @@ def test_progress_lines_count_from_the_start_and_give_an_eta(monkeypatch):
     p.update(300)
     assert lines == ["[x] 100/1000 rows (10%), 10 rows/s, 10s elapsed, ETA 1m30s",
                      "[x] 500/1000 rows (50%), 24 rows/s, 21s elapsed, ETA 21s"]
+
+
+def token_sets(I=12, T=70, D=16, seed=0):
+    from features import Features
+    g = torch.Generator().manual_seed(seed)
+    img = Features(torch.randn(I, 17, D, generator=g), torch.ones(I, 17, dtype=torch.bool),
+                   torch.randn(I, D, generator=g), (4, 4))
+    n = torch.randint(2, 25, (T,), generator=g)
+    mask = torch.arange(int(n.max()))[None] < n[:, None]
+    txt = Features(torch.randn(T, mask.shape[1], D, generator=g) * mask[..., None], mask, torch.randn(T, D, generator=g))
+    return img, txt
+
+
+@pytest.mark.parametrize("name", ["filip", "cov", "text_guided"])
+def test_scores_by_caption_length_equal_the_padded_form(name):
+    import evaluate
+    import methods
+    img, txt = token_sets()
+    torch.manual_seed(0)
+    m = methods.METHODS[name](16, 16)
+    with evaluate.inference(m):
+        a, b = evaluate.embed(m.embed_image, img), evaluate.embed(m.embed_text, txt)
+        padded = evaluate.score_matrix(m, a, b, chunk=16)                 # every chunk padded to the longest text
+        bucketed = evaluate.score_matrix(m, a, b, chunk=16, by_length=True)
+        naive = torch.tensor([[float(m.score(a[i:i + 1], b[j:j + 1, :int(txt.mask[j].sum())])) for j in range(len(b))]
+                              for i in range(len(a))])                    # each caption alone, unpadded
+    torch.testing.assert_close(bucketed, padded, rtol=0, atol=1e-6)
+    torch.testing.assert_close(bucketed, naive, rtol=0, atol=1e-6)
+    assert evaluate.real_lengths(b).tolist() == txt.mask.sum(1).tolist()
+
+
+def test_asif_dense_image_in_chunks_equals_the_whole_batch():
+    from methods.asif import ASIF
+    img, _ = token_sets(I=5, D=8)
+    m = ASIF(8, 8, k=3)
+    g = torch.Generator().manual_seed(1)
+    m.anchors_v = torch.nn.functional.normalize(torch.randn(30, 8, generator=g), dim=-1)
+    whole = m.dense_image(img)
+    assert whole.shape == (5, 16, 30)
+    assert torch.equal(whole, m.relative(img.patches(), m.anchors_v))    # under the chunk: the one-call form
+    for chunk in (30, 7 * 30, 79 * 30):                                   # 1, 7, 79 patch rows at a time
+        torch.testing.assert_close(m.dense_image(img, chunk=chunk), whole, rtol=0, atol=1e-6)  # matmul rounding
+
+
+def test_text_guided_default_chunk_is_the_cpu_one():
+    from methods.text_guided import TextGuided
+    img, txt = token_sets(I=6, T=9)
+    torch.manual_seed(0)
+    m = TextGuided(16, 16, K=8)
+    a, b = m.embed_image(img), m.embed_text(txt)
+    m2 = TextGuided(16, 16, K=8, score_chunk=2 ** 20)
+    m2.load_state_dict(m.state_dict())
+    assert torch.equal(m.score(a, b), m2.score(a, b))
