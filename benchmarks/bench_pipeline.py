@@ -4,17 +4,18 @@
     python benchmarks/bench_pipeline.py --device cuda --coco-size   # one GPU, COCO sizes (see docs/pipeline.md)
     python benchmarks/bench_pipeline.py --tiny                   # seconds (tests/test_pipeline.py runs it)
 
-(a) feature reads: rows/s of the training loader (features.batch_loader over memory-mapped
-    cache.StoredFeatures shards of fixed-length image rows, in random batches) against a plain
-    numpy fancy-index of the same shards (sorted indices, one copy per shard, one thread);
-    ratio = reader / numpy (target >= 2/3).
+(a) feature reads: rows/s of the training loader's read stage (features.read_ahead over
+    memory-mapped cache.StoredFeatures shards of fixed-length image rows, random batches, fp16
+    host batches) against a plain numpy fancy-index of the same shards (sorted indices, one copy
+    per shard, one thread); ratio = reader / numpy (target >= 2/3). Also the whole loader
+    (features.batch_loader: batches as fp32 on the device, what a training step reads).
 (b) extraction: images/s of JPEG decode + resize alone (encoders.ImagePreprocess), of the model
     alone (a randomly initialised DINOv2 config, tokens back on the host), and of cache.extract
     over the files (the pipeline); ratio = pipeline / the slower of the two (target >= 0.8).
 (c) layer selection (encoders.select_layers, mknn): seconds against the naive form (every layer's
     tokens read per layer, both kNN sets recomputed for every layer pair on the host); ratio =
     naive / now (target >= 10), and the seconds of a rerun (read from the cache).
-(d) evaluation of the token-level methods (cevaluate.embed + evaluate.score_matrix, every image x
+(d) evaluation of the token-level methods (evaluate.embed + evaluate.score_matrix, every image x
     every caption): seconds against the matrix-product bound, 2 x the multiply-adds of the
     token similarities over the captions' real lengths at this device's measured fp32 matmul
     rate; ratio = bound / measured (1 = at the bound).
@@ -48,11 +49,11 @@ import similarity  # noqa: E402
 from features import Features  # noqa: E402
 
 SIZES = {  # rows, tokens, dim of (a); images, model (hidden, layers, heads) of (b); pairs, text layers of (c); (d)
-    "tiny": dict(rows=192, T=17, D=32, batch=32, images=6, hidden=32, layers=2, heads=2, pairs=40, t_layers=2,
+    "tiny": dict(rows=192, T=17, D=32, batch=32, images=6, ext_batch=2, hidden=32, layers=2, heads=2, pairs=40, t_layers=2,
                  t_dim=32, n_img=8, n_txt=40, ev_T=17, ev_D=32, K=32),
-    "cpu": dict(rows=2048, T=257, D=256, batch=128, images=48, hidden=192, layers=6, heads=3, pairs=500,
+    "cpu": dict(rows=2048, T=257, D=256, batch=128, images=48, ext_batch=8, hidden=192, layers=6, heads=3, pairs=500,
                 t_layers=6, t_dim=96, n_img=64, n_txt=320, ev_T=65, ev_D=96, K=128),
-    "coco": dict(rows=8192, T=257, D=1024, batch=128, images=1024, hidden=1024, layers=24, heads=16, pairs=5000,
+    "coco": dict(rows=8192, T=257, D=1024, batch=128, images=1024, ext_batch=128, hidden=1024, layers=24, heads=16, pairs=5000,
                  t_layers=24, t_dim=1024, n_img=1000, n_txt=5000, ev_T=257, ev_D=1024, K=512),
 }
 
@@ -104,20 +105,28 @@ def bench_reader(z, work, device, repeats, sync):
             s = np.searchsorted(starts, rows, side="right") - 1
             [views[k][rows[s == k] - starts[k]] for k in np.unique(s)]      # one fancy-index copy per shard
 
-    def reader_epoch():
+    def reader_epoch():                                                     # the loader's read stage: fp16 host batches
+        for _ in features.read_ahead(lambda idx: f[idx], batches()):
+            pass
+
+    def loader_epoch():                                                     # the whole loader, on the device as fp32
         for _ in features.batch_loader(f, txt, batches(), device):
             pass
-    numpy_epoch()                                                           # the pages in the page cache for both
+    numpy_epoch()                                                           # the pages in the page cache for all
     np_t, np_min = timed(numpy_epoch, repeats, lambda: None)
     rd_t, rd_min = timed(reader_epoch, repeats, sync)
+    ld_t, ld_min = timed(loader_epoch, repeats, sync)
     n, mb = len(f), len(f) * z["T"] * z["D"] * 2 / 2**20
     print(f"(a) feature reads: {n} rows x {z['T']} tokens x {z['D']} fp16 ({mb:.0f} MB in {len(views)} shards), "
-          f"random batches of {z['batch']}, to {device}")
+          f"random batches of {z['batch']}; {features.READ_WORKERS} reader threads, {features.READ_AHEAD} batches ahead")
     print(f"    reader rows/s            {n / rd_t:10.0f}  [{n / rd_min:.0f}]   ratio to numpy {np_t / rd_t:.2f} "
           f"(target >= 0.67)")
     print(f"    numpy fancy-index rows/s {n / np_t:10.0f}  [{n / np_min:.0f}]   (the bound)")
+    print(f"    loader rows/s            {n / ld_t:10.0f}  [{n / ld_min:.0f}]   ratio to numpy {np_t / ld_t:.2f} "
+          f"(batches as fp32 on {device}: the training loop's input)")
     return {"reader_rows_s": {"value": n / rd_t, "ratio": np_t / rd_t},
-            "numpy_rows_s": {"value": n / np_t, "ratio": 1.0}}
+            "numpy_rows_s": {"value": n / np_t, "ratio": 1.0},
+            "loader_rows_s": {"value": n / ld_t, "ratio": np_t / ld_t}}
 
 
 def jpegs(folder, n, seed=0):
@@ -152,7 +161,7 @@ def bench_extraction(z, work, device, repeats, sync):
     paths = jpegs(work / "jpegs", z["images"])
     images = data.LazyImages(paths)
     enc = dinov2(z, device)
-    B = min(64, len(paths))
+    B = z["ext_batch"]
     decode = lambda: [enc.transform(images[i:i + B]) for i in range(0, len(images), B)]
     x = enc.transform(images[:B])
 
