@@ -103,7 +103,7 @@ def test_bench_pipeline_prints_every_figure_at_a_tiny_size(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for label in ("reader rows/s", "numpy fancy-index rows/s", "loader rows/s", "decode images/s", "model images/s",
-                  "pipeline images/s", "layer selection s", "naive layer selection s", "rerun (cached) s",
+                  "pipeline images/s", "layer selection s", "naive layer selection s", "rerun (cached) s", "scoring alone s",
                   "evaluation"):
         assert label in r.stdout, (label, r.stdout)
     figures = json.loads((tmp_path / "out.json").read_text())
