@@ -14,6 +14,7 @@ import math
 import os
 import pickle
 import re
+import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 import distributed
+from errors import RunError
 from features import Features, Progress, read_ahead
 
 
@@ -116,6 +118,37 @@ def file_lock(path, log=print):
         except BlockingIOError:
             log(f"[cache] another run is writing {path.stem}; waiting for it")
             fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def hold_folder(folder, flag):
+    """Hold `folder` (an output folder) for this run: a second run given the same folder stops at
+    once with one line naming the run that holds it, instead of mixing its files with this one's.
+    The lock file (folder/.lock) says who holds it; the kernel releases the lock when a process
+    dies, so a killed run never blocks the next. A no-op where fcntl is missing (Windows)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            raise RunError(f"{flag} {folder} is in use by a run still going ({holder}); wait for it to "
+                           f"finish, or pass another {flag}") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(sys.argv)}\n")
+        f.flush()
         try:
             yield
         finally:

@@ -202,6 +202,13 @@ class CoV(nn.Module):
                   tau="(0, inf)", tau_1="(0, inf)", tau_g="(0, inf)", lambda_g="[0, inf)", lambda_v="[0, inf)",
                   lambda_c="[0, inf)", score_chunk="[1, inf)")  # valid --hp values (align.py)
 
+    refuses_align_data = dict.fromkeys(("weights", "weights+pairs"),  # head rows: one vector each
+                                        "its regions attend over the patch tokens, and a head row is one vector "
+                                        "with no patches")
+
+    def contrastive_scale(self):  # 1 / temperature of its InfoNCE logits (--hard-negatives); not tau
+        return 1 / self.tau_g
+
     def __init__(self, d_image, d_text,
                  dim=512,            # digest: 512-d shared space
                  n_regions=8,        # N_q, digest
@@ -258,7 +265,6 @@ class CoV(nn.Module):
         r = self.V(self.P_v(img.patches()))                      # each patch a one-region image
         return F.normalize(r, dim=-1)[:, :, None]                # (B, H*W, 1, K)
 
-    @torch.no_grad()
     def score(self, img_emb, txt_emb):
         """Eq. (6) for all pairs, in chunks of <= score_chunk elements -> (N_img, N_txt)."""
         (I, Q, _), (T, L, _) = img_emb.shape, txt_emb.shape

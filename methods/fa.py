@@ -117,6 +117,14 @@ class FA(nn.Module):
                     optimizer="adamw")
     ranges = dict(K="[1, inf)", dropout="[0, 1)", tau_init="(0, inf)", dense=("local", "sum"))  # valid --hp
 
+    split_loss = True  # its loss reads the batch only through embed_image / embed_text (distributed.py)
+    refuses_align_data = dict.fromkeys(("weights", "weights+pairs"),  # head rows: one vector each
+                                        "its image embedding adds the mean of the patch tokens (Eq. 3), and a "
+                                        "head row has no patches")
+
+    def contrastive_scale(self):  # 1 / temperature of its contrastive logits (--hard-negatives)
+        return 1 / self.tau
+
     def __init__(self, d_image, d_text,
                  K=512,            # PAL Table 1 parameter count (choice 1); code config: 1024
                  dropout=0.1,      # code: Dropout(0.1) in every projector

@@ -48,6 +48,14 @@ class FILIP(nn.Module):
     defaults = dict(lr=3e-3, epochs=30, batch_size=128, weight_decay=1e-4, optimizer="adam")  # as CoV here
     ranges = dict(K="[1, inf)", tau="(0, inf)", score_chunk="[1, inf)")  # valid --hp values (align.py)
 
+    split_loss = True  # its loss reads the batch only through embed_image / embed_text (distributed.py)
+    refuses_align_data = dict.fromkeys(("weights", "weights+pairs"),  # head rows: one vector each
+                                        "its image embedding reads only the patch tokens, and a head row is one "
+                                        "vector with no patches")
+
+    def contrastive_scale(self):  # 1 / temperature of its contrastive logits (--hard-negatives)
+        return 1 / self.tau
+
     def __init__(self, d_image, d_text,
                  K=512,              # shared dim, as CoV
                  tau=0.05,           # fixed, choice 3
@@ -67,7 +75,6 @@ class FILIP(nn.Module):
     def dense_image(self, img):
         return self.embed_image(img)[:, :, None]                  # (B, H*W, 1, K)
 
-    @torch.no_grad()
     def score(self, img_emb, txt_emb):
         (I, N, _), (T, L, _) = img_emb.shape, txt_emb.shape
         ct = max(1, min(T, self.score_chunk // (N * L)))          # texts per chunk

@@ -295,6 +295,11 @@ class PAL(nn.Module):
     ranges = dict(K="[5, inf)",  # analyse() reads each pair's top-5 anchors (Table 4)
                   tau_p="(0, inf)", tau="(0, inf)", pooling=("cap", "mean", "global"), init=("gaussian", "tokens"))
 
+    split_loss = True  # its loss reads the batch only through embed_image / embed_text (distributed.py)
+
+    def contrastive_scale(self):  # 1 / temperature of its contrastive logits (--hard-negatives)
+        return 1 / self.tau
+
     def __init__(self, d_image, d_text,
                  K=512,            # PAL §5.1
                  tau_p=0.03,       # PAL §5.1, Table 7

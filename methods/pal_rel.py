@@ -101,6 +101,13 @@ class PALRel(nn.Module):
     defaults = dict(lr=3e-2, epochs=20, batch_size=256, weight_decay=0.0, optimizer="adamw")  # PAL's (choice 4)
     ranges = dict(K="[1, inf)", tau_p="(0, inf)", tau="(0, inf)", P=(2, 4, 8, 16, 32, 64))  # valid --hp; P: sin + cos halves
 
+    split_loss = True  # its loss reads the batch only through embed_image / embed_text (distributed.py)
+    refuses_align_data = {"weights": "its relation term (R1) reads the patch grid's positions, and head rows "
+                                     "alone have no grid (weights+pairs reads each head row as its one token)"}
+
+    def contrastive_scale(self):  # 1 / temperature of its contrastive logits (--hard-negatives)
+        return 1 / self.tau
+
     def __init__(self, d_image, d_text,
                  K=512,            # PAL §5.1
                  tau_p=0.03,       # PAL §5.1, Table 7

@@ -99,6 +99,9 @@ class LinearRS(nn.Module):
                     betas=(0.9, 0.95), grad_clip=1.0)
     ranges = dict(K="[1, inf)", tau="(0, inf)", lam="[0, inf)", warmup="[1, inf)")  # valid --hp
 
+    def contrastive_scale(self):  # 1 / temperature of its contrastive logits (--hard-negatives)
+        return 1 / self.tau
+
     def __init__(self, d_image, d_text, K=512, tau=0.05, lam=10.0, warmup=1000):  # STRUCTURE §4 / code
         super().__init__()
         self.g_v, self.g_l = orthogonal_linear(d_image, K), orthogonal_linear(d_text, K)

@@ -192,7 +192,8 @@ def test_bad_inputs_stop_with_one_line_before_any_work(row, bad_input_runs):
 
 
 def test_batch_of_one_is_allowed_where_the_loss_is_per_pair_and_refused_from_too_few_pairs(tmp_path):
-    args = Namespace(eval_images=None, num_pairs=None, threads=0, epochs=1, batch_size=1, lr=None, weight_decay=None)
+    args = Namespace(eval_images=None, num_pairs=None, threads=0, epochs=1, batch_size=1, lr=None, weight_decay=None,
+                     seed=0, select_pairs=5000, method="mlp", align_data="pairs", hard_negatives=False)
     align.check_flags(args, MLP)                             # 1 - cos per pair: a batch of one learns
     with pytest.raises(SystemExit, match=r"--batch-size 1: Linear takes batch_size in \[2, inf\)"):
         align.check_flags(args, Linear)
@@ -307,14 +308,16 @@ def test_a_run_waits_for_the_run_writing_the_same_cache_file_then_reads_it(tmp_p
 
 def test_ctrl_c_mid_training_then_resume_matches_an_uninterrupted_run(reference, shared, tmp_path):
     p = subprocess.Popen(align_cmd(shared, tmp_path / "out", *RUN), cwd=ROOT, env=env(),
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(p, lambda: (tmp_path / "out" / "checkpoint.pt").exists())  # epoch 1 of 3 saved
         p.send_signal(signal.SIGINT)
-        p.wait(60)
+        err = p.communicate(timeout=60)[1].strip()
     finally:
         p.kill()
     assert p.returncode != 0 and not (tmp_path / "out" / "metrics.json").exists()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err[-3000:]      # one line: how to go on
+    assert err.startswith("interrupted:") and "--resume" in err and str(tmp_path / "out" / "checkpoint.pt") in err
     assert torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=True)["epoch"] < 2
     r = run(shared, tmp_path / "out", *RUN, "--resume")
     assert r.returncode == 0 and "[train] resumed from" in r.stdout, r.stderr[-3000:]

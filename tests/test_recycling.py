@@ -387,7 +387,6 @@ def test_analyses_run_on_real_data_with_a_head_and_a_torchvision_set(tmp_path, m
 
 def test_analyses_say_in_one_line_what_is_skipped(capsys):
     import argparse
-    import align
 
     class NoHead:
         def head(self):
@@ -397,8 +396,8 @@ def test_analyses_say_in_one_line_what_is_skipped(capsys):
         def head(self):
             return torch.randn(3, 4), torch.zeros(3), ["a", "b", "c"]
     args = argparse.Namespace(data="coco", data_root="/data")
-    assert align.recycling_analyses({"image_encoder": NoHead(), "sets": {}}, args, "cpu") == {}
-    assert align.recycling_analyses({"image_encoder": Head(), "sets": {"train": None}}, args, "cpu") == {}
+    assert R.recycling_analyses({"image_encoder": NoHead(), "sets": {}}, args, "cpu") == {}
+    assert R.recycling_analyses({"image_encoder": Head(), "sets": {"train": None}}, args, "cpu") == {}
     out = capsys.readouterr().out.strip().splitlines()
     assert out == ["[analyses] skipped: tiny-dinov2 has no linear classification head. Use ...",
                    "[analyses] skipped: --data coco has no classification set (put one of stl10, cifar10, cifar100, "
