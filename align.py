@@ -289,7 +289,7 @@ def load_inputs(args, device):
         F["negative captions"] = hard_negative_captions(sets["train"])
     if args.select_layers:
         encoders.select_layers(image_enc, text_enc, sets["train"], args.select_layers,
-                               n=args.select_pairs, device=device)
+                               n=args.select_pairs, device=device, cache_dir=args.cache_dir)
     return F
 
 
@@ -307,19 +307,20 @@ def extract_features(args, F, device):
     def ext(enc, inputs, split, modality):
         return cache.extract(enc, inputs, args.cache_dir, device=device, dataset=args.data,
                              split=split, modality=modality)
-    image_enc, text_enc, out = F["image_encoder"], F["text_encoder"], {}
+    image_enc, text_enc, jobs = F["image_encoder"], F["text_encoder"], {}   # F key -> extract's arguments
     for split, s in F["sets"].items():
         if split == "train" and args.align_data == "weights":
             continue
-        out[split, "image"] = ext(image_enc, s.images, split, "image")
+        jobs[split, "image"] = (image_enc, s.images, split, "image")
         if isinstance(s, data.PairSet) or isinstance(s, data.BindingSet):
-            out[split, "text"] = ext(text_enc, s.captions, split, "text")
+            jobs[split, "text"] = (text_enc, s.captions, split, "text")
         if isinstance(s, (data.LabelSet, data.MaskSet)):
             prompts = [t.format(c) for c in s.class_names for t in s.templates]  # class-major
-            out[split, "text"] = ext(text_enc, prompts, split, "prompts")
+            jobs[split, "text"] = (text_enc, prompts, split, "prompts")
         if isinstance(s, data.BindingSet):
             for kind, caps in s.distractors.items():
-                out[split, kind] = ext(text_enc, caps, split, kind)
+                jobs[split, kind] = (text_enc, caps, split, kind)
+    out = encoders.extract_sets(jobs, ext, concurrent=device == "cpu" and distributed.world() == 1)
     if args.hard_negatives:
         flat, index = F["negative captions"]
         out["train", "negatives"] = ext(text_enc, flat, "train", "negatives"), index

@@ -11,7 +11,6 @@ import errno
 import hashlib
 import json
 import math
-import mmap
 import os
 import pickle
 import re
@@ -29,7 +28,7 @@ import torch
 import data
 import distributed
 from errors import RunError
-from features import Features
+from features import Features, Progress, read_ahead
 
 
 # ---------------------------------------------------------------------------
@@ -312,11 +311,12 @@ class StoredFeatures:
         for s in range(plan["n_shards"]):
             self.tokens_files.append(np.load(Path(folder) / f"{s:05d}.tokens.npy", mmap_mode="r"))  # (sum_len_s, D) fp16
             metas.append(load_plain(Path(folder) / f"{s:05d}.pt"))
-            self.offsets.append([0] + metas[-1]["lengths"].cumsum(0).tolist())                  # row r: [off[r], off[r+1])
+            self.offsets.append(np.concatenate([[0], metas[-1]["lengths"].cumsum(0).numpy()]))   # row r: [off[r], off[r+1])
         self.starts = torch.tensor([0] + [len(m["lengths"]) for m in metas]).cumsum(0)          # (S + 1,) first row of shard
         self.pooled = torch.cat([m["pooled"] for m in metas])                                   # (N, D) fp16
         self.lengths = torch.cat([m["lengths"] for m in metas])                                 # (N,) real tokens
         self.grid, self.dim = metas[0]["grid"], self.tokens_files[0].shape[1]
+        self.starts_np = self.starts.numpy()
 
     def __len__(self):
         return len(self.pooled)
@@ -327,21 +327,26 @@ class StoredFeatures:
         return torch.arange(int(self.lengths.max()))[None] < self.lengths[:, None]
 
     def __getitem__(self, idx):
+        """Rows idx in the order asked, each row copied once from its shard straight to its place in
+        the batch, shard by shard in file order (rows sorted within a shard); no padding is zeroed
+        where every row has the batch's length, and the mapped pages are left to the OS (its page
+        cache keeps them for the next epoch)."""
         rows = torch.arange(len(self))[idx].reshape(-1)                                        # (B,)
-        T = int(self.lengths[rows].max())
-        tokens = torch.zeros(len(rows), T, self.dim, dtype=torch.float16)                      # (B, T, D)
-        out = tokens.numpy()                                                                     # the same memory
-        shard = torch.searchsorted(self.starts, rows, right=True) - 1                            # (B,) shard of each row
-        for s in shard.unique().tolist():
-            at = (shard == s).nonzero().squeeze(1)
-            local = rows[at] - self.starts[s]
-            order = local.argsort()                                                              # read in file order
+        lengths = self.lengths[rows]
+        T = int(lengths.max())
+        full = bool((lengths == T).all())                                                        # no padding to zero
+        out = (np.empty if full else np.zeros)((len(rows), T, self.dim), dtype=np.float16)     # (B, T, D)
+        rows_np = rows.numpy()
+        shard = np.searchsorted(self.starts_np, rows_np, side="right") - 1                      # (B,) shard of each row
+        for s in np.unique(shard).tolist():
+            at = np.flatnonzero(shard == s)                                                      # batch positions
+            local = rows_np[at] - self.starts_np[s]
+            order = np.argsort(local, kind="stable")                                             # file order
             flat, off = self.tokens_files[s], self.offsets[s]
             for b, r in zip(at[order].tolist(), local[order].tolist()):
-                out[b, :off[r + 1] - off[r]] = flat[off[r]:off[r + 1]]                          # one contiguous read
-            release(flat)
-        mask = torch.arange(T)[None] < self.lengths[rows][:, None]
-        return Features(tokens=tokens, mask=mask, pooled=self.pooled[rows], grid=self.grid)
+                out[b, :off[r + 1] - off[r]] = flat[off[r]:off[r + 1]]                          # one contiguous copy
+        mask = torch.arange(T)[None] < lengths[:, None]
+        return Features(tokens=torch.from_numpy(out), mask=mask, pooled=self.pooled[rows], grid=self.grid)
 
     def to(self, device, dtype=torch.float32):
         return self[:].to(device, dtype)
@@ -391,18 +396,10 @@ class ConcatFeatures:
         return self[:].to(device, dtype)
 
 
-def release(array):
-    """Unmap the pages of a memory-mapped array that were read: they stay in the kernel's page cache
-    (a re-read is cheap) but no longer count in this process's resident memory."""
-    m = getattr(array, "_mmap", None)
-    if m is not None and hasattr(m, "madvise"):
-        m.madvise(mmap.MADV_DONTNEED)
-
-
-def extract_shards(encoder, inputs, folder, key, batch_size, device, first=None, log=print):
+def extract_shards(encoder, inputs, folder, key, batch_size, device, first=None, log=print, t0=None):
     """Encode inputs shard by shard into folder, skipping shards already done (resume)."""
     plan = shard_plan(encoder, inputs, folder, key, batch_size, device, first)
-    write_shards(encoder, inputs, folder, key, plan, range(plan["n_shards"]), batch_size, device, first, log)
+    write_shards(encoder, inputs, folder, key, plan, range(plan["n_shards"]), batch_size, device, first, log, t0)
     return StoredFeatures(folder, key)
 
 
@@ -465,17 +462,38 @@ def shard_done(folder, s, key, log=print):
     return False
 
 
-def write_shards(encoder, inputs, folder, key, plan, shards, batch_size, device, first=None, log=print):
-    """Encode and write the given shards of plan (those not done before: resume). first: shard 0's first batch."""
-    rows, t0, done = plan["rows_per_shard"], time.time(), 0
-    for s in shards:
+EXTRACT_BATCH = int(os.environ.get("ALIGN_EXTRACT_BATCH", "256"))   # extraction batch size (cache keys ignore it)
+
+
+def encoded_batches(encoder, inputs, starts, stop, batch_size, device):
+    """encoder.encode(inputs[i:i + batch_size]) for i in starts (cut at stop), in order.
+
+    An encoder with prepare / encode_prepared (the real image encoders) splits the work: prepare
+    (decode + resize in threads, uint8, pinned on CUDA) runs for the next two batches in a
+    read-ahead thread while this thread runs the forward of the current one."""
+    cut = lambda i: inputs[i:min(i + batch_size, stop)]
+    if not hasattr(encoder, "prepare"):
+        for i in starts:
+            yield encoder.encode(cut(i), device)
+        return
+    for x in read_ahead(lambda i: encoder.prepare(cut(i), device), starts, depth=2, workers=1):
+        yield encoder.encode_prepared(x, device)
+
+
+def write_shards(encoder, inputs, folder, key, plan, shards, batch_size, device, first=None, log=print, t0=None):
+    """Encode and write the given shards of plan (those not done before: resume). first: shard 0's first batch,
+    encoded since t0 (the rate counts it)."""
+    rows = plan["rows_per_shard"]
+    todo = [s for s in shards if not shard_done(folder, s, key, log)]           # resume: intact ones kept
+    total = sum(min((s + 1) * rows, len(inputs)) - s * rows for s in todo)
+    progress = Progress(f"[features] {folder.name}:", total, log=log, t0=t0)
+    half = lambda f: replace(f, tokens=f.tokens.half(), pooled=f.pooled.half())  # fp16 at once: peak RAM ~ 2 shards
+    for s in todo:
         meta = folder / f"{s:05d}.pt"
-        if shard_done(folder, s, key, log):
-            continue                                                             # finished before: not redone
         start, stop = s * rows, min((s + 1) * rows, len(inputs))
-        half = lambda f: replace(f, tokens=f.tokens.half(), pooled=f.pooled.half())  # fp16 at once: peak RAM ~ 2 shards
-        batch = lambda i: encoder.encode(inputs[i:min(i + batch_size, stop)], device)
-        parts = [half(first if (i == 0 and first is not None) else batch(i)) for i in range(start, stop, batch_size)]
+        rest = range(start + batch_size if (start == 0 and first is not None) else start, stop, batch_size)
+        parts = [half(first)] if (start == 0 and first is not None) else []
+        parts += [half(f) for f in encoded_batches(encoder, inputs, rest, stop, batch_size, device)]
         f = Features.cat(parts)
         tokens = folder / f"{s:05d}.tokens.npy"
         with atomic_target(tokens) as tmp:
@@ -485,19 +503,20 @@ def write_shards(encoder, inputs, folder, key, plan, shards, batch_size, device,
         written = {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "crc": crc}
         atomic_save({"key": key, "lengths": f.mask.sum(1), "pooled": f.pooled, "grid": f.grid,
                      "tokens_file": written}, meta)                              # marks it done
-        done += stop - start
-        log(f"[features] {folder.name}: shard {s + 1}/{plan['n_shards']} ({stop}/{len(inputs)} rows, "
-            f"{done / max(time.time() - t0, 1e-9):.0f} rows/s)")
+        progress.tag = f"[features] {folder.name}: shard {s + 1}/{plan['n_shards']},"
+        progress.update(stop - start, force=True)
 
 
-def extract(encoder, inputs, cache_dir, batch_size=256, device="cpu", **key_parts):
+def extract(encoder, inputs, cache_dir, batch_size=None, device="cpu", **key_parts):
     """Features of all inputs (images or texts), from the cache when present.
 
     Stored fp16 (tokens, pooled) with the mask and grid; written atomically under a
     per-key lock (concurrent runs sharing cache_dir wait for one writer); a file that is
     unreadable or was written for other settings is rebuilt, never read.
     Sets larger than MEMMAP_BYTES come back as StoredFeatures (memory-mapped shards).
+    batch_size: None = EXTRACT_BATCH (ALIGN_EXTRACT_BATCH, default 256).
     """
+    batch_size = batch_size or EXTRACT_BATCH
     key = feature_key(encoder, inputs, **key_parts)
     path = Path(cache_dir) / "features" / f"{key}.pt"
     folder = Path(cache_dir) / "features" / key
@@ -512,16 +531,24 @@ def extract(encoder, inputs, cache_dir, batch_size=256, device="cpu", **key_part
             return Features(saved["tokens"], saved["mask"], saved["pooled"], saved["grid"])
         if (folder / "plan.json").exists():                                      # a large set: done or interrupted
             return extract_shards(encoder, inputs, folder, key, batch_size, device)
+        t0 = time.time()
         first = encoder.encode(inputs[:batch_size], device)
         if len(inputs) * 2 * first.tokens.shape[1] * first.tokens.shape[2] > MEMMAP_BYTES:
-            return extract_shards(encoder, inputs, folder, key, batch_size, device, first)
-        feats = extract_file(encoder, inputs, path, key, batch_size, device, first)
+            return extract_shards(encoder, inputs, folder, key, batch_size, device, first, t0=t0)
+        feats = extract_file(encoder, inputs, path, key, batch_size, device, first, t0=t0)
     return Features(feats.tokens.half(), feats.mask, feats.pooled.half(), feats.grid)
 
 
-def extract_file(encoder, inputs, path, key, batch_size, device, first):
-    """Encode a set that fits one file (first: its first batch, encoded already) and save it atomically."""
-    parts = [first] + [encoder.encode(inputs[i:i + batch_size], device) for i in range(batch_size, len(inputs), batch_size)]
+def extract_file(encoder, inputs, path, key, batch_size, device, first, t0=None, log=print):
+    """Encode a set that fits one file (first: its first batch, encoded already since t0) and save it atomically."""
+    progress = Progress(f"[features] {key}:", len(inputs), log=log, t0=t0)
+    progress.update(len(first))
+    parts = [first]
+    for f in encoded_batches(encoder, inputs, range(batch_size, len(inputs), batch_size), len(inputs), batch_size,
+                             device):
+        parts.append(f)
+        progress.update(len(f))
+    progress.close()
     feats = Features.cat(parts)
     atomic_save({"key": key, "tokens": feats.tokens.half(), "mask": feats.mask, "pooled": feats.pooled.half(),
                  "grid": feats.grid}, path)

@@ -138,7 +138,13 @@ def autocast(device):
     return contextlib.nullcontext()
 
 
-IMAGE_THREADS = int(os.environ.get("ALIGN_IMAGE_THREADS", min(8, os.cpu_count() or 1)))  # JPEG decode + resize
+# JPEG decode + resize threads (PIL releases the GIL): all cores, at most 32; ALIGN_IMAGE_THREADS sets it
+IMAGE_THREADS = int(os.environ.get("ALIGN_IMAGE_THREADS", min(32, os.cpu_count() or 1)))
+
+
+def host_batch(x, device):
+    """A host batch ready to cross: pinned on CUDA (its copy then runs without blocking), as is elsewhere."""
+    return x.pin_memory() if str(device).startswith("cuda") else x
 
 
 class ImagePreprocess:
@@ -173,15 +179,23 @@ class ImagePreprocess:
             w, h = img.size
             left, top = (w - self.crop) // 2, (h - self.crop) // 2
             img = img.crop((left, top, left + self.crop, top + self.crop))
-        x = torch.from_numpy(np.asarray(img, dtype=np.float32).copy()).permute(2, 0, 1) / 255  # (3, crop, crop)
-        return (x - self.mean) / self.std
+        return torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1)   # (3, crop, crop) uint8
 
-    def __call__(self, images):
+    def uint8(self, images):
+        """(B, 3, crop, crop) uint8: decoded, resized and cropped in IMAGE_THREADS threads, not normalised."""
         if IMAGE_THREADS <= 1 or len(images) == 1:
             return torch.stack([self.one(images[i]) for i in range(len(images))])
         from concurrent.futures import ThreadPoolExecutor
         with ThreadPoolExecutor(IMAGE_THREADS) as pool:  # images[i] opens the file inside the thread
             return torch.stack(list(pool.map(lambda i: self.one(images[i]), range(len(images)))))
+
+    def normalise(self, x):
+        """uint8 (B, 3, S, S), on any device -> floats scaled to [0, 1], minus mean, over std (on that device)."""
+        mean, std = self.mean.to(x.device), self.std.to(x.device)
+        return (x.float() / 255 - mean) / std
+
+    def __call__(self, images):
+        return self.normalise(self.uint8(images))
 
 
 def hf_preprocess(source, config, flag="--image-encoder"):
@@ -370,9 +384,23 @@ class HFImageEncoder:
         with autocast(device):
             return self.model.to(device)(pixel_values=x, output_hidden_states=every)
 
+    def prepare(self, images, device):
+        """The host side of encode (cache.encoded_batches runs it a batch ahead): uint8 pixels, pinned on CUDA."""
+        return host_batch(self.transform.uint8(images), device)
+
     @torch.no_grad()
-    def layer_features(self, out, layer):
-        """Features of one layer, on the CPU: [pooled, patches], by the token contract."""
+    def encode_prepared(self, x, device):
+        """encode() from prepare()'s uint8 pixels: sent as uint8, normalised on the device; on CUDA the
+        tokens are cast to fp16 there (what the cache stores) before the copy back."""
+        x = self.transform.normalise(x.to(device, non_blocking=True))                  # (B, 3, S, S)
+        every = self.layer not in (-1, self.n_layers)
+        with autocast(device):
+            out = self.model.to(device)(pixel_values=x, output_hidden_states=every)
+        return self.layer_features(out, self.layer, half=str(device).startswith("cuda"))
+
+    @torch.no_grad()
+    def layer_features(self, out, layer, half=False):
+        """Features of one layer, on the CPU: [pooled, patches], by the token contract (half: fp16, cast on the device)."""
         final = layer in (-1, self.n_layers)
         h = (out.last_hidden_state if final else out.hidden_states[layer]).float()   # (B, T, D) as the model emits it
         patches = h[:, self.n_prefix:]                                          # (B, H*W, D)
@@ -383,17 +411,28 @@ class HFImageEncoder:
             pooled = out.pooler_output.float()                                  # what the head / projection reads
         else:
             pooled = patches.mean(1) if self.mean_pooling else h[:, 0]          # BEiT's mean patch, else CLS
-        tokens = torch.cat([pooled[:, None], patches], 1).cpu()                 # (B, 1 + H*W, D)
+        tokens = torch.cat([pooled[:, None], patches], 1)                       # (B, 1 + H*W, D)
+        tokens = (tokens.half() if half else tokens).cpu()
         return Features(tokens=tokens, mask=torch.ones(tokens.shape[:2], dtype=torch.bool), pooled=tokens[:, 0],
                         grid=(H, W))
 
     def encode(self, images, device="cpu"):
         return self.layer_features(self.forward(images, device), self.layer)
 
+    @torch.no_grad()
     def pooled_layers(self, images, device="cpu"):
-        """{layer: (B, D) pooled} for layers 1..L (layer selection)."""
+        """{layer: (B, D) pooled, on device} for layers 1..L (layer selection): read as layer_features
+        reads it, without forming or copying any layer's tokens."""
         out = self.forward(images, device, all_layers=True)
-        return {l: self.layer_features(out, l).pooled for l in range(1, self.n_layers + 1)}
+        pooled = {}
+        for l in range(1, self.n_layers + 1):
+            final = l == self.n_layers
+            if final and self.final_norm is not None:
+                pooled[l] = out.pooler_output.float()
+            else:
+                h = (out.last_hidden_state if final else out.hidden_states[l])
+                pooled[l] = h[:, self.n_prefix:].float().mean(1) if self.mean_pooling else h[:, 0].float()
+        return pooled
 
     def head(self):
         """(W (C, D), b (C,), class names) of the checkpoint's classification head (reads pooled of layer -1)."""
@@ -452,9 +491,15 @@ class HFTextEncoder:
         return self.layer_features(*self.forward(texts, device), self.layer)
 
     def pooled_layers(self, texts, device="cpu"):
-        """{layer: (B, D) pooled} for layers 1..L (layer selection)."""
-        out = self.forward(texts, device, all_layers=True)
-        return {l: self.layer_features(*out, l).pooled for l in range(1, self.n_layers + 1)}
+        """{layer: (B, D) pooled, on device} for layers 1..L (layer selection), as layer_features pools."""
+        out, real, _ = self.forward(texts, device, all_layers=True)
+        real = real.to(device)
+        pooled = {}
+        for l in range(1, self.n_layers + 1):
+            h = (out.last_hidden_state if l == self.n_layers else out.hidden_states[l]).float() * real[..., None]
+            pooled[l] = h[torch.arange(len(h), device=h.device), real.sum(1) - 1] if self.pooling == "eos" \
+                else h.sum(1) / real.sum(1, keepdim=True)
+        return pooled
 
     def words(self, texts):
         """Word-token strings, position-aligned with encode()'s tokens (special tokens dropped the same way)."""
@@ -580,20 +625,23 @@ class TorchvisionEncoder:
         if not (-1 <= layer <= 4 and layer != 0):
             raise SystemExit(f"error: --image-layer {layer}: torchvision ResNets have stages 1..4 (-1 = 4)")
         with torch.no_grad():  # channels of the chosen stage, from one tiny forward pass
-            self.dim = self.maps(torch.zeros(1, 3, 64, 64), "cpu")[self.n_layers if layer == -1 else layer].shape[1]
+            l = self.n_layers if layer == -1 else layer
+            self.dim = self.maps(torch.zeros(1, 3, 64, 64), "cpu", (l,))[l].shape[1]
 
     def stage(self, l):
         return getattr(self.model, f"layer{l}")
 
     @torch.no_grad()
-    def maps(self, x, device):
-        """{stage: (B, C_l, H, W) feature map} for stages 1..4."""
+    def maps(self, x, device, stages=(1, 2, 3, 4)):
+        """{stage: (B, C_l, H, W) feature map, on device as the model emits it} for the stages asked
+        (the forward stops after the last of them; nothing is copied to the host here)."""
         m = self.model.to(device)
         x = m.maxpool(m.relu(m.bn1(m.conv1(x.to(device)))))
         out = {}
-        for l in range(1, 5):
+        for l in range(1, max(stages) + 1):
             x = self.stage(l)(x)
-            out[l] = x.float().cpu()
+            if l in stages:
+                out[l] = x
         return out
 
     def features(self, fmap):
@@ -602,14 +650,30 @@ class TorchvisionEncoder:
         tokens = torch.cat([patches.mean(1, keepdim=True), patches], 1)   # (B, 1 + H*W, D)
         return Features(tokens=tokens, mask=torch.ones(B, 1 + H * W, dtype=torch.bool), pooled=tokens[:, 0], grid=(H, W))
 
-    def encode(self, images, device="cpu"):
+    def prepare(self, images, device):
+        """The host side of encode (run a batch ahead by cache.encoded_batches): uint8 pixels, pinned on CUDA."""
+        return host_batch(self.transform.uint8(images), device)
+
+    @torch.no_grad()
+    def encode_prepared(self, x, device):
+        """encode() from prepare()'s pixels, normalised on the device; fp16 there before the copy back on CUDA."""
+        l = self.n_layers if self.layer == -1 else self.layer
         with autocast(device):
-            fmap = self.maps(self.transform(images), device)[self.n_layers if self.layer == -1 else self.layer]
-        return self.features(fmap)
+            fmap = self.maps(self.transform.normalise(x.to(device, non_blocking=True)), device, (l,))[l]
+        f = self.features(fmap.float())
+        host = (lambda t: t.half().cpu()) if str(device).startswith("cuda") else (lambda t: t.cpu())
+        return Features(tokens=host(f.tokens), mask=f.mask, pooled=host(f.pooled), grid=f.grid)
+
+    def encode(self, images, device="cpu"):
+        l = self.n_layers if self.layer == -1 else self.layer
+        with autocast(device):
+            fmap = self.maps(self.transform(images), device, (l,))[l]              # only the stage used
+        return self.features(fmap.float().cpu())
 
     def pooled_layers(self, images, device="cpu"):
+        """{stage: (B, C_l) mean of its map, on device} (layer selection)."""
         with autocast(device):
-            return {l: f.mean((2, 3)) for l, f in self.maps(self.transform(images), device).items()}
+            return {l: f.float().mean((2, 3)) for l, f in self.maps(self.transform(images), device).items()}
 
     def head(self):
         return self.model.fc.weight.detach().float().clone(), self.model.fc.bias.detach().float().clone(), \
@@ -648,19 +712,60 @@ def load_torchvision(name, layer=-1, weights="DEFAULT"):
     return enc
 
 
+def extract_sets(jobs, extract, concurrent=False):
+    """{key: extract(encoder, inputs, split, modality)} for jobs {key: (encoder, inputs, split, modality)}.
+
+    concurrent (CPU, one process): the image encoder's sets in a second thread while this one does
+    the text encoder's, each on the caller's torch thread count (torch ops release the GIL): the
+    same features, bit for bit, in about the time of the longer of the two on two free cores."""
+    groups = {}
+    for key, job in jobs.items():
+        groups.setdefault(id(job[0]), []).append(key)
+    if not concurrent or len(groups) < 2:
+        return {key: extract(*job) for key, job in jobs.items()}
+    import threading
+    threads, out, errors = torch.get_num_threads(), {}, []
+
+    def run(keys):
+        torch.set_num_threads(threads)                    # per thread: OpenMP's count is a thread's own setting
+        try:
+            for key in keys:
+                out[key] = extract(*jobs[key])
+        except BaseException as e:                        # raised again in the caller's thread
+            errors.append(e)
+    first, *rest = groups.values()
+    workers = [threading.Thread(target=run, args=(keys,), name="extract", daemon=True) for keys in rest]
+    for w in workers:
+        w.start()
+    run(first)
+    for w in workers:
+        w.join()
+    if errors:
+        raise errors[0]
+    return {key: out[key] for key in jobs}
+
+
 # ---------------------------------------------------------------------------
 # Layer selection (the STRUCTURE paper's protocol): the most similar layer pair
 # ---------------------------------------------------------------------------
-def select_layers(image_enc, text_enc, pairs, metric="mknn", n=5000, batch_size=64, device="cpu", seed=0, log=print):
+def select_layers(image_enc, text_enc, pairs, metric="mknn", n=5000, batch_size=64, device="cpu", seed=0, log=print,
+                  cache_dir=None):
     """Score every (image layer, text layer) on n random training pairs; set both encoders to the best.
 
-    Pooled features of every layer from one forward pass per batch; metric "cka"
-    (linear CKA) or "mknn" (mutual kNN, k = ceil(2 n^(1/3))), both from similarity.py.
+    Pooled features of every layer from one forward pass per batch, kept on the device (no token
+    is copied to the host); metric "cka" (linear CKA) or "mknn" (mutual kNN, k = ceil(2 n^(1/3))),
+    from similarity.py, with each layer's kNN sets computed once (similarity.mutual_knn_table).
+    With cache_dir the table is kept in cache_dir/layers/<key>.json, keyed by both encoders'
+    names, weights fingerprints and preprocessing, the pairs scored, n, seed and the metric:
+    a rerun reads it instead of running the encoders.
     Returns (image_layer, text_layer, {(li, lt): score}).
     """
+    import hashlib
+    import json
     import similarity
+    from cache import atomic_write_text
 
-    def pooled_by_layer(enc, items):  # {layer: (n, D_layer)}
+    def pooled_by_layer(enc, items):  # {layer: (n, D_layer)} on device
         out = {}
         for i in range(0, len(items), batch_size):
             for layer, v in enc.pooled_layers(items[i:i + batch_size], device).items():
@@ -671,18 +776,41 @@ def select_layers(image_enc, text_enc, pairs, metric="mknn", n=5000, batch_size=
     first_caption = {}
     for j, i in enumerate(pairs.txt_to_img.tolist()):
         first_caption.setdefault(i, j)
-    images = pairs.images[pick] if isinstance(pairs.images, torch.Tensor) else [pairs.images[i] for i in pick.tolist()]
-    X = pooled_by_layer(image_enc, images)                                                  # {li: (n, D_i)}
-    Y = pooled_by_layer(text_enc, [pairs.captions[first_caption[i]] for i in pick.tolist()])  # {lt: (n, D_t)}
+    captions = [pairs.captions[first_caption[i]] for i in pick.tolist()]
     k = math.ceil(2 * len(pick) ** (1 / 3))
-    score = (lambda a, b: similarity.cka(a, b)) if metric == "cka" else (lambda a, b: similarity.mutual_knn(a, b, k))
-    table = {(li, lt): score(X[li], Y[lt]) for li in X for lt in Y}
+    path = None
+    if cache_dir is not None:
+        h = hashlib.sha1(repr([(e.name, getattr(e, "fingerprint", None), e.preprocess) for e in (image_enc, text_enc)]
+                              + [metric, len(pick), seed, captions]).encode())
+        keys = getattr(pairs.images, "keys", None)                              # LazyImages: the files
+        h.update(pairs.images[pick].numpy().tobytes() if isinstance(pairs.images, torch.Tensor)
+                 else repr([keys[i] for i in pick.tolist()] if keys is not None else len(pick)).encode())
+        path = Path(cache_dir) / "layers" / f"{metric}-{h.hexdigest()[:16]}.json"
+    saved = None
+    if path is not None and path.exists():
+        try:
+            saved = {(li, lt): v for li, lt, v in json.loads(path.read_text())["table"]}
+        except (OSError, ValueError, KeyError, TypeError):
+            saved = None                                                        # unreadable: scored again
+    if saved is not None:
+        table, where = saved, f" (cached: {path})"
+    else:
+        images = pairs.images[pick] if isinstance(pairs.images, torch.Tensor) else \
+            [pairs.images[i] for i in pick.tolist()]                            # real images: opened here only
+        X = pooled_by_layer(image_enc, images)                                  # {li: (n, D_i)}
+        Y = pooled_by_layer(text_enc, captions)                                 # {lt: (n, D_t)}
+        table = similarity.cka_table(X, Y) if metric == "cka" else similarity.mutual_knn_table(X, Y, k)
+        where = ""
+        if path is not None:
+            atomic_write_text(json.dumps({"metric": metric, "n": len(pick), "k": k,
+                                          "table": [[li, lt, v] for (li, lt), v in table.items()]}), path)
+    rows, cols = sorted({li for li, _ in table}), sorted({lt for _, lt in table})
     best = max(table, key=table.get)
     log(f"[layers] {metric} on {len(pick)} training pairs" + (f" (k = {k})" if metric == "mknn" else "")
-        + ": rows = image layer, columns = text layer")
-    log("          " + "".join(f"{lt:>8}" for lt in Y))
-    for li in X:
-        log(f"    {li:>6}" + "".join(f"{table[li, lt]:8.3f}" for lt in Y) + ("   <- best" if li == best[0] else ""))
+        + f": rows = image layer, columns = text layer{where}")
+    log("          " + "".join(f"{lt:>8}" for lt in cols))
+    for li in rows:
+        log(f"    {li:>6}" + "".join(f"{table[li, lt]:8.3f}" for lt in cols) + ("   <- best" if li == best[0] else ""))
     log(f"[layers] best: image layer {best[0]}, text layer {best[1]} ({metric} {table[best]:.3f})")
     image_enc.layer, text_enc.layer = best
     return best[0], best[1], table

@@ -35,7 +35,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from features import batch_to, is_stored, read_ahead
+from features import Progress, batch_to, is_stored, read_ahead
 
 
 # ----------------------------------------------------------------------------- embedding step
@@ -77,19 +77,42 @@ def embed(fn, feats, batch_size=256, device="cpu"):
     return pad_cat(outs)
 
 
-def score_matrix(method, img_emb, txt_emb, chunk=1024, device="cpu"):
+def real_lengths(emb):
+    """(N,) tokens up to each row's last non-zero one (the padding convention: padded positions are 0)."""
+    nz = emb.abs().sum(-1) > 0                                                   # (N, L)
+    return (nz * torch.arange(1, emb.shape[1] + 1, device=emb.device)).amax(1)
+
+
+def score_matrix(method, img_emb, txt_emb, chunk=1024, device="cpu", by_length=None, log=print):
     """S[i, j] = method.score(image i, text j), (N_img, N_txt) float32 on the CPU.
 
     method.score only ever sees chunk x chunk blocks: a token-level score (L x Q
     similarities per pair) would not fit for COCO's 5K x 25K at once; the matrix
     of floats itself (500 MB) does.
+    by_length (default: on a GPU): token-level texts are scored in chunks of similar length,
+    each cut to its longest text, instead of every chunk padded to the longest text of the set:
+    the same scores up to float rounding (~1e-7: the sums over words run over fewer zeros), so
+    the CPU keeps the padded form. Progress lines (images, rate, elapsed, ETA) past 10 seconds.
     """
     S = torch.empty(len(img_emb), len(txt_emb), device="cpu")
+    by_length = str(device) != "cpu" if by_length is None else by_length
+    blocks = [slice(j, j + chunk) for j in range(0, len(txt_emb), chunk)]
+    if by_length and txt_emb.dim() == 3:
+        n = real_lengths(txt_emb)
+        order = n.argsort(descending=True, stable=True)                         # long texts first
+        blocks = [order[j:j + chunk] for j in range(0, len(txt_emb), chunk)]
+        blocks = [(b, int(n[b].max())) for b in blocks]
+    else:
+        blocks = [(b, None) for b in blocks]
+    progress = Progress("[eval] scores:", len(img_emb), unit="images", log=log)
     with torch.no_grad():
         for i in range(0, len(img_emb), chunk):
             a = img_emb[i:i + chunk].to(device)
-            for j in range(0, len(txt_emb), chunk):
-                S[i:i + chunk, j:j + chunk] = method.score(a, txt_emb[j:j + chunk].to(device)).float().cpu()
+            for b, L in blocks:
+                t = txt_emb[b] if L is None else txt_emb[b, :max(L, 1)]
+                S[i:i + chunk, b] = method.score(a, t.to(device)).float().cpu()
+            progress.update(len(a))
+    progress.close()
     return S
 
 

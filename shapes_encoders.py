@@ -7,6 +7,7 @@ pair is seen before alignment (the post-hoc setting, DESIGN.md). Both are
 pretrained on first use and cached; load_shapes_encoders returns them frozen, as
 encoders with the same interface as the real ones in encoders.py.
 """
+import os
 import time
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cache import atomic_save, file_lock, fits, safe_load, state_fingerprint
+from cache import atomic_save, file_lock, fits, load_plain, safe_load, state_fingerprint
 from encoders import TOKEN_RULE, word_positions, word_tokens
 from features import Features
 
@@ -251,7 +252,13 @@ class ShapesImageEncoder:
     def pooled_layers(self, images, device="cpu"):
         """{layer: (B, D_l) mean feature after block l} for l = 1..4 (layer selection)."""
         x, m = shapes_pixels(torch.as_tensor(images).to(device)), self.model.to(device)
-        return {l: m(x, l).mean((2, 3)).cpu() for l in range(1, len(m.blocks) + 1)}  # forward() adds the position code
+        out = {}
+        for l, block in enumerate(m.blocks, start=1):          # forward()'s blocks, each output kept once
+            if m.pos and l == len(m.blocks):
+                x = x + sincos_2d(x.shape[1], x.shape[2], x.shape[3]).to(x)
+            x = block(x)
+            out[l] = x.mean((2, 3))                             # (B, D_l) on device
+        return out
 
 
 class ShapesTextEncoder:
@@ -282,15 +289,22 @@ class ShapesTextEncoder:
     def pooled_layers(self, texts, device="cpu"):
         """{layer: (B, D) masked mean after block l} for l = 1..n_layers (the last normalised)."""
         ids, mask = self.tokenizer(texts)
-        n = len(self.model.layers)
+        model, ids, mask = self.model.to(device), ids.to(device), mask.to(device)
         m = mask[..., None].float()
-        return {l: (self.model.to(device)(ids.to(device), mask.to(device), l).cpu() * m).sum(1) / m.sum(1)
-                for l in range(1, n + 1)}
+        x, out = model.embed(ids) + model.pos[:ids.shape[1]], {}
+        for l, block in enumerate(model.layers, start=1):      # forward()'s blocks, each output kept once
+            x = block(x, src_key_padding_mask=~mask)
+            h = model.norm(x) if l == len(model.layers) else x
+            out[l] = (h * m).sum(1) / m.sum(1)                  # (B, D) on device
+        return out
 
     @property
     def n_layers(self):
         return len(self.model.layers)
 
+
+# ALIGN_PRETRAIN_PROCESSES=1: pretrain the two tiny encoders one after the other in this process
+PRETRAIN_PROCESSES = int(os.environ.get("ALIGN_PRETRAIN_PROCESSES", "2"))
 
 SHAPES_CNN_VERSION = "shapes-cnn-pos1"  # the position-aware tiny CNN (issue 14): its checkpoint and feature keys
 
@@ -302,22 +316,73 @@ def load_shapes_encoders(cache_dir, seed=0, image_layer=-1, text_layer=-1, log=p
         return _load_shapes_encoders(cache_dir, seed, image_layer, text_layer, log, image_pos)
 
 
+def _pretrain(which, seed, pos, out):
+    """One tiny encoder pretrained on one torch thread, as the main process would on one; written to
+    out (a plain torch file: state_dict, vocabulary or None, held-out accuracy). Run by pretrain_both."""
+    torch.set_num_threads(1)
+    if which == "image":
+        model, acc = pretrain_image_encoder(seed, pos=pos)
+        vocab = None
+    else:
+        model, tok, acc = pretrain_text_encoder(seed)
+        vocab = tok.vocab
+    atomic_save({"state": model.state_dict(), "vocab": vocab, "acc": acc}, out)
+
+
+def pretrain_both(seed, pos, folder, log=print):
+    """Both tiny encoders pretrained at once, one Python process and one torch thread each: they share
+    nothing and each seeds its own generators, so the weights are the ones of pretraining them one
+    after the other on one thread, bit for bit, in the time of the slower one on two free cores.
+    The workers are fresh interpreters (`python -c`), so no caller's script is re-imported.
+    Returns {"image": ..., "text": ...} as _pretrain writes them."""
+    import subprocess
+    import sys
+    log("[encoders] not cached: pretraining the image and the text encoder at once, one process and one thread "
+        "each (about a minute)")
+    here = str(Path(__file__).resolve().parent)
+    outs = {w: Path(folder) / f".pretrain-{w}-seed{seed}.tmp{os.getpid()}.pt" for w in ("image", "text")}
+    code = "import sys; sys.path.insert(0, sys.argv[1]); import shapes_encoders as s; " \
+           "s._pretrain(sys.argv[2], int(sys.argv[3]), sys.argv[4] == 'True', sys.argv[5])"
+    procs = {w: subprocess.Popen([sys.executable, "-c", code, here, w, str(seed), str(pos), str(outs[w])],
+                                 env={**os.environ, "OMP_NUM_THREADS": "1"}) for w in outs}
+    try:
+        failed = [w for w, p in procs.items() if p.wait() != 0]
+        if failed:
+            raise SystemExit(f"error: pretraining the tiny {' and '.join(failed)} encoder failed (its error is "
+                             f"above); set ALIGN_PRETRAIN_PROCESSES=1 to pretrain in this process")
+        return {w: load_plain(out) for w, out in outs.items()}
+    finally:
+        for w, p in procs.items():
+            if p.poll() is None:                                  # Ctrl-C here: stop the workers too
+                p.kill()
+                p.wait()
+            outs[w].unlink(missing_ok=True)
+
+
 def _load_shapes_encoders(cache_dir, seed, image_layer, text_layer, log, image_pos):
     tag = SHAPES_CNN_VERSION if image_pos else "shapes-cnn"
     path_i = Path(cache_dir) / "encoders" / f"{tag}-seed{seed}.pt"
     path_t = Path(cache_dir) / "encoders" / f"shapes-text-seed{seed}.pt"
     import data
-    saved = safe_load(path_i, expect_key=f"{tag}-{seed}")
+    saved_i = safe_load(path_i, expect_key=f"{tag}-{seed}")
+    saved_t = safe_load(path_t, expect_key=f"shapes-text-{seed}")
+    if saved_i is None and saved_t is None and PRETRAIN_PROCESSES > 1:     # a cold start: both at once
+        path_i.parent.mkdir(parents=True, exist_ok=True)
+        done = pretrain_both(seed, image_pos, path_i.parent, log)
+        saved_i = {"key": f"{tag}-{seed}", "state": done["image"]["state"], "acc": done["image"]["acc"]}
+        saved_t = {"key": f"shapes-text-{seed}", "state": done["text"]["state"], "vocab": done["text"]["vocab"],
+                   "acc": done["text"]["acc"]}
+        atomic_save(saved_i, path_i)
+        atomic_save(saved_t, path_t)
     image_model = TinyImageEncoder(len(data.CLASS_NAMES), pos=image_pos)
-    if saved is None or not fits(image_model, saved["state"], path_i):     # missing, corrupt or of other shapes
+    if saved_i is None or not fits(image_model, saved_i["state"], path_i):   # missing, corrupt or of other shapes
         log("[image encoder] not cached: pretraining it on labelled Shapes images (about a minute)")
         image_model, acc = pretrain_image_encoder(seed, log=log, pos=image_pos)
         atomic_save({"key": f"{tag}-{seed}", "state": image_model.state_dict(), "acc": acc}, path_i)
-    saved = safe_load(path_t, expect_key=f"shapes-text-{seed}")
-    if saved is not None:
-        tok = WordTokenizer(saved["vocab"])
+    if saved_t is not None:
+        tok = WordTokenizer(saved_t["vocab"])
         text_model = TinyTextEncoder(len(tok.vocab))
-    if saved is None or not fits(text_model, saved["state"], path_t):
+    if saved_t is None or not fits(text_model, saved_t["state"], path_t):
         log("[text encoder] not cached: pretraining it on Shapes captions alone (about a minute)")
         text_model, tok, acc = pretrain_text_encoder(seed, log=log)
         atomic_save({"key": f"shapes-text-{seed}", "state": text_model.state_dict(), "vocab": tok.vocab, "acc": acc}, path_t)

@@ -47,3 +47,32 @@ def cka(X, Y, normalize=True):
     Yc = Y - Y.mean(0)                                       # (N, Dy) = H Y
     hsic = lambda A, B: (A.T @ B).pow(2).sum()
     return (hsic(Xc, Yc) / (hsic(Xc, Xc) * hsic(Yc, Yc)).sqrt()).item()
+
+
+def mutual_knn_table(Xs, Ys, k):
+    """{(a, b): mutual_knn(Xs[a], Ys[b], k)} for every pair of two families of paired sets, each set's
+    kNN computed once (len(Xs) + len(Ys) times, not 2 len(Xs) len(Ys)), on the sets' device.
+
+    |kNN_X(i) ∩ kNN_Y(i)| is read as in_X[i, kNN_Y(i)].sum(): the same integer counts as
+    (in_X & in_Y).sum(1), so every value equals mutual_knn's to the last digit."""
+    idx_Y = {b: knn_indices(Y, k) for b, Y in Ys.items()}                 # {b: (N, k)}
+    table = {}
+    for a, X in Xs.items():
+        N = len(X)
+        in_X = torch.zeros(N, N, dtype=torch.bool, device=X.device).scatter_(1, knn_indices(X, k), True)  # (N, N)
+        for b, iy in idx_Y.items():
+            assert len(iy) == N and 0 < k < N
+            table[a, b] = (in_X.gather(1, iy).sum(1).float() / k).mean().item()
+    return table
+
+
+def cka_table(Xs, Ys, normalize=True):
+    """{(a, b): cka(Xs[a], Ys[b], normalize)}, each set centred (and its HSIC with itself) once: the same values."""
+    def prepare(X):
+        X = X.double()
+        X = F.normalize(X, dim=-1) if normalize else X
+        Xc = X - X.mean(0)
+        return Xc, (Xc.T @ Xc).pow(2).sum()
+    P, Q = {a: prepare(X) for a, X in Xs.items()}, {b: prepare(Y) for b, Y in Ys.items()}
+    return {(a, b): ((Xc.T @ Yc).pow(2).sum() / (hxx * hyy).sqrt()).item()
+            for a, (Xc, hxx) in P.items() for b, (Yc, hyy) in Q.items()}

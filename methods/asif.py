@@ -77,5 +77,18 @@ class ASIF(nn.Module):
     def score(self, img_emb, txt_emb):
         return img_emb @ txt_emb.T                                        # (N_img, N_txt)
 
-    def dense_image(self, img):
-        return self.relative(img.patches(), self.anchors_v)               # (B, H*W, N_a)
+    def dense_image(self, img, chunk=2 ** 26):
+        """(B, H*W, N_a), at most `chunk` elements of it computed at a time (a batch under it: one call, as
+        relative(patches); chunked rows agree to float rounding, ~1e-7): relative() makes two
+        tensors of its input's size (cosines, scattered top-k), so with COCO's 82,783 anchors a
+        64-image batch peaks at the output plus one 256 MB chunk, not three 5.4 GB tensors."""
+        p = img.patches()                                                 # (B, H*W, D)
+        N_a = self.anchors_v.shape[0]
+        step = max(1, chunk // N_a)                                       # patch rows per chunk
+        rows = p.reshape(-1, p.shape[-1])                                 # (B*H*W, D)
+        if len(rows) <= step:
+            return self.relative(p, self.anchors_v)                       # (B, H*W, N_a)
+        out = rows.new_empty(len(rows), N_a)
+        for i in range(0, len(rows), step):
+            out[i:i + step] = self.relative(rows[i:i + step], self.anchors_v)
+        return out.view(*p.shape[:2], N_a)                                # (B, H*W, N_a)
