@@ -475,7 +475,7 @@ def evaluate_all(method, F, args, out, device):
             metrics["segmentation"][split] = evaluate.segmentation(method, img[:n], s.masks[:n], txt, len(s.templates),
                                                                    ignore_index=data.IGNORE, device=device)
         elif isinstance(s, data.BindingSet):
-            metrics["binding"] = evaluate.binding(method, img[:n], txt[:n], {k: F[split, k][:n] for k in s.distractors},
+            metrics[split] = evaluate.binding(method, img[:n], txt[:n], {k: F[split, k][:n] for k in s.distractors},
                                                   device=device)
     if args.figures and hasattr(method, "analyse") and "test" in sets:
         n = 64  # the first test images with their first caption
