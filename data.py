@@ -308,8 +308,9 @@ def _words(text):
     return re.findall(r"[\w']+|[^\w\s]", text)
 
 
-def _join(words):
-    return re.sub(r" ([.,!?;:])", r"\1", " ".join(words))
+def _join(words, spaced):
+    """The words as one caption: a space before each word, and before punctuation where the caption had one."""
+    return "".join((" " if k and (gap or w[:1].isalnum()) else "") + w for k, (w, gap) in enumerate(zip(words, spaced)))
 
 
 def _verb_form(word):
@@ -352,12 +353,13 @@ def word_swaps(text):
        the noun) exchange their modifiers nearest the noun that differ
        ("a red bus next to a white car" -> "a white bus next to a red car");
     2. object swap: at the first relation phrase (RELATION_WORDS, asymmetric, longest first) that has
-       a noun phrase before it (at most two auxiliaries or verb forms between) and one right after it,
+       a noun phrase right after it and one before it (at most two auxiliaries or verb forms between),
        the two noun phrases exchange places ("a cat sitting on a table" -> "a table sitting on a cat").
     Returns the swaps that apply (0, 1 or 2 captions), each different from the text."""
     w = _words(text)
     low = [x.lower() for x in w]
-    spans, out = noun_phrases(w), []
+    spaced = [m.start() > 0 and text[m.start() - 1].isspace() for m in re.finditer(r"[\w']+|[^\w\s]", text)]
+    spans, perms = noun_phrases(w), []
     det = lambda s: int(low[s[0]] in DETERMINERS)
     mods = [s for s in spans if s[1] - s[0] - det(s) >= 2]            # determiner, >= 1 modifier, noun
     if len(mods) >= 2:
@@ -365,9 +367,9 @@ def word_swaps(text):
         m0, m1 = range(j0 - 2, i0 + det(mods[0]) - 1, -1), range(j1 - 2, i1 + det(mods[1]) - 1, -1)
         pair = next(((p, q) for p, q in zip(m0, m1) if low[p] != low[q]), None)  # nearest the noun first
         if pair:
-            v = list(w)
-            v[pair[0]], v[pair[1]] = w[pair[1]], w[pair[0]]
-            out.append(_join(_articles(v)))
+            perm = list(range(len(w)))
+            perm[pair[0]], perm[pair[1]] = pair[1], pair[0]
+            perms.append(perm)
     starts = {s[0]: s for s in spans}
     for at in range(len(low)):
         rel = next((r.split() for r in RELATION_WORDS if low[at:at + len(r.split())] == r.split()), None)
@@ -377,12 +379,16 @@ def word_swaps(text):
                                                           for k in range(s[1], at)) and at - s[1] <= 2]
         if before:
             (i0, j0), (i1, j1) = before[-1], starts[at + len(rel)]
-            v = w[:i0] + w[i1:j1] + w[j0:i1] + w[i0:j0] + w[j1:]
-            if i0 == 0 and w[0][:1].isupper() and low[0] in DETERMINERS:  # the capital stays first
-                v[0], v[j1 - j0] = v[0][:1].upper() + v[0][1:], low[0]
-            out.append(_join(v))
+            k = list(range(len(w)))
+            perms.append(k[:i0] + k[i1:j1] + k[j0:i1] + k[i0:j0] + k[j1:])
         break                                                         # the first relation phrase that starts one
-    return [c for c in out if c.lower() != text.lower()]
+    out = []
+    for perm in perms:
+        v = [w[k] if k else low[0] if low[0] in DETERMINERS else w[0] for k in perm]  # the capital stays first
+        if w[0][:1].isupper():
+            v[0] = v[0][:1].upper() + v[0][1:]
+        out.append(_join(_articles(v), [spaced[k] for k in perm]))
+    return [c for c in dict.fromkeys(out) if c.lower() != text.lower()]  # once each (same-shape objects: one)
 
 
 def text_corpus(n, seed):

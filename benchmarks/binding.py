@@ -164,6 +164,37 @@ def probes(args):
         print(f"| {name} | {a:.1f} |")
 
 
+# ---------------------------------------------------------------- --breakdown: which phrasing fails?
+def breakdown(args):
+    """Each trained run's harder binding test per caption form: the all-styles set by training style,
+    the held-out set by template (data.HELD_OUT_TEMPLATES), from the run's method.pt."""
+    import torch
+    import data
+    import encoders
+    import evaluate
+    from methods import METHODS
+    torch.set_num_threads(1)
+    world = data.shapes_world()
+    for run in args.breakdown:
+        config = json.loads((Path(run) / "config.json").read_text())
+        img_enc, txt_enc = encoders.load_encoders(config["image_encoder"], config["text_encoder"], args.cache_dir)
+        rows = []
+        for split, forms in (("binding_styles", [str(k) for k in range(5)]),
+                             ("binding_templates", [f"h{k}" for k in range(len(data.HELD_OUT_TEMPLATES))])):
+            s = world[split]
+            img = img_enc.encode(s.images)
+            txt = {k: txt_enc.encode(c) for k, c in [("true", s.captions), *s.distractors.items()]}
+            m = METHODS[config["method"]](img.pooled.shape[-1], txt["true"].pooled.shape[-1], **config["hp"])
+            m.load_state_dict(torch.load(Path(run) / "method.pt"))
+            for f, form in enumerate(forms):
+                idx = torch.arange(f, len(s.captions), len(forms))
+                r = evaluate.binding(m, img[idx], txt["true"][idx], {k: txt[k][idx] for k in s.distractors})
+                rows.append((form, s.captions[f], *(r[f"binding_{k}"] for k, _ in SWAPS)))
+        print(f"\n{run}\n| form | example | attribute | relation word | object order |\n|---|---|---|---|---|")
+        for form, example, *v in rows:
+            print(f"| {form} | {example} | " + " | ".join(f"{x:.1f}" for x in v) + " |")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", nargs="+", default=None, help="methods to run (default: all of methods.METHODS)")
@@ -181,7 +212,11 @@ def main():
     p.add_argument("--probes", action="store_true",
                    help="instead of the grid: linear probes of the relation on frozen tokens, pooled features and "
                         "the grid's trained PAL / PAL-Rel embeddings (reads <out>/<run>/method.pt)")
+    p.add_argument("--breakdown", nargs="+", default=None, metavar="RUN",
+                   help="instead of the grid: the binding test per caption form of trained runs (their folders)")
     args = p.parse_args()
+    if args.breakdown:
+        return breakdown(args)
     if args.probes:
         return probes(args)
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -104,23 +104,25 @@ def grid_positions(H, W, device=None):
 class PALRel(nn.Module):
     defaults = dict(lr=3e-2, epochs=20, batch_size=256, weight_decay=0.0, optimizer="adamw")  # PAL's (choice 4)
     ranges = dict(K="[1, inf)", tau_p="(0, inf)", tau="(0, inf)", P=(2, 4, 8, 16, 32, 64),
-                  order=("relation", "index"))  # valid --hp; P: sin + cos halves
+                  order=("local", "relation", "index"), W="[0, inf)")  # valid --hp; P: sin + cos halves
 
     def __init__(self, d_image, d_text,
                  K=512,            # PAL §5.1
                  tau_p=0.03,       # PAL §5.1, Table 7
                  tau=0.05,         # pal.py choice 1
                  P=32,             # (R2) word-position code size, choice 8
-                 order="relation"):  # (R2) q_w codes w - r (relation-relative) or w ("index"), choice 10
+                 order="local",    # (R2) how a word's place in the caption is coded, choice 10
+                 W=5):             # (R2) order="local": the window, words j - W .. j + W around word j
         super().__init__()
-        if order not in ("relation", "index"):
-            raise ValueError(f"order must be 'relation' or 'index', not {order!r}")
+        if order not in ("local", "relation", "index"):
+            raise ValueError(f"order must be 'local', 'relation' or 'index', not {order!r}")
         self.A_v = nn.Parameter(torch.randn(K, d_image))   # Eq. (2), (K, D_v)
         self.A_l = nn.Parameter(torch.randn(K, d_text))    # Eq. (2), (K, D_l)
         self.U = nn.Parameter(torch.zeros(d_text, 2))      # (R2), (D_l, 2), choice 3
-        self.V = nn.Parameter(torch.zeros(d_text, 2 * P))  # (R2), (D_l, 2P), choice 3
-        self.u = nn.Parameter(torch.zeros(d_text))        # (R2) relation-word locator, (D_l,), choice 10
-        self.K, self.P, self.tau_p, self.tau, self.order = K, P, tau_p, tau, order
+        self.C = 2 * W + 1 if order == "local" else P      # (R2) the code size
+        self.V = nn.Parameter(torch.zeros(d_text, 2 * self.C))  # (R2), (D_l, 2C), choice 3
+        self.u = nn.Parameter(torch.zeros(d_text)) if order != "index" else None  # (R2) rho's weights, (D_l,)
+        self.K, self.P, self.W, self.tau_p, self.tau, self.order = K, P, W, tau_p, tau, order
 
     def embed_image(self, img):
         Z, mask = PAL.Z(img, "image")                                      # [global (masked), patches]: PAL's Z
@@ -133,14 +135,21 @@ class PALRel(nn.Module):
 
     def embed_text(self, txt):
         B, L, _ = txt.tokens.shape
-        G = (F.normalize(txt.pooled, dim=-1) @ self.V).view(B, 2, self.P)  # (R2) G(t), (B, 2, P)
         y = F.normalize(txt.tokens, dim=-1)                                # y_w / ||y_w||, (B, L, D_l)
         w = torch.arange(L, device=y.device, dtype=torch.float32)          # word indices, (L,)
-        if self.order == "relation":                                       # (R2) r: where the relation word is
-            rho = (y @ self.u).masked_fill(~txt.mask, float("-inf")).softmax(dim=1)  # (B, L)
-            w = w - (rho * w).sum(dim=1, keepdim=True)                     # w - r, (B, L)
-        q = sincos(w, self.P)                                              # (R2) q_w, (L, P) or (B, L, P)
-        o = y @ self.U + q @ G.transpose(1, 2)                             # (R2), (B, L, 2)
+        if self.order == "local":                                          # (R2) each word j places its neighbours
+            rho = (y @ self.u).masked_fill(~txt.mask, float("-inf")).softmax(dim=1)  # (B, L) which words relate
+            M = (y @ self.V).view(B, L, 2, self.C)                         # M(y_j), (B, L, 2, C)
+            delta = (w[:, None] - w[None, :]).long() + self.W              # w - j + W, (L, L)
+            E = F.one_hot(delta.clamp(0, 2 * self.W), self.C) * ((delta >= 0) & (delta <= 2 * self.W))[..., None]
+            o = y @ self.U + torch.einsum("bj,bjcp,wjp->bwc", rho, M, E.to(y.dtype))  # (R2), (B, L, 2)
+        else:
+            G = (F.normalize(txt.pooled, dim=-1) @ self.V).view(B, 2, self.C)  # (R2) G(t), (B, 2, P)
+            if self.order == "relation":                                   # (R2) r: where the relation word is
+                rho = (y @ self.u).masked_fill(~txt.mask, float("-inf")).softmax(dim=1)  # (B, L)
+                w = w - (rho * w).sum(dim=1, keepdim=True)                 # w - r, (B, L)
+            q = sincos(w, self.P)                                          # (R2) q_w, (L, P) or (B, L, P)
+            o = y @ self.U + q @ G.transpose(1, 2)                         # (R2), (B, L, 2)
         # Eqs. (3)-(6) and (R3) in one chunked pass: p (B, K) and d = alpha^T o (B, K, 2); padding has alpha 0
         p, d = chunked_cap(txt.tokens, self.A_l, txt.mask, self.tau_p, V=o)
         return torch.cat([F.normalize(p, dim=-1), d.flatten(1) / self.K], dim=1)  # e_l, (B, 3K); 1/K: choice 6
@@ -155,4 +164,4 @@ class PALRel(nn.Module):
     def loss(self, img, txt):
         loss = info_nce(self.embed_image(img), self.embed_text(txt), self.tau)  # Eq. (8) on s / tau
         return loss, {"nce": loss.item(), "U_norm": self.U.norm().item(), "V_norm": self.V.norm().item(),
-                      "u_norm": self.u.norm().item()}
+                      **({"u_norm": self.u.norm().item()} if self.u is not None else {})}
