@@ -1,5 +1,6 @@
-"""Issue 14, binding: hard negatives (data.py swaps, align.py --hard-negatives), the
-position-aware tiny CNN, and the relation-aware variant methods/pal_rel.py.
+"""Binding: hard negatives (data.py's scene swaps and noun-phrase rule, align.py --hard-negatives),
+the harder binding test (data.binding_sets), the position-aware tiny CNN, and the relation-aware
+variant methods/pal_rel.py.
 
 Each test checks against an independent reference: exact strings written by hand,
 naive loops over pairs / anchors / patches / words, and a linear probe.
@@ -8,7 +9,6 @@ import math
 import re
 
 import numpy as np
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -283,7 +283,12 @@ def test_align_runs_with_hard_negatives_and_refuses_non_contrastive_methods(cach
                     "--batch-size", "64", "--eval-images", "20", "--cache-dir", str(cache_dir), "--out", str(tmp_path),
                     "--no-figures", "--threads", "1"])
     assert math.isfinite(m["train"]["final_loss"]) and "binding_relation_swap" in m["binding"]
-    assert "[hard negatives] " in capsys.readouterr().out
+    for split in ("canonical", "styles", "templates", "combos"):          # the harder test, in every run
+        assert set(m[f"binding_{split}"]) == {"binding_acc", "binding_attribute_swap", "binding_relation_swap",
+                                              "binding_object_swap"}
+    assert m["binding_canonical"]["binding_attribute_swap"] == m["binding"]["binding_attribute_swap"]
+    out = capsys.readouterr().out
+    assert "[hard negatives] " in out and "binding_templates" in out
     with pytest.raises(SystemExit, match="contrastive"):
         align.main(["--method", "mlp", "--hard-negatives", "--cache-dir", str(cache_dir), "--out", str(tmp_path)])
 
