@@ -12,10 +12,11 @@ images in RAM).
     MaskSet   images, masks ((N, S, S) integer, IGNORE = background), class_names, templates
     BindingSet images, captions (true, one per image), distractors {kind: list[str]}
 
-The Shapes world (DESIGN.md): 1-3 coloured shapes in two sizes on varied
-backgrounds, captions that bind attributes and relations ("a small red circle
-to the left of a large blue square"), five paraphrases per test image like
-COCO's Karpathy test, and minimal-pair distractors for a binding test.
+The Shapes world: 1-3 coloured shapes in two sizes on varied backgrounds,
+captions that bind attributes and relations ("a small red circle to the left
+of a large blue square"), five paraphrases per test image like COCO's Karpathy
+test, and minimal-pair distractors for a binding test (with held-out wordings
+and object pairs, docs/binding.md).
 """
 import functools
 import re
