@@ -5,10 +5,10 @@
 PyTorch's own engine, nothing home-made: torchrun starts the processes (ranks) and sets
 RANK / WORLD_SIZE / LOCAL_RANK; torch.distributed connects them (NCCL on GPUs, gloo on
 CPUs); DistributedDataParallel (DDP) averages the gradients. Without torchrun every function
-here is a no-op and align.py runs exactly as before.
+here is a no-op and align.py runs as one process.
 
 What each stage does under N ranks (README "Scaling out"):
-1. Extraction (features.extract): the ranks write disjoint cache shards (shard s by rank
+1. Extraction (cache.extract): the ranks write disjoint cache shards (shard s by rank
    s mod N); a set small enough for one file is extracted by rank 0 while the others wait.
 2. Training (Training below): every rank draws the same seeded permutation, so the global
    batch of --batch-size B is the one a single process draws; rank r takes its slice
@@ -29,20 +29,27 @@ What each stage does under N ranks (README "Scaling out"):
 Deviations / choices:
 1. --batch-size is the GLOBAL batch: the same command gives the same run on 1 or N ranks.
 2. Only methods whose loss reads the batch through embed_image / embed_text alone are split
-   (SPLIT_LOSS; tests/test_distributed.py checks each against its single-process loss and
-   gradients). The others (CoV: its loss reads regions(); STRUCTURE: R_S reads the raw
+   (their class attribute split_loss = True; tests/test_distributed.py checks each against its
+   single-process loss and gradients). The others (CoV: its loss reads regions(); STRUCTURE: R_S reads the raw
    features; T2C: map_text), a method with active dropout (its masks are drawn per row:
-   a split batch draws other masks, so the result would match only in distribution),
-   a lazy data-dependent init still pending (PAL init=tokens) and --hard-negatives train on
-   rank 0 alone, exactly as one process would, with a one-line message; the other ranks
-   then have nothing left to do. Measured exact on the Shapes world (asif, mlp, cov: the
+   a split batch draws other masks, so the result would match only in distribution) and
+   --hard-negatives train on rank 0 alone, exactly as one process would, with a one-line
+   message; the other ranks then have nothing left to do. Measured exact on the Shapes world (asif, mlp, cov: the
    same metrics and parameters, bit for bit, as one process).
-4. A gather that gloo can run: torch.distributed.nn.all_gather's backward is a reduce_scatter,
+3. A gather that gloo can run: torch.distributed.nn.all_gather's backward is a reduce_scatter,
    which gloo lacks; AllGather's backward is an all_reduce.
-3. Ranks > 0 print only lines about their own work (their shards), prefixed [rank r];
+4. Ranks > 0 print only lines about their own work (their shards), prefixed [rank r];
    rank 0 prints what a single run prints. Errors go to stderr from every rank.
+5. Every rank must run the same settings: same_everywhere compares them (a hash, then the
+   differing values) before any work and before training; a mismatch stops every rank with
+   one line, where it would otherwise deadlock in a collective. A collective waits at most
+   TIMEOUT (30 min: longer than rank 0's longest lone step, a one-file extraction or a fit).
+6. A split method needs at least one pair of every global batch on every rank: a global
+   batch smaller than the number of ranks is refused (check_batch), not run with empty slices.
 """
 import builtins
+import hashlib
+import json
 import os
 from datetime import timedelta
 
@@ -51,8 +58,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-# loss(img, txt) = f(embed_image(img), embed_text(txt)): batch-coupled through the embeddings only
-SPLIT_LOSS = ("PAL", "PALRel", "Linear", "FILIP", "TextGuided", "FA", "SAIL", "MLP")  # class names (methods/)
+from errors import RunError
+
+TIMEOUT = timedelta(minutes=30)   # the longest a collective waits (choice 5)
 _print = builtins.print
 
 
@@ -75,10 +83,10 @@ def setup(device):
         return
     if device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # "cuda" is now this rank's GPU
-    # a rank may wait at a barrier while rank 0 extracts a small set or fits: allow long waits
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timedelta(hours=2))
+    # a rank waits at a barrier while rank 0 extracts a small set or fits (choice 5)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=TIMEOUT)
     if rank() > 0:
-        builtins.print = lambda *a, **k: None                  # rank 0 speaks for the run (choice 3)
+        builtins.print = lambda *a, **k: None                  # rank 0 speaks for the run (choice 4)
     print(f"[distributed] {world()} ranks ({dist.get_backend()}); rank 0 evaluates and writes the results")
 
 
@@ -89,11 +97,38 @@ def finish():
     r = rank()
     # a barrier first: a rank that tears the group down while another still has gloo work in flight
     # aborts at exit ("terminate called without an active exception", seen once in CI under load);
-    # a rank that did not train waits here for rank 0 (within the group's 2 h timeout)
+    # a rank that did not train waits here for rank 0 (within TIMEOUT)
     dist.barrier()
     dist.destroy_process_group()
     builtins.print = _print
     return r == 0
+
+
+def same_everywhere(what, settings):
+    """Stop every rank with one line when the ranks' settings differ (choice 5). settings: a
+    dict of plain values; compared by hash first, so equal settings cost one small gather."""
+    if world() == 1:
+        return
+    text = json.dumps(settings, sort_keys=True, default=str)
+    digests = [None] * world()
+    dist.all_gather_object(digests, hashlib.sha1(text.encode()).hexdigest())
+    if len(set(digests)) == 1:
+        return
+    everyone = [None] * world()
+    dist.all_gather_object(everyone, settings)
+    diff = [f"{k}: " + ", ".join(f"{s.get(k)!r} on rank {r}" for r, s in enumerate(everyone))
+            for k in sorted(set().union(*everyone), key=str) if len({repr(s.get(k)) for s in everyone}) > 1]
+    raise RunError(f"the {world()} ranks were started with different {what} ({'; '.join(diff)}); "
+                   f"start every rank with the same command")
+
+
+def check_batch(method, batch_size, hard_negatives=False):
+    """Refuse a global batch smaller than the number of ranks for a method that would be split
+    (choice 6): a rank with no rows has nothing to embed."""
+    if world() > 1 and split_blocker(method, hard_negatives) is None and batch_size < world():
+        raise RunError(f"a global batch of {batch_size} pair(s) on {world()} ranks: each rank takes a slice of "
+                       f"every batch and would get none; use --batch-size {world()} or more (and at least as "
+                       f"many alignment pairs), or fewer ranks")
 
 
 def barrier():
@@ -187,12 +222,10 @@ def split_blocker(method, hard_negatives):
     """Why this method cannot be split across ranks (choice 2), or None."""
     if hard_negatives:
         return "--hard-negatives adds a term over each caption's own swaps"
-    if type(method).__name__ not in SPLIT_LOSS:
+    if not getattr(method, "split_loss", False):
         return "its loss reads more of the batch than its embeddings"
     if any(isinstance(m, nn.Dropout) and m.p > 0 for m in method.modules()):
         return "its dropout masks are drawn per row (pass --hp dropout=0 to split it)"
-    if not bool(getattr(method, "initialised", True)):
-        return "it initialises from its first batch (init=tokens)"
     return None
 
 

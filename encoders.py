@@ -7,10 +7,10 @@ Read top to bottom: the token-layout contract (one table for every family); real
 encoders (Hugging Face transformers models, torchvision classifiers); layer
 selection; load_encoders. The built-in tiny Shapes encoders are in
 shapes_encoders.py; the feature cache (extract, shards, StoredFeatures, weights
-fingerprints, the special-token rule word_positions) in features.py; the
+fingerprints) in cache.py; the
 similarity measures layer selection uses (CKA, mutual kNN) in similarity.py.
 Every encoder has .name, .layer, .dim, .preprocess (a string in the cache key),
-.fingerprint (its weights', also in the cache key: features.py "Weights fingerprints"),
+.fingerprint (its weights', also in the cache key: cache.py "Weights fingerprints"),
 .encode(batch, device) -> Features, .pooled_layers(batch, device) -> {layer: (B, D)};
 text encoders .words(texts); image encoders .head().
 """
@@ -25,8 +25,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from features import TOKEN_RULE, Features, folder_fingerprint, word_positions, word_tokens
-from shapes_encoders import load_shapes_encoders
+from cache import folder_fingerprint
+from features import Features
 
 
 
@@ -39,7 +39,7 @@ from shapes_encoders import load_shapes_encoders
 #   mean-pools) is dropped: no method reads it.
 # Features of a TEXT: tokens = the caption's WORD tokens only, in order, padded at the
 #   end. The tokenizer's special tokens (CLS / SEP, <s> / </s>, BOS / EOS) are dropped
-#   by features.word_positions(), the one place this rule lives, so every token-level
+#   by word_positions() below, the one place this rule lives, so every token-level
 #   method (CoV, FILIP, text_guided, PAL's CAP, FA) matches words, as the papers do
 #   (PAL: "Z are the patch and word tokens"). pooled is computed before that, over the
 #   whole sequence, as the family defines it (sentence-transformers' masked mean
@@ -69,6 +69,32 @@ from shapes_encoders import load_shapes_encoders
 #
 # tests/test_token_contract.py checks each row against the Hugging Face model's own outputs.
 IMAGE_PREFIX = {"dinov2": 1, "vit": 1, "deit": 2, "beit": 1, "clip": 1, "clip_vision_model": 1}  # tokens before the patches
+
+# The special-token rule of the text rows above, written once
+TOKEN_RULE = "tokens: image [pooled, patches], text words only; last layer normed as pooled"  # in the cache key
+
+
+def word_positions(real, special):
+    """THE special-token rule, written once: which of a text's tokens are its words.
+
+    real (B, L) bool, the attention mask; special (B, L) bool, the tokenizer's special
+    tokens (CLS / SEP, <s> / </s>, BOS / EOS). Returns idx (B, L') the positions of the
+    word tokens, in order, padded with other positions, and mask (B, L') True for a word.
+    A text with no word token at all keeps its real tokens, so no row is ever empty.
+    """
+    word = real & ~special                                                   # (B, L)
+    word = torch.where(word.any(1, keepdim=True), word, real)
+    idx = torch.sort((~word).to(torch.uint8), dim=1, stable=True).indices   # words first, in order
+    idx = idx[:, :max(int(word.sum(1).max()), 1)]                            # (B, L')
+    return idx, word.gather(1, idx)
+
+
+def word_tokens(h, real, special):
+    """(B, L, D) encoder tokens -> the word tokens (B, L', D) (padding exactly 0) and their mask (B, L')."""
+    idx, mask = word_positions(real, special)
+    tokens = h.gather(1, idx[..., None].expand(-1, -1, h.shape[-1]))         # (B, L', D)
+    return tokens * mask[..., None], mask
+
 
 # ---------------------------------------------------------------------------
 # Real encoders: Hugging Face transformers models and torchvision classifiers
@@ -576,6 +602,7 @@ def load_encoders(image_name, text_name, cache_dir, image_layer=-1, text_layer=-
     if text_name != "shapes-text":
         text_enc = load_hf_text(text_name, text_layer)
     if image_enc is None or text_enc is None:
+        from shapes_encoders import load_shapes_encoders   # here: shapes_encoders reads this file's token rule
         shapes_image, shapes_text = load_shapes_encoders(cache_dir, 0, image_layer, text_layer,
                                                          image_pos=image_name == "shapes-cnn-pos")
         image_enc, text_enc = image_enc or shapes_image, text_enc or shapes_text

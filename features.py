@@ -1,33 +1,18 @@
-"""Frozen encoder outputs and their cache on disk.
+"""Frozen encoder outputs as one data structure, and how batches of it reach the device.
 
-Read next to DESIGN.md's data flow: Features is the one data structure every
-stage passes around (tokens, mask, pooled, grid); extract() runs an encoder
-once over a set and caches its outputs, as one fp16 torch file or, for
-COCO-scale sets, memory-mapped shards read back as StoredFeatures.
+Features is what every stage passes around (tokens, mask, pooled, grid); batch_loader
+hands the training loop its batches. How features are computed once and cached on
+disk (extract, memory-mapped shards read back as StoredFeatures) is in cache.py.
 
 Shape alphabet (used in every file): B batch, T tokens, D features,
 K anchors / output dim, Q regions, L words, C classes, H x W patch grid.
 """
-import contextlib
-import errno
-import hashlib
-import json
-import math
-import mmap
-import os
-import pickle
 import queue
-import re
-import tempfile
 import threading
-import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import numpy as np
 import torch
-
-import distributed
 
 @dataclass
 class Features:
@@ -83,8 +68,9 @@ class Features:
                         pooled=torch.cat([p.pooled for p in parts]), grid=parts[0].grid)
 
 
+
 # ---------------------------------------------------------------------------
-# Moving batches to the device, and reading them ahead (issue 15, item 6)
+# Moving batches to the device, and reading them ahead
 # ---------------------------------------------------------------------------
 def batch_to(f, device, dtype=torch.float32):
     """A batch of Features on device, floats as dtype. On CUDA the host tensors are pinned
@@ -104,8 +90,9 @@ def pin(f):
 
 
 def is_stored(f):
-    """True for a set read from disk batch by batch (memory-mapped shards, or parts of them)."""
-    return isinstance(f, (StoredFeatures, ConcatFeatures))
+    """True for a set read from disk batch by batch (cache.StoredFeatures, cache.ConcatFeatures):
+    anything indexable that is not a dense Features."""
+    return not isinstance(f, Features)
 
 
 _END = object()
@@ -154,444 +141,15 @@ def read_ahead(make, items, depth=1):
         thread.join()
 
 
-# ---------------------------------------------------------------------------
-# Writing and reading cache files: atomic, locked, and never unpickling code
-# ---------------------------------------------------------------------------
-# Every file this project writes holds only tensors and plain values (dict, list,
-# tuple, str, int, float, bool, None), so every file is read with
-# torch.load(weights_only=True): a cache folder or checkpoint someone else made
-# cannot run code here. A file that needs more is refused, never loaded.
-def no_space(folder):
-    return SystemExit(f"error: no space left in {folder}: free some space there, or point "
-                      f"--cache-dir / --out at a disk with room, then rerun (finished work is kept)")
+def batch_loader(img, txt, index_batches, device):
+    """(idx, img[idx], txt[idx]) on device for each idx of index_batches, in order.
 
-
-@contextlib.contextmanager
-def atomic_target(path):
-    """A temporary name beside path, renamed onto path when the block ends: an interrupted
-    run leaves no half file. The temporary file is removed when the write fails (Ctrl-C,
-    disk full); a full disk stops the run with one line naming the folder."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    except BaseException as e:
-        tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise no_space(path.parent) from None
-        raise
-
-
-def atomic_save(obj, path):
-    """torch.save through atomic_target (a Python file, so a full disk raises OSError(ENOSPC))."""
-    with atomic_target(path) as tmp, open(tmp, "wb") as f:
-        torch.save(obj, f)
-
-
-def atomic_write_text(text, path):
-    """Path.write_text through atomic_target (config.json, metrics.json)."""
-    with atomic_target(path) as tmp:
-        tmp.write_text(text)
-
-
-def load_plain(path):
-    """torch.load(weights_only=True); a file holding anything but tensors and plain values is
-    refused with one line (unpickling it could run code). Other errors (a truncated file) propagate."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        raise SystemExit(f"error: refusing to load {path}: it holds pickled Python objects besides tensors and "
-                         f"plain values, and unpickling them could run code. This project never writes such "
-                         f"files; delete it (a cache file is rebuilt) and find out where it came from.") from None
-
-
-def safe_load(path, expect_key=None):
-    """Load a cache file, or None when missing, unreadable or written for another key (then it is rebuilt).
-
-    A file that would need code to unpickle stops the run (load_plain), it is never rebuilt over silently."""
-    path = Path(path)
-    if not path.exists():
-        return None
-    try:
-        obj = load_plain(path)
-    except (RuntimeError, EOFError, OSError, ValueError) as e:  # truncated / corrupt file
-        print(f"[cache] {path} is unreadable ({type(e).__name__}); rebuilding it")
-        return None
-    if expect_key is not None and (not isinstance(obj, dict) or obj.get("key") != expect_key):
-        print(f"[cache] {path} was written for other settings; rebuilding it")
-        return None
-    return obj
-
-
-@contextlib.contextmanager
-def file_lock(path, log=print):
-    """Hold an exclusive lock on `path` (a lock file) across processes, e.g. two runs sharing a cache:
-    the second waits until the first has written what both need, then reads it. The kernel
-    releases the lock when a process dies, so a killed run never blocks the next one.
-    A no-op where fcntl is missing (Windows): there, do not share a cache between concurrent runs."""
-    try:
-        import fcntl
-    except ImportError:
-        yield
-        return
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log(f"[cache] another run is writing {path.stem}; waiting for it")
-            fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def check_writable(folder, flag):
-    """Stop with one line naming the folder when it cannot be written (read-only, full, not a
-    folder), before any long work: a probe file of 1 MB is written, synced and removed."""
-    folder = Path(folder)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-probe-") as f:
-            f.write(b"\0" * 2**20)
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise SystemExit(f"error: {flag} {folder} is full (no space left on its disk); free some space "
-                             f"or pass {flag} on another disk") from None
-        why = "is on a read-only file system" if e.errno == errno.EROFS else f"cannot be written ({e.strerror})"
-        raise SystemExit(f"error: {flag} {folder} {why}; pass {flag} a folder you can write to") from None
-
-
-# ---------------------------------------------------------------------------
-# Feature extraction, run once and cached
-# ---------------------------------------------------------------------------
-#   memory map as StoredFeatures. Tokens are stored RAGGED: row after row, no
-#   padding (captions), so a batch is padded only to its own longest row. An
-#   interrupted extraction resumes at the first unfinished shard.
-MEMMAP_BYTES = int(float(os.environ.get("ALIGN_MEMMAP_GB", "2")) * 2**30)  # larger token caches go to shards
-SHARD_BYTES = int(float(os.environ.get("ALIGN_SHARD_MB", "256")) * 2**20)   # tokens per shard (whole batches, >= 1)
-
-
-def cache_key(**parts):
-    """A readable file stem plus a hash of every setting, so a changed setting never reads stale features.
-
-    extract() puts the encoder's weights fingerprint in it (see "Weights fingerprints" below: the tiny encoders'
-    content hash, a Hugging Face snapshot's commit or its files' hashes, torchvision's weights
-    enum), so new weights under the same name never read the old weights' features."""
-    text = repr(sorted(parts.items()))
-    return f"{parts.get('dataset')}-{parts.get('split')}-{parts.get('modality')}-" + hashlib.sha1(text.encode()).hexdigest()[:12]
-
-
-class StoredFeatures:
-    """Features of a large set on disk: ragged fp16 token shards read through a memory map.
-
-    The part of the Features interface that training and evaluation use:
-    len(f); f[idx] -> dense Features of those rows only (padded to their longest
-    row); f.pooled (N, D) and f.lengths (N,) in RAM; f.grid; f.mask; f.dim;
-    f.to(device) loads everything (only for closed-form fit() on sets that fit).
-    """
-
-    def __init__(self, folder, key):
-        plan = json.loads((Path(folder) / "plan.json").read_text())
-        self.tokens_files, self.offsets, metas = [], [], []
-        for s in range(plan["n_shards"]):
-            self.tokens_files.append(np.load(Path(folder) / f"{s:05d}.tokens.npy", mmap_mode="r"))  # (sum_len_s, D) fp16
-            metas.append(load_plain(Path(folder) / f"{s:05d}.pt"))
-            self.offsets.append([0] + metas[-1]["lengths"].cumsum(0).tolist())                  # row r: [off[r], off[r+1])
-        self.starts = torch.tensor([0] + [len(m["lengths"]) for m in metas]).cumsum(0)          # (S + 1,) first row of shard
-        self.pooled = torch.cat([m["pooled"] for m in metas])                                   # (N, D) fp16
-        self.lengths = torch.cat([m["lengths"] for m in metas])                                 # (N,) real tokens
-        self.grid, self.dim = metas[0]["grid"], self.tokens_files[0].shape[1]
-
-    def __len__(self):
-        return len(self.pooled)
-
-    @property
-    def mask(self):
-        """(N, T_max) bool, True for a real token."""
-        return torch.arange(int(self.lengths.max()))[None] < self.lengths[:, None]
-
-    def __getitem__(self, idx):
-        rows = torch.arange(len(self))[idx].reshape(-1)                                        # (B,)
-        T = int(self.lengths[rows].max())
-        tokens = torch.zeros(len(rows), T, self.dim, dtype=torch.float16)                      # (B, T, D)
-        out = tokens.numpy()                                                                     # the same memory
-        shard = torch.searchsorted(self.starts, rows, right=True) - 1                            # (B,) shard of each row
-        for s in shard.unique().tolist():
-            at = (shard == s).nonzero().squeeze(1)
-            local = rows[at] - self.starts[s]
-            order = local.argsort()                                                              # read in file order
-            flat, off = self.tokens_files[s], self.offsets[s]
-            for b, r in zip(at[order].tolist(), local[order].tolist()):
-                out[b, :off[r + 1] - off[r]] = flat[off[r]:off[r + 1]]                          # one contiguous read
-            release(flat)
-        mask = torch.arange(T)[None] < self.lengths[rows][:, None]
-        return Features(tokens=tokens, mask=mask, pooled=self.pooled[rows], grid=self.grid)
-
-    def to(self, device, dtype=torch.float32):
-        return self[:].to(device, dtype)
-
-
-class ConcatFeatures:
-    """Several Features / StoredFeatures one after another, read only when indexed.
-
-    What D_aug = D_pairs ∪ D_weights (weight recycling Eq. 3) is on a memory-mapped
-    training set: Features.cat would load the whole token cache into RAM; this keeps
-    the parts and reads only the rows a batch asks for. len(f); f[idx] -> dense
-    Features of those rows, in the order asked; f.pooled (N, D) in RAM; f.grid;
-    f.to(device) loads everything (only for closed-form fit() on sets that fit).
-    Image parts keep every token column (patches() reads 1..H*W), so one-token rows
-    (classifier-head rows) are padded to the image token count.
-    """
-
-    def __init__(self, parts):
-        self.parts = parts
-        self.starts = torch.tensor([0] + [len(p) for p in parts]).cumsum(0)          # (P + 1,) first row of part
-        self.pooled = torch.cat([torch.as_tensor(p.pooled).float() for p in parts])   # (N, D)
-        self.grid = next((p.grid for p in parts if p.grid is not None), None)
-        tokens_of = lambda p: int(p.lengths.max()) if isinstance(p, StoredFeatures) else p.tokens.shape[1]
-        self.T_image = max(tokens_of(p) for p in parts if p.grid is not None) if self.grid else None
-
-    def __len__(self):
-        return len(self.pooled)
-
-    def __getitem__(self, idx):
-        rows = torch.arange(len(self))[idx].reshape(-1)                                # (B,)
-        part = torch.searchsorted(self.starts, rows, right=True) - 1                   # (B,) part of each row
-        pieces, at = [], []
-        for s in part.unique().tolist():
-            a = (part == s).nonzero().squeeze(1)
-            pieces.append(self.parts[s][rows[a] - self.starts[s]])
-            at.append(a)
-        f = Features.cat([replace(p, tokens=p.tokens.float(), pooled=p.pooled.float()) for p in pieces])
-        back = torch.cat(at).argsort()                                                 # back to the order asked
-        tokens, mask = f.tokens[back], f.mask[back]
-        if self.grid is not None and tokens.shape[1] < self.T_image:                   # e.g. head rows only
-            pad = self.T_image - tokens.shape[1]
-            tokens = torch.nn.functional.pad(tokens, (0, 0, 0, pad))
-            mask = torch.nn.functional.pad(mask, (0, pad), value=False)
-        return Features(tokens=tokens, mask=mask, pooled=f.pooled[back], grid=self.grid)
-
-    def to(self, device, dtype=torch.float32):
-        return self[:].to(device, dtype)
-
-
-def release(array):
-    """Unmap the pages of a memory-mapped array that were read: they stay in the kernel's page cache
-    (a re-read is cheap) but no longer count in this process's resident memory."""
-    m = getattr(array, "_mmap", None)
-    if m is not None and hasattr(m, "madvise"):
-        m.madvise(mmap.MADV_DONTNEED)
-
-
-def extract_shards(encoder, inputs, folder, key, batch_size, device, first=None, log=print):
-    """Encode inputs shard by shard into folder, skipping shards already done (resume)."""
-    plan = shard_plan(encoder, inputs, folder, key, batch_size, device, first)
-    write_shards(encoder, inputs, folder, key, plan, range(plan["n_shards"]), batch_size, device, first, log)
-    return StoredFeatures(folder, key)
-
-
-def shard_plan(encoder, inputs, folder, key, batch_size, device, first=None):
-    """folder's plan.json (rows per shard, shard count), made anew (and old shards removed) when missing or stale."""
-    folder.mkdir(parents=True, exist_ok=True)
-    plan_file = folder / "plan.json"
-    try:
-        plan = json.loads(plan_file.read_text())
-    except (OSError, ValueError):
-        plan = None
-    if plan is None or plan.get("key") != key or plan.get("n") != len(inputs):
-        first = first if first is not None else encoder.encode(inputs[:batch_size], device)
-        row_bytes = 2 * first.tokens.shape[1] * first.tokens.shape[2]
-        rows = batch_size * max(1, SHARD_BYTES // (row_bytes * batch_size))  # whole batches per shard
-        plan = {"key": key, "n": len(inputs), "rows_per_shard": rows, "n_shards": math.ceil(len(inputs) / rows)}
-        for f in folder.iterdir():                                               # another plan's shards
-            f.unlink()
-        tmp = folder / "plan.json.tmp"
-        tmp.write_text(json.dumps(plan))
-        os.replace(tmp, plan_file)
-    for f in folder.glob("*.tmp*"):                 # a killed writer's half files: the caller holds the key's lock
-        f.unlink(missing_ok=True)
-    return plan
-
-
-def write_shards(encoder, inputs, folder, key, plan, shards, batch_size, device, first=None, log=print):
-    """Encode and write the given shards of plan (those not done before: resume). first: shard 0's first batch."""
-    rows, t0, done = plan["rows_per_shard"], time.time(), 0
-    for s in shards:
-        meta = folder / f"{s:05d}.pt"
-        if safe_load(meta, expect_key=key) is not None:
-            continue                                                             # finished before: not redone
-        start, stop = s * rows, min((s + 1) * rows, len(inputs))
-        half = lambda f: replace(f, tokens=f.tokens.half(), pooled=f.pooled.half())  # fp16 at once: peak RAM ~ 2 shards
-        batch = lambda i: encoder.encode(inputs[i:min(i + batch_size, stop)], device)
-        parts = [half(first if (i == 0 and first is not None) else batch(i)) for i in range(start, stop, batch_size)]
-        f = Features.cat(parts)
-        tmp = folder / f"{s:05d}.tokens.tmp{os.getpid()}.npy"
-        try:
-            np.save(tmp, f.tokens[f.mask].numpy())                               # (sum of lengths, D), ragged
-            os.replace(tmp, folder / f"{s:05d}.tokens.npy")
-        except BaseException as e:
-            tmp.unlink(missing_ok=True)
-            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise no_space(folder) from None
-            raise
-        atomic_save({"key": key, "lengths": f.mask.sum(1), "pooled": f.pooled, "grid": f.grid}, meta)  # marks it done
-        done += stop - start
-        log(f"[features] {folder.name}: shard {s + 1}/{plan['n_shards']} ({stop}/{len(inputs)} rows, "
-            f"{done / max(time.time() - t0, 1e-9):.0f} rows/s)")
-
-
-def extract(encoder, inputs, cache_dir, batch_size=256, device="cpu", **key_parts):
-    """Features of all inputs (images or texts), from the cache when present.
-
-    Stored fp16 (tokens, pooled) with the mask and grid; written atomically under a
-    per-key lock (concurrent runs sharing cache_dir wait for one writer); a file that is
-    unreadable or was written for other settings is rebuilt, never read.
-    Sets larger than MEMMAP_BYTES come back as StoredFeatures (memory-mapped shards).
-    """
-    key = cache_key(encoder=encoder.name, weights=getattr(encoder, "fingerprint", None), layer=encoder.layer,
-                    preprocess=encoder.preprocess, n=len(inputs), **key_parts)
-    path = Path(cache_dir) / "features" / f"{key}.pt"
-    folder = Path(cache_dir) / "features" / key
-    if distributed.world() > 1:                             # torchrun: every rank calls extract() in the same order
-        return extract_ranks(encoder, inputs, path, folder, key, batch_size, device, cache_dir)
-    saved = safe_load(path, expect_key=key)                 # a renamed file is complete: no lock to read it
-    if saved is not None:
-        return Features(saved["tokens"], saved["mask"], saved["pooled"], saved["grid"])
-    with file_lock(Path(cache_dir) / "locks" / f"{key}.lock"):   # one writer per key; others wait, then read
-        saved = safe_load(path, expect_key=key)             # another run may have written it meanwhile
-        if saved is not None:
-            return Features(saved["tokens"], saved["mask"], saved["pooled"], saved["grid"])
-        if (folder / "plan.json").exists():                                      # a large set: done or interrupted
-            return extract_shards(encoder, inputs, folder, key, batch_size, device)
-        first = encoder.encode(inputs[:batch_size], device)
-        if len(inputs) * 2 * first.tokens.shape[1] * first.tokens.shape[2] > MEMMAP_BYTES:
-            return extract_shards(encoder, inputs, folder, key, batch_size, device, first)
-        feats = extract_file(encoder, inputs, path, key, batch_size, device, first)
-    return Features(feats.tokens.half(), feats.mask, feats.pooled.half(), feats.grid)
-
-
-def extract_file(encoder, inputs, path, key, batch_size, device, first):
-    """Encode a set that fits one file (first: its first batch, encoded already) and save it atomically."""
-    parts = [first] + [encoder.encode(inputs[i:i + batch_size], device) for i in range(batch_size, len(inputs), batch_size)]
-    feats = Features.cat(parts)
-    atomic_save({"key": key, "tokens": feats.tokens.half(), "mask": feats.mask, "pooled": feats.pooled.half(),
-                 "grid": feats.grid}, path)
-    return feats
-
-
-def extract_ranks(encoder, inputs, path, folder, key, batch_size, device, cache_dir):
-    """extract() under torchrun (distributed.py). Rank 0 decides for all and holds the key's lock for
-    the group (another run waits as for one writer): a set already cached is read by every rank; a set
-    small enough for one file is extracted by rank 0 while the others wait; a large set is planned
-    by rank 0, then rank r writes shards r, r + N, r + 2N, ... (each written once, atomically, and
-    skipped when done before: a rerun resumes), and every rank maps the finished shards."""
-    r, n = distributed.rank(), distributed.world()
-    lock = file_lock(Path(cache_dir) / "locks" / f"{key}.lock") if r == 0 else contextlib.nullcontext()
-    with lock:
-        kind, plan, first = None, None, None
-        if r == 0:
-            if safe_load(path, expect_key=key) is not None:
-                kind = "file"
-            elif (folder / "plan.json").exists():
-                kind = "shards"
-            else:
-                first = encoder.encode(inputs[:batch_size], device)
-                kind = "shards" if len(inputs) * 2 * first.tokens.shape[1] * first.tokens.shape[2] > MEMMAP_BYTES \
-                    else "file"
-                if kind == "file":                          # rank 0 alone, as one process would
-                    extract_file(encoder, inputs, path, key, batch_size, device, first)
-            if kind == "shards":
-                plan = shard_plan(encoder, inputs, folder, key, batch_size, device, first)
-        kind, plan = distributed.broadcast((kind, plan))        # the others wait here for rank 0
-        if kind == "shards":
-            write_shards(encoder, inputs, folder, key, plan, range(r, plan["n_shards"], n), batch_size, device,
-                         first, distributed.say)
-            distributed.barrier()                               # every shard written
-    if kind == "shards":
-        return StoredFeatures(folder, key)
-    saved = safe_load(path, expect_key=key)
-    return Features(saved["tokens"], saved["mask"], saved["pooled"], saved["grid"])
-
-
-# ---------------------------------------------------------------------------
-# Weights fingerprints: what the feature cache is keyed by, besides the name
-# ---------------------------------------------------------------------------
-# The same name can hold other weights (a re-pretrained tiny encoder, another
-# revision downloaded into the same folder), so features are keyed by the weights:
-# - the tiny encoders: a hash of their state_dict (and vocabulary), exact;
-# - a Hugging Face snapshot folder (hub cache) or a model loaded by hub name: its
-#   commit hash, as the Hugging Face cache itself keys files by revision;
-# - any other model folder: every file's name and size, plus its content hash
-#   (files up to 16 MB: config, tokenizer, small weights) or, for larger weight
-#   files, its modification time and a hash of its first and last MB: reading a
-#   1.2 GB checkpoint in full on every run would cost seconds, while another
-#   revision written into the folder changes the mtime (and nearly always the size
-#   or the first tensors);
-# - torchvision: the weights enum and its URL (whose name carries the file's hash).
-FULL_HASH_BYTES = 16 * 2**20
-
-
-def state_fingerprint(state, *extra):
-    """sha1 of a state_dict's names, dtypes, shapes and values (plus extra plain values), exact."""
-    h = hashlib.sha1()
-    for name, t in sorted(state.items()):
-        t = t.detach().cpu().contiguous()
-        h.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())       # the raw bytes, any dtype
-    for e in extra:
-        h.update(repr(e).encode())
-    return h.hexdigest()[:16]
-
-
-def folder_fingerprint(folder):
-    """The weights fingerprint of a model folder (module comment above)."""
-    folder = Path(folder).absolute()
-    if folder.parent.name == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", folder.name):
-        return f"commit {folder.name}"                                    # a Hugging Face cache snapshot
-    h = hashlib.sha1()
-    for f in sorted(p for p in folder.iterdir() if p.is_file()):
-        st = f.stat()
-        h.update(f"{f.name} {st.st_size}".encode())
-        with open(f, "rb") as fh:
-            if st.st_size <= FULL_HASH_BYTES:
-                h.update(fh.read())
-            else:
-                h.update(f" {st.st_mtime_ns}".encode() + fh.read(2**20))
-                fh.seek(-2**20, os.SEEK_END)
-                h.update(fh.read())
-    return "files " + h.hexdigest()[:16]
-
-
-# ---------------------------------------------------------------------------
-# The special-token rule of the token-layout contract (the table is in encoders.py)
-# ---------------------------------------------------------------------------
-TOKEN_RULE = "tokens: image [pooled, patches], text words only; last layer normed as pooled"  # in the cache key
-
-
-def word_positions(real, special):
-    """THE special-token rule, written once: which of a text's tokens are its words.
-
-    real (B, L) bool, the attention mask; special (B, L) bool, the tokenizer's special
-    tokens (CLS / SEP, <s> / </s>, BOS / EOS). Returns idx (B, L') the positions of the
-    word tokens, in order, padded with other positions, and mask (B, L') True for a word.
-    A text with no word token at all keeps its real tokens, so no row is ever empty.
-    """
-    word = real & ~special                                                   # (B, L)
-    word = torch.where(word.any(1, keepdim=True), word, real)
-    idx = torch.sort((~word).to(torch.uint8), dim=1, stable=True).indices   # words first, in order
-    idx = idx[:, :max(int(word.sum(1).max()), 1)]                            # (B, L')
-    return idx, word.gather(1, idx)
-
-
-def word_tokens(h, real, special):
-    """(B, L, D) encoder tokens -> the word tokens (B, L', D) (padding exactly 0) and their mask (B, L')."""
-    idx, mask = word_positions(real, special)
-    tokens = h.gather(1, idx[..., None].expand(-1, -1, h.shape[-1]))         # (B, L', D)
-    return tokens * mask[..., None], mask
+    Memory-mapped sets (is_stored) are read one batch ahead by a background thread
+    (read_ahead), so the disk read of batch n + 1 overlaps the step on batch n; on
+    CUDA the batches cross through pinned memory with non_blocking copies (batch_to),
+    pinned in the reader thread when there is one. The batches are the same either way."""
+    cuda = str(device).startswith("cuda")
+    fetch = lambda idx: (idx, *((pin(img[idx]), pin(txt[idx])) if cuda else (img[idx], txt[idx])))
+    stored = is_stored(img) or is_stored(txt)
+    for idx, img_b, txt_b in (read_ahead(fetch, index_batches) if stored else map(fetch, index_batches)):
+        yield idx, batch_to(img_b, device), batch_to(txt_b, device)

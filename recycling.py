@@ -58,7 +58,10 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from features import ConcatFeatures, Features
+import cache
+import data
+from cache import ConcatFeatures
+from features import Features
 from similarity import mutual_knn
 
 
@@ -336,3 +339,85 @@ def analyses_table(d):
             std = d[section].get(key + "_std")
             lines.append(f"  {key:<16}{v:10.4f}" + (f" +- {std:.4f}" if std is not None else ""))
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- the analyses of a run (align.py --analyses)
+
+def class_name_features(F, names, args):
+    """Text features of the raw class names of the image encoder's head (weight recycling §4), fp32."""
+    return cache.extract(F["text_encoder"], names, args.cache_dir, dataset=args.data, split="head",
+                         modality="classnames").to("cpu")
+
+
+def analysis_features(s, img):
+    """(feats (M, D), labels (M,), even (M,) bool) of a labelled set for the analyses: the
+    pooled vector of each image (what the head reads), even images the train half, odd
+    images the held-out half. The Shapes head classifies PATCHES, so a set with object
+    masks gives its object patches (more than half covered by the object) instead."""
+    if s.masks is None:
+        return img.pooled.float(), s.labels, torch.arange(len(s.labels)) % 2 == 0
+    H, Wg = img.grid
+    cover = torch.nn.functional.adaptive_avg_pool2d((s.masks != data.IGNORE).float()[:, None], (H, Wg))
+    is_obj = cover.flatten(1) > 0.5                                       # (N, H*W)
+    even = (torch.arange(len(s.labels)) % 2 == 0)[:, None].expand_as(is_obj)
+    labels = s.labels[:, None].expand_as(is_obj)
+    return img.patches().float()[is_obj], labels[is_obj], even[is_obj]
+
+
+def recycling_analyses(F, args, device):
+    """The weight-recycling paper's analyses of the image encoder's head (Table 1, Fig. 1, App. I,
+    Table 2) on every classification set of --data (Shapes: "cls"; real data: the torchvision
+    sets found under --data-root), keyed by set name.
+
+    Table 1, Fig. 1 and App. I need images of the head's classes: they run on the set's
+    classes that are head classes (matched by name). Table 2 runs on every set: NCC / KNN
+    on frozen features vs methods/mlp.py aligned on the head rows alone, then fine-tuned
+    on one pair per class (App. H) against "A photo of a {class}".
+    """
+    from methods.mlp import MLP
+    try:
+        W, b, names = F["image_encoder"].head()
+    except SystemExit as e:
+        print(f"[analyses] skipped: {str(e).removeprefix('error: ')}")
+        return {}
+    label_sets = [k for k, s in F["sets"].items() if isinstance(s, data.LabelSet)]
+    if not label_sets:
+        print(f"[analyses] skipped: --data {args.data} has no classification set (put one of "
+              f"{', '.join(data.TORCHVISION_SETS)} in torchvision's layout under {args.data_root}/<name>)")
+        return {}
+    names_txt = class_name_features(F, names, args)
+    mlp = MLP(W.shape[1], names_txt.tokens.shape[-1])
+    opt = torch.optim.Adam(mlp.parameters(), lr=MLP.defaults["lr"])
+    w_img, w_txt = weight_pairs(W, names_txt)
+    for _ in range(MLP.defaults["steps"]):                                # full batch: one step per epoch
+        loss, _ = mlp.loss(w_img, w_txt)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    mlp.eval()
+    results = {}
+    for name in label_sets:
+        s, out = F["sets"][name], {}
+        feats, labels, even = analysis_features(s, F[name, "image"])
+        y_head = head_class_index(s.class_names, names)[labels]   # (M,) head row, -1: not a head class
+        tr, te = even & (y_head >= 0), ~even & (y_head >= 0)
+        if y_head[tr].unique().numel() >= 2 and y_head[te].unique().numel() >= 2:
+            out.update(head_analyses(W, b, feats[tr], y_head[tr], feats[te], y_head[te],
+                                               names_txt.pooled.float()))
+        else:
+            print(f"[analyses] {name}: Table 1, Fig. 1, App. I skipped: fewer than 2 of its classes are "
+                  f"head classes (matched by name)")
+        per_class = torch.bincount(labels[~even])
+        fewest = int(per_class[per_class > 0].min()) if len(per_class) else 0     # held-out images of the rarest class
+        shots = tuple(n for n in (1, 2, 4) if n < fewest)
+        if shots:
+            prompts = cache.extract(F["text_encoder"], [FEW_SHOT_TEMPLATE.format(c) for c in s.class_names],
+                                    args.cache_dir, dataset=args.data, split=name, modality="fewshot",
+                                    template=FEW_SHOT_TEMPLATE).to("cpu")  # the key holds the text
+            aligned = lambda sf, sl: finetune_mlp_classifier(mlp, prompts, sf, sl)
+            out["few_shot"] = few_shot(feats[~even], labels[~even], support_shots=shots, aligned_classifier=aligned)
+        else:
+            print(f"[analyses] {name}: Table 2 skipped: a class has {fewest} held-out images (needs 2+)")
+        print(f"[analyses] {name}\n" + analyses_table(out))
+        results[name] = out
+    return results

@@ -14,8 +14,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from features import (TOKEN_RULE, Features, atomic_save, file_lock, safe_load, state_fingerprint, word_positions,
-                      word_tokens)
+from cache import atomic_save, file_lock, safe_load, state_fingerprint
+from encoders import TOKEN_RULE, word_positions, word_tokens
+from features import Features
 
 
 SPECIALS = ["[PAD]", "[CLS]", "[MASK]", "[UNK]"]

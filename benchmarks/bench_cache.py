@@ -4,7 +4,7 @@
     python benchmarks/bench_cache.py --n 2000            # a quick look
 
 1. extraction: a synthetic image encoder (random tokens, 16 x 16 grid + CLS) goes
-   through features.extract(), which writes ~256 MB shards to --dir;
+   through cache.extract(), which writes ~256 MB shards to --dir;
 2. training reads: the batches align.py's training loop asks for (a random
    permutation, batches of --batch rows, feats[idx].to("cpu")) for --epochs
    epochs; the first epoch starts from a cold page cache for these files
@@ -31,8 +31,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import encoders
-import features  # noqa: E402
-from features import Features, StoredFeatures  # noqa: E402
+import cache  # noqa: E402
+from cache import StoredFeatures  # noqa: E402
+from features import Features  # noqa: E402
 
 
 def memory_mb():
@@ -79,8 +80,8 @@ def main():
     shutil.rmtree(args.dir, ignore_errors=True)  # measure a fresh extraction
     t0 = time.time()
     enc = SyntheticImageEncoder(args.tokens, args.dim)
-    features.MEMMAP_BYTES = 0  # always the memory-mapped layout, whatever --n
-    feats = features.extract(enc, list(range(args.n)), args.dir, batch_size=args.batch, dataset="bench",
+    cache.MEMMAP_BYTES = 0  # always the memory-mapped layout, whatever --n
+    feats = cache.extract(enc, list(range(args.n)), args.dir, batch_size=args.batch, dataset="bench",
                              split="train", modality="image")   # prints one line per shard
     dt = time.time() - t0
     assert isinstance(feats, StoredFeatures)

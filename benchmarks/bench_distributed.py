@@ -22,7 +22,7 @@ import torch  # noqa: E402
 import data  # noqa: E402
 import distributed  # noqa: E402
 import encoders  # noqa: E402
-import features  # noqa: E402
+import cache  # noqa: E402
 
 
 def main():
@@ -37,7 +37,7 @@ def main():
     distributed.barrier()
     t0 = time.time()
     for enc, inputs, modality in ((image, train.images, "image"), (text, train.captions, "text")):
-        features.extract(enc, inputs, args.cache_dir, dataset="shapes", split="train", modality=modality)
+        cache.extract(enc, inputs, args.cache_dir, dataset="shapes", split="train", modality=modality)
     print(f"[bench] {distributed.world()} rank(s) x {args.threads} thread(s): 6000 images + 6000 captions "
           f"extracted in {time.time() - t0:.1f}s")
     distributed.finish()

@@ -6,8 +6,8 @@
 
 For each exercise, the tests listed in exercises/table.py (pytest node ids) are run
 in ONE pytest call inside the graded folder; one line per exercise says passed or
-FAILED, with the first failing test, its assertion and the hint naming the classic
-mistakes. Exits 1 if any graded exercise fails. Nothing here checks an answer
+FAILED, with the first check that fails, what it found different, and the hint
+naming the classic mistakes. Exits 1 if any graded exercise fails. Nothing here checks an answer
 itself: the tests do.
 """
 import argparse
@@ -70,8 +70,13 @@ def run_tests(root, node_ids, timeout=900):
 
 
 def one_line(msg, width=220):
-    msg = " ".join(msg.split())
-    return msg if len(msg) <= width else msg[:width - 3] + "..."
+    """A failing test's message -> its first line, plainly: what the assertion says differs."""
+    lines = [l.strip() for l in msg.strip().splitlines() if l.strip()] or ["(no message)"]
+    first = lines[0]
+    for prefix in ("AssertionError: ", "E   "):
+        first = first[len(prefix):] if first.startswith(prefix) else first
+    first = " ".join(first.split())
+    return first if len(first) <= width else first[:width - 3] + "..."
 
 
 def grade(root, numbers):
@@ -92,11 +97,14 @@ def grade(root, numbers):
                 n_all += 1
                 n_ok += outcome == "passed"
                 if outcome != "passed" and first is None:
-                    first = f"{node}: {one_line(msg)}"
+                    first = f"{node.split('::')[-1]}: {one_line(msg)}"
         ok = n_ok == n_all
-        line = f"exercise {n:2d}  {'passed' if ok else 'FAILED'}  {ex['title']}  ({n_ok}/{n_all} tests)"
-        if not ok:
-            line += f"  first failure: {first}  hint: {ex['hint']}"
+        line = f"exercise {n:2d}  {'passed' if ok else 'FAILED'}  {ex['title']}  ({n_ok} of {n_all} checks pass)"
+        if not ok and f": NotImplementedError: Exercise {n} " in first:
+            line += (f"  still blank: replace the raise between # EXERCISE {n} and # END EXERCISE {n} in "
+                     f"{', '.join(ex['regions'])}")
+        elif not ok:
+            line += f"  first to fail: {first}  hint: {ex['hint']}"
         report.append((n, ok, line))
     return report, tail
 

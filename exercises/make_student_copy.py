@@ -6,8 +6,10 @@
 A region is everything between `# EXERCISE N ...` (plus its `#   ...` continuation
 lines) and `# END EXERCISE N` in a .py file; in the copy it becomes one
 `raise NotImplementedError("Exercise N ...")` at the marker's indentation, the
-markers stay. Every other byte is copied verbatim; exercises/answers.md and
-.git, .cache, results, __pycache__, .pytest_cache are left out. OUT_DIR must not
+markers stay. Every other byte is copied verbatim. Left out: exercises/answers.md,
+methods/fast_cap.py (a fast form of exercise 3: without it PAL and PAL-Rel train
+through the student's relative + cap), tests/test_exercises.py (it holds the answers
+it plants), and .git, .cache, results, __pycache__, .pytest_cache. OUT_DIR must not
 exist or be empty (a student's work is never overwritten).
 """
 import argparse
@@ -19,7 +21,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SKIP_DIRS = {".git", ".cache", "results", "__pycache__", ".pytest_cache"}
-SKIP_FILES = {Path("exercises/answers.md")}
+SKIP_FILES = {Path("exercises/answers.md"),     # the experiments' answers, for instructors
+              Path("methods/fast_cap.py"),       # PAL's fast CAP: computes exercise 3's p (pal.py choice 9)
+              Path("tests/test_exercises.py")}   # the course's own test: it plants each exercise's answer
 START = re.compile(r"^(?P<indent>[ \t]*)# EXERCISE (?P<n>\d+)\b(?P<text>.*)$")
 MORE = re.compile(r"^[ \t]*#   (?P<text>\S.*)$")                # continuation of the marker text
 END = re.compile(r"^[ \t]*# END EXERCISE (?P<n>\d+)\s*$")

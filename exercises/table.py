@@ -6,7 +6,15 @@ tests:   pytest node ids of the project's OWN tests covering those regions (naiv
     loops, closed forms, planted structures); grade.py runs exactly these.
 hint:    the classic mistakes, printed when a graded test fails.
 Grading logic lives only in the tests; nothing here recomputes an answer.
+
+NEEDS says which exercises a run of align.py executes (the method's, the evaluation's, the
+analyses'); refuse_blank_exercises stops a run that needs a still blank one, before any work.
 """
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 EXERCISES = {
     1: dict(
@@ -21,8 +29,8 @@ EXERCISES = {
              "i2t rank = the BEST of the image's captions, not the first; t2i rank counting the ground truth "
              "itself; AP dividing by the hits so far instead of the position"),
     2: dict(
-        title="PAL: symmetric InfoNCE (Eq. 8)",
-        regions=["methods/pal.py"],
+        title="Symmetric InfoNCE (PAL Eq. 8), the loss of every contrastive method",
+        regions=["methods/losses.py"],
         tests=["tests/test_pal.py::test_info_nce_is_the_mean_of_both_directions",
                "tests/test_pal.py::test_gradients_reach_the_anchors_and_only_them"],
         hint="one direction only (image -> text): average the cross-entropies of logits AND logits.T; "
@@ -62,7 +70,7 @@ EXERCISES = {
              "L_conc on the masked attention attn_bar instead of the full softmax attn; patch centres at "
              "j/W instead of (j+.5)/W; a constant row (max = min) masking every patch"),
     6: dict(
-        title="CoV: region-word max-sum score with padding (Eq. 6)",
+        title="CoV: region-word max-sum score with padding (Eq. 6; FILIP's score too)",
         regions=["methods/cov.py"],
         tests=["tests/test_cov.py::test_max_sum_matches_loop_with_padding",
                "tests/test_cov.py::test_padded_words_do_not_change_the_score[CoV]",
@@ -143,3 +151,46 @@ EXERCISES = {
         hint="averaging the templates before normalising each one (normalise, average, normalise again); "
              "reshaping the (N, C*n) scores as (N, n, C) although prompts are class-major (N, C, n)"),
 }
+
+# The exercises a run of align.py executes: its method's (training and scoring), then the evaluation's.
+NEEDS = {
+    "pal": [2, 3], "pal_rel": [2, 3], "cov": [2, 4, 5, 6], "text_guided": [2], "filip": [6], "fa": [2],
+    "linear": [2], "linear_rs": [2, 11], "mlp_rs": [2, 11], "csa": [7], "asif": [12], "mlp": [], "t2c": [],
+    "sail": [],
+}
+EVALUATION = [1, 10, 13]       # retrieval, segmentation, zero-shot classification (every run evaluates them)
+ANALYSES = [8, 9]              # --analyses: the neural-collapse check and mutual kNN (weight recycling)
+SELECT_MKNN = [9]              # --select-layers mknn
+
+
+def blank_exercises(root=ROOT):
+    """The exercises with a region still blank in the checkout at root (a student copy's raise line)."""
+    blank = set()
+    for rel in sorted({r for ex in EXERCISES.values() for r in ex["regions"]}):
+        path = Path(root) / rel
+        if path.is_file():
+            blank |= {int(n) for n in re.findall(r"raise NotImplementedError\(['\"]Exercise (\d+) ", path.read_text())}
+    return blank
+
+
+def run_needs(method, analyses=False, select_layers=None):
+    """Sorted exercise numbers a run of align.py with these settings executes."""
+    need = set(NEEDS.get(method, [])) | set(EVALUATION)
+    need |= set(ANALYSES) if analyses else set()
+    need |= set(SELECT_MKNN) if select_layers == "mknn" else set()
+    return sorted(need)
+
+
+def refuse_blank_exercises(method, analyses=False, select_layers=None, root=ROOT):
+    """Stop with one error line if the run needs an exercise that is still blank here; silent otherwise."""
+    blank = blank_exercises(root)
+    if not blank:                                  # the reference, or every exercise done
+        return
+    need = run_needs(method, analyses, select_layers)
+    missing = [n for n in need if n in blank]
+    if missing:
+        mine = sorted(set(NEEDS.get(method, [])) | (set(need) - blank))   # the method's and the finished ones
+        sys.exit(f"error: --method {method}{' --analyses' if analyses else ''} needs exercises "
+                 f"{', '.join(map(str, need))}; still blank: {', '.join(map(str, missing))} (finish them, or run "
+                 f"it in a copy that blanks only yours: python exercises/make_student_copy.py DIR --only "
+                 f"{' '.join(map(str, mine)) or 'N ...'}, then paste your solutions in)")

@@ -20,6 +20,20 @@ The interface (duck-typed; align.py and evaluate.py use only this):
     method.dense_image(img) -> (B, H*W, ...)  # per patch, each slice [:, p] a valid image emb for score()
     method.analyse(img, txt, images, words, out_dir) -> dict   # optional: figures and analyses
 
+What the training loop needs besides (declared once, in the method's own file):
+
+    method.contrastive_scale() -> float | tensor   # contrastive methods: 1 / temperature of the logits
+                                                   # score() is multiplied by; --hard-negatives adds terms
+                                                   # at this scale. score() keeps its gradient (evaluate.py
+                                                   # runs inference under no_grad). Absent: not contrastive.
+    split_loss = True              # loss reads the batch only through embed_image / embed_text, so torchrun
+                                   # can split the batch across ranks (distributed.py). Absent: rank 0 alone.
+    refuses_align_data = {mode: why}   # --align-data modes the method cannot train on, with the reason.
+                                   # A classifier-head row (weight recycling) is one vector: Features with
+                                   # one token (pooled = token 0) and, beside pairs, empty patch slots.
+    head_rows=None                 # an __init__ keyword: align.py passes what the image encoder's head reads
+                                   # ("pooled" | "patches") when the alignment data is head rows alone (PAL).
+
 Features (features.py) holds tokens (B, T, D), mask (B, T), pooled (B, D), grid (H, W).
 Token-level embeddings are padded with zeros when evaluate.py concatenates batches,
 so score() of a token-level method treats all-zero rows as padding.
@@ -40,7 +54,7 @@ from .text_guided import TextGuided
 
 METHODS = {
     "pal": PAL,                # PAL: learnable anchors + cross-attention pooling
-    "pal_rel": PALRel,         # VARIANT (issue 14, not a paper's): PAL + where each anchor looks
+    "pal_rel": PALRel,         # a variant, not a paper's: PAL + where each anchor looks
     "cov": CoV,                # CoV-Align: text-free regions, region-word max-sum
     "text_guided": TextGuided, # LAPS/SPARC-style baseline CoV beats
     "filip": FILIP,            # FILIP late interaction, all patches x words

@@ -82,6 +82,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .losses import info_nce_of_logits
+
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -125,12 +127,19 @@ def threshold_mask(attn, eps):
 
 
 def max_sum(r, w):
-    """Eq. (6) for all pairs: r (I, Q, K), w (T, L, K) unit or all-zero rows -> S (I, T).
+    """Eq. (6) for all pairs: r (I, Q, K), w (T, L, K) unit or all-zero rows -> S (I, T)."""
+    i2t, t2i = max_mean(r, w)
+    return i2t + t2i                                                    # S(I,T), (I, T)
+
+
+def max_mean(r, w):
+    """The two terms of Eq. (6) (FILIP's token-wise maximum similarity, its Eq. (4)-(5), the same):
+    r (I, Q, K), w (T, L, K) unit or all-zero rows -> i2t, t2i (I, T) each.
 
     All-zero rows are padding: excluded from the max and from the mean.
     """
-    # EXERCISE 6 (CoV Eq. 6): S = mean over real regions of max over real words of s_ij + mean over real words of
-    #   max over real regions; r (I, Q, K), w (T, L, K), all-zero rows are padding -> S (I, T)
+    # EXERCISE 6 (CoV Eq. 6): i2t = mean over real regions of max over real words of s_ij, t2i = mean over real
+    #   words of max over real regions; r (I, Q, K), w (T, L, K), all-zero rows are padding -> i2t, t2i (I, T)
     r_ok = r.abs().sum(-1) > 0                                          # (I, Q)
     w_ok = w.abs().sum(-1) > 0                                          # (T, L)
     s = torch.einsum("iqk,tlk->itql", r, w)                             # s_ij, (I, T, Q, L)
@@ -139,14 +148,8 @@ def max_sum(r, w):
     best_region = s.masked_fill(~r_ok[:, None, :, None], neg).amax(-2)  # max_i s_ij, (I, T, L)
     i2t = (best_word * r_ok[:, None]).sum(-1) / r_ok.sum(-1, keepdim=True).clamp_min(1)
     t2i = (best_region * w_ok[None]).sum(-1) / w_ok.sum(-1)[None].clamp_min(1)
-    return i2t + t2i                                                    # S(I,T), (I, T)
+    return i2t, t2i                                                     # (I, T) each
     # END EXERCISE 6
-
-
-def info_nce(logits):
-    """Symmetric InfoNCE over a (B, B) logit matrix whose diagonal holds the pairs."""
-    target = torch.arange(len(logits), device=logits.device)
-    return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
 
 
 def grid_centres(rows, cols, device=None):
@@ -201,6 +204,13 @@ class CoV(nn.Module):
                   eps="[0, 1]",  # Eq. (3) thresholds the min-max normalised attention: eps > 1 keeps no patch
                   tau="(0, inf)", tau_1="(0, inf)", tau_g="(0, inf)", lambda_g="[0, inf)", lambda_v="[0, inf)",
                   lambda_c="[0, inf)", score_chunk="[1, inf)")  # valid --hp values (align.py)
+
+    refuses_align_data = dict.fromkeys(("weights", "weights+pairs"),  # head rows: one vector each
+                                        "its regions attend over the patch tokens, and a head row is one vector "
+                                        "with no patches")
+
+    def contrastive_scale(self):  # 1 / temperature of its InfoNCE logits (--hard-negatives); not tau
+        return 1 / self.tau_g
 
     def __init__(self, d_image, d_text,
                  dim=512,            # digest: 512-d shared space
@@ -258,7 +268,6 @@ class CoV(nn.Module):
         r = self.V(self.P_v(img.patches()))                      # each patch a one-region image
         return F.normalize(r, dim=-1)[:, :, None]                # (B, H*W, 1, K)
 
-    @torch.no_grad()
     def score(self, img_emb, txt_emb):
         """Eq. (6) for all pairs, in chunks of <= score_chunk elements -> (N_img, N_txt)."""
         (I, Q, _), (T, L, _) = img_emb.shape, txt_emb.shape
@@ -276,7 +285,7 @@ class CoV(nn.Module):
         r = F.normalize(r, dim=-1)                               # (B, Q, K)
         w = self.embed_text(txt)                                 # (B, L, K)
         S = max_sum(r, w)                                        # Eq. (6), (B, B)
-        l_g = info_nce(S / self.tau_g)                           # (L_t2v + L_v2t) / 2
+        l_g = info_nce_of_logits(S / self.tau_g)                 # (L_t2v + L_v2t) / 2
         loss, logs = self.lambda_g * l_g, {"nce": l_g.item()}
         if self.use_v2v:
             rr = r @ r.transpose(1, 2) / self.tau_1              # r_i . r_j / tau_1, (B, Q, Q)

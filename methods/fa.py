@@ -56,6 +56,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .losses import info_nce
+
 
 # ---------------------------------------------------------------- blocks
 
@@ -98,13 +100,6 @@ def masked_mean(z, mask):
     return z.sum(1) / mask.sum(1, keepdim=True).clamp_min(1)   # (B, K)
 
 
-def info_nce(h_v, h_l, tau):
-    """Symmetric InfoNCE over a batch of L2-normalised pairs (B, K), (B, K)."""
-    logits = h_v @ h_l.T / tau                               # (B, B) cosine similarity as logits
-    target = torch.arange(len(h_v), device=h_v.device)
-    return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
-
-
 # ---------------------------------------------------------------- the method
 
 
@@ -116,6 +111,14 @@ class FA(nn.Module):
                     weight_decay=0.02,  # optimizer: weight_decay 0.02
                     optimizer="adamw")
     ranges = dict(K="[1, inf)", dropout="[0, 1)", tau_init="(0, inf)", dense=("local", "sum"))  # valid --hp
+
+    split_loss = True  # its loss reads the batch only through embed_image / embed_text (distributed.py)
+    refuses_align_data = dict.fromkeys(("weights", "weights+pairs"),  # head rows: one vector each
+                                        "its image embedding adds the mean of the patch tokens (Eq. 3), and a "
+                                        "head row has no patches")
+
+    def contrastive_scale(self):  # 1 / temperature of its contrastive logits (--hard-negatives)
+        return 1 / self.tau
 
     def __init__(self, d_image, d_text,
                  K=512,            # PAL Table 1 parameter count (choice 1); code config: 1024

@@ -30,23 +30,20 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
-def token_max(x, y):
-    """Eq. (4)-(5): x (I, N, K), y (T, L, K) unit or all-zero rows -> s_i2t, s_t2i (I, T)."""
-    x_ok = x.abs().sum(-1) > 0                                          # (I, N)
-    y_ok = y.abs().sum(-1) > 0                                          # (T, L)
-    s = torch.einsum("ink,tlk->itnl", x, y)                             # x_k . y_r, (I, T, N, L)
-    neg = torch.finfo(s.dtype).min
-    best_word = s.masked_fill(~y_ok[None, :, None, :], neg).amax(-1)    # (I, T, N)
-    best_patch = s.masked_fill(~x_ok[:, None, :, None], neg).amax(-2)   # (I, T, L)
-    s_i2t = (best_word * x_ok[:, None]).sum(-1) / x_ok.sum(-1, keepdim=True).clamp_min(1)  # Eq. (4)
-    s_t2i = (best_patch * y_ok[None]).sum(-1) / y_ok.sum(-1)[None].clamp_min(1)            # Eq. (5)
-    return s_i2t, s_t2i
+from .cov import max_mean as token_max   # Eq. (4)-(5): the two terms of CoV's max-sum, Eq. (6)
 
 
 class FILIP(nn.Module):
     defaults = dict(lr=3e-3, epochs=30, batch_size=128, weight_decay=1e-4, optimizer="adam")  # as CoV here
     ranges = dict(K="[1, inf)", tau="(0, inf)", score_chunk="[1, inf)")  # valid --hp values (align.py)
+
+    split_loss = True  # its loss reads the batch only through embed_image / embed_text (distributed.py)
+    refuses_align_data = dict.fromkeys(("weights", "weights+pairs"),  # head rows: one vector each
+                                        "its image embedding reads only the patch tokens, and a head row is one "
+                                        "vector with no patches")
+
+    def contrastive_scale(self):  # 1 / temperature of its contrastive logits (--hard-negatives)
+        return 1 / self.tau
 
     def __init__(self, d_image, d_text,
                  K=512,              # shared dim, as CoV
@@ -67,7 +64,6 @@ class FILIP(nn.Module):
     def dense_image(self, img):
         return self.embed_image(img)[:, :, None]                  # (B, H*W, 1, K)
 
-    @torch.no_grad()
     def score(self, img_emb, txt_emb):
         (I, N, _), (T, L, _) = img_emb.shape, txt_emb.shape
         ct = max(1, min(T, self.score_chunk // (N * L)))          # texts per chunk

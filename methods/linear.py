@@ -17,17 +17,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
-def info_nce(h_v, h_l, tau):
-    """Symmetric InfoNCE over a batch of L2-normalised pairs (B, K), (B, K)."""
-    logits = h_v @ h_l.T / tau                      # (B, B) cosine similarity as logits
-    target = torch.arange(len(h_v), device=h_v.device)
-    return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
+from .losses import info_nce
 
 
 class Linear(nn.Module):
     defaults = dict(lr=1e-3, epochs=20, batch_size=256, weight_decay=1e-4, optimizer="adamw")
     ranges = dict(K="[1, inf)", tau="(0, inf)")  # valid --hp values (align.py)
+
+    split_loss = True  # its loss reads the batch only through embed_image / embed_text (distributed.py)
+
+    def contrastive_scale(self):  # 1 / temperature of its contrastive logits (--hard-negatives)
+        return 1 / self.tau
 
     def __init__(self, d_image, d_text, K=512, tau=0.05):  # K, tau: STRUCTURE §4
         super().__init__()

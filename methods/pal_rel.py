@@ -30,7 +30,7 @@ above" (two relation words) are read by the same weights. Trained with PAL's
 symmetric InfoNCE, Eq. (8), on s / tau.
 
 Symbols -> variables: A_v, A_l -> self.A_v, self.A_l; R -> R; beta -> beta (CAP's
-alpha, choice 9); pos -> pos; c -> c; u -> self.u; rho -> rho; V -> self.V; M -> M;
+alpha, choice 2); pos -> pos; c -> c; u -> self.u; rho -> rho; V -> self.V; M -> M;
 W -> self.W; U -> self.U; o -> o; alpha_l -> alpha; d -> d; tau_p -> self.tau_p;
 tau -> self.tau.
 
@@ -39,7 +39,7 @@ seed 0, default encoders, `python align.py --method pal_rel --epochs 5 --threads
 
 Deviations / choices:
 1. Positions come from the patch grid (Features.grid), as a ViT's position embedding: the default shapes-cnn (no position code) gives canonical attribute / relation / object-order swaps 100.0 / 100.0 / 100.0.
-2. beta (R1) is CAP's alpha over the patches (PAL's Z masks the global token), one chunked pass (pal.py choice 9); tests/test_fast_forms.py checks it against a separate softmax.
+2. beta (R1) is CAP's alpha over the patches (PAL's Z masks the global token): one chunked pass with fast=True (pal.py choice 9), the paper form with fast=False; tests/test_fast_forms.py checks one against the other.
 3. U, V and u start at zero, so PAL-Rel starts as PAL exactly (tests/test_binding.py: scores equal to 1e-6).
 4. The 1/K in (R4): without it one Adam step (lr 3e-2) made the relation term ~100: loss 14.8 after the first epoch (chance 5.5).
 5. The 1/K on the TEXT side (prompt averaging in evaluate.py renormalises e_l): on the image side, zero-shot top-1 69.8 instead of 100.0 (MiniLM, 10 epochs).
@@ -55,7 +55,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .pal import PAL, chunked_cap, info_nce, relative
+from .losses import info_nce
+from .pal import HAVE_FAST, PAL, cap, relative, say_cap_form
+
+if HAVE_FAST:
+    from .fast_cap import chunked_cap
 
 
 def sincos(x, P=32):
@@ -78,8 +82,16 @@ def grid_positions(H, W, device=None):
 
 class PALRel(nn.Module):
     defaults = dict(lr=3e-2, epochs=20, batch_size=256, weight_decay=0.0, optimizer="adamw")  # PAL's (choice 6)
-    ranges = dict(K="[1, inf)", tau_p="(0, inf)", tau="(0, inf)", P=(2, 4, 8, 16, 32, 64),
-                  order=("local", "relation", "index"), W="[0, inf)")  # valid --hp; P: sin + cos halves
+    ranges = dict(K="[1, inf)", tau_p="(0, inf)", tau="(0, inf)", P=(2, 4, 8, 16, 32, 64),  # valid --hp; P: sin + cos halves
+                  order=("local", "relation", "index"), W="[0, inf)",
+                  fast=(True, False) if HAVE_FAST else (False,))  # pal.py choice 9
+
+    split_loss = True  # its loss reads the batch only through embed_image / embed_text (distributed.py)
+    refuses_align_data = {"weights": "its relation term (R1) reads the patch grid's positions, and head rows "
+                                     "alone have no grid (weights+pairs reads each head row as its one token)"}
+
+    def contrastive_scale(self):  # 1 / temperature of its contrastive logits (--hard-negatives)
+        return 1 / self.tau
 
     def __init__(self, d_image, d_text,
                  K=512,            # PAL §5.1
@@ -87,7 +99,8 @@ class PALRel(nn.Module):
                  tau=0.05,         # pal.py choice 1
                  P=32,             # (R2) order="relation" / "index": sin-cos code size, choice 8
                  order="local",    # (R2) how a word's place is coded, choice 8
-                 W=8):             # (R2) order="local": words j - W .. j + W around word j, choice 9
+                 W=8,              # (R2) order="local": words j - W .. j + W around word j, choice 9
+                 fast=HAVE_FAST):  # CAP through methods/fast_cap.py (pal.py choice 9), else the paper form
         super().__init__()
         if order not in ("local", "relation", "index"):
             raise ValueError(f"order must be 'local', 'relation' or 'index', not {order!r}")
@@ -98,13 +111,19 @@ class PALRel(nn.Module):
         self.V = nn.Parameter(torch.zeros(d_text, 2 * self.C))  # (R2), (D_l, 2C), choice 3
         self.u = nn.Parameter(torch.zeros(d_text)) if order != "index" else None  # (R2) rho's weights, (D_l,)
         self.K, self.P, self.W, self.tau_p, self.tau, self.order = K, P, W, tau_p, tau, order
+        self.fast = fast
+        say_cap_form("pal_rel", fast)
 
     def embed_image(self, img):
         Z, mask = PAL.Z(img, "image")                                      # [global (masked), patches]: PAL's Z
         H, W = img.grid
         pos = torch.cat([Z.new_zeros(1, 2), grid_positions(H, W, Z.device)])  # (1 + H*W, 2), the global slot at 0
         # Eqs. (3)-(6) and (R1) in one chunked pass (pal.py choice 9): p (B, K) and c = beta^T pos (B, K, 2)
-        p, c = chunked_cap(Z, self.A_v, mask, self.tau_p, V=pos.expand(len(Z), -1, -1))
+        if self.fast:
+            p, c = chunked_cap(Z, self.A_v, mask, self.tau_p, V=pos.expand(len(Z), -1, -1))
+        else:
+            p, alpha = cap(relative(Z, self.A_v), mask, self.tau_p)        # Eq. (3)-(6)
+            c = alpha.transpose(1, 2) @ pos                                # (R1) beta = alpha, (B, K, 2)
         c = c - c.mean(dim=1, keepdim=True)                                # c_k - c_bar (R4)
         return torch.cat([F.normalize(p, dim=-1), c.flatten(1)], dim=1)    # e_v, (B, 3K)
 
@@ -126,7 +145,11 @@ class PALRel(nn.Module):
             q = sincos(w, self.P)                                          # (R2) q_w, (L, P) or (B, L, P)
             o = y @ self.U + q @ G.transpose(1, 2)                         # (R2), (B, L, 2)
         # Eqs. (3)-(6) and (R3) in one chunked pass: p (B, K) and d = alpha^T o (B, K, 2); padding has alpha 0
-        p, d = chunked_cap(txt.tokens, self.A_l, txt.mask, self.tau_p, V=o)
+        if self.fast:
+            p, d = chunked_cap(txt.tokens, self.A_l, txt.mask, self.tau_p, V=o)
+        else:
+            p, alpha = cap(relative(txt.tokens, self.A_l), txt.mask, self.tau_p)  # Eq. (3)-(6)
+            d = alpha.transpose(1, 2) @ o                                  # (R3), (B, K, 2)
         return torch.cat([F.normalize(p, dim=-1), d.flatten(1) / self.K], dim=1)  # e_l, (B, 3K); 1/K: choice 5
 
     def score(self, img_emb, txt_emb):

@@ -81,6 +81,11 @@ class SAIL(nn.Module):
     defaults = dict(lr="0.1 / max(d_image, d_text)", epochs=100, batch_size=256, weight_decay=1e-4, optimizer="adamw")
     ranges = dict(K="[1, inf)", width="[1, inf)", t_init="(0, inf)", b_init="(-inf, inf)")  # valid --hp
 
+    split_loss = True  # its loss reads the batch only through embed_image / embed_text (distributed.py)
+
+    def contrastive_scale(self):  # its logit scale (--hard-negatives): SigLIP's learned t
+        return self.log_t.exp()
+
     def __init__(self, d_image, d_text, K=512, width=8, t_init=20.0, b_init=-10.0):  # REFERENCE (SAIL)
         super().__init__()
         self.defaults = dict(SAIL.defaults, lr=0.1 / max(d_image, d_text))  # choice 3: lr x d_in = 0.1

@@ -38,12 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
-def info_nce(h_v, h_l, tau):
-    """Symmetric InfoNCE over L2-normalised pairs (B, K), (B, K)."""
-    logits = h_v @ h_l.T / tau                                  # (B, B) cosine similarity as logits
-    target = torch.arange(len(h_v), device=h_v.device)
-    return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
+from .losses import info_nce
 
 
 def neighbour_distribution(H, tau):
@@ -98,6 +93,9 @@ class LinearRS(nn.Module):
     defaults = dict(lr=1e-3, epochs=100, batch_size=256, weight_decay=1e-4, optimizer="adamw",
                     betas=(0.9, 0.95), grad_clip=1.0)
     ranges = dict(K="[1, inf)", tau="(0, inf)", lam="[0, inf)", warmup="[1, inf)")  # valid --hp
+
+    def contrastive_scale(self):  # 1 / temperature of its contrastive logits (--hard-negatives)
+        return 1 / self.tau
 
     def __init__(self, d_image, d_text, K=512, tau=0.05, lam=10.0, warmup=1000):  # STRUCTURE §4 / code
         super().__init__()

@@ -43,6 +43,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .losses import info_nce_of_logits
+
 
 def text_guided_score(v, w, tau_a):
     """Eq. (1)-(3) for all pairs: v (I, N, K) patches, w (T, L, K) words -> S (I, T).
@@ -70,6 +72,14 @@ class TextGuided(nn.Module):
     defaults = dict(lr=3e-3, epochs=30, batch_size=128, weight_decay=1e-4, optimizer="adam")  # as CoV here
     ranges = dict(K="[1, inf)", tau_a="(0, inf)", tau="(0, inf)", score_chunk="[1, inf)")  # valid --hp
 
+    split_loss = True  # its loss reads the batch only through embed_image / embed_text (distributed.py)
+    refuses_align_data = dict.fromkeys(("weights", "weights+pairs"),  # head rows: one vector each
+                                        "its image embedding reads only the patch tokens, and a head row is one "
+                                        "vector with no patches")
+
+    def contrastive_scale(self):  # 1 / temperature of its contrastive logits (--hard-negatives)
+        return 1 / self.tau
+
     def __init__(self, d_image, d_text,
                  K=512,              # shared dim, as CoV
                  tau_a=0.1,          # word-to-patch attention, choice 2
@@ -90,7 +100,6 @@ class TextGuided(nn.Module):
     def dense_image(self, img):
         return self.embed_image(img)[:, :, None]                  # (B, H*W, 1, K)
 
-    @torch.no_grad()
     def score(self, img_emb, txt_emb):
         (I, N, K), (T, L, _) = img_emb.shape, txt_emb.shape
         per_pair = L * N                                          # (N, L) entries per pair
@@ -105,6 +114,5 @@ class TextGuided(nn.Module):
     def loss(self, img, txt):
         S = text_guided_score(self.embed_image(img), self.embed_text(txt), self.tau_a)  # (B, B)
         logits = S / self.tau
-        target = torch.arange(len(S), device=S.device)
-        loss = (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
+        loss = info_nce_of_logits(logits)                                # symmetric InfoNCE (losses.py)
         return loss, {"nce": loss.item()}

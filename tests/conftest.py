@@ -47,3 +47,23 @@ def interrupted(method_cls, at_call):
                 raise KeyboardInterrupt
             return super().loss(i, t)
     return Stop
+
+
+def assert_same(got, want, what, atol=None, rtol=None):
+    """torch.testing.assert_close's check (same shape, dtype and tolerances; NaN never equal) with a one-line
+    message for exercises/grade.py: what differs, how many entries, by how much and where."""
+    got, want = torch.as_tensor(got), torch.as_tensor(want)
+    assert tuple(got.shape) == tuple(want.shape), f"{what}: shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype}, expected {want.dtype}"
+    precise = got.dtype == torch.float64
+    atol = (1e-7 if precise else 1e-5) if atol is None else atol
+    rtol = (1e-7 if precise else 1.3e-6) if rtol is None else rtol
+    g, w = got.detach().double().cpu(), want.detach().double().cpu()
+    diff = (g - w).abs().nan_to_num(nan=float("inf"))
+    bad = ~(diff <= atol + rtol * w.abs())
+    if bad.any():
+        worst = diff.flatten().argmax().item()
+        at = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), tuple(g.shape))) if g.dim() else ()
+        raise AssertionError(f"{what}: {int(bad.sum())} of {bad.numel()} entries differ, by up to "
+                             f"{diff.flatten()[worst].item():.3g} (at {list(at)}: {g.flatten()[worst].item():.4g} "
+                             f"instead of {w.flatten()[worst].item():.4g})")

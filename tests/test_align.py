@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import align
+import cache
 import encoders
-import features
 from conftest import random_features
 from methods.linear import Linear
 
@@ -87,16 +87,16 @@ class CountingEncoder:
 
 def test_feature_cache_is_reused_keyed_and_rebuilt_when_broken(tmp_path, capsys):
     enc = CountingEncoder()
-    a = features.extract(enc, ["x"] * 10, tmp_path, batch_size=4, dataset="d", split="s", modality="text")
-    b = features.extract(enc, ["x"] * 10, tmp_path, batch_size=4, dataset="d", split="s", modality="text")
+    a = cache.extract(enc, ["x"] * 10, tmp_path, batch_size=4, dataset="d", split="s", modality="text")
+    b = cache.extract(enc, ["x"] * 10, tmp_path, batch_size=4, dataset="d", split="s", modality="text")
     assert enc.calls == 3 and torch.equal(a.tokens, b.tokens) and a.tokens.dtype == torch.float16
-    features.extract(enc, ["x"] * 10, tmp_path, batch_size=4, dataset="d", split="other", modality="text")
+    cache.extract(enc, ["x"] * 10, tmp_path, batch_size=4, dataset="d", split="other", modality="text")
     assert enc.calls == 6                                     # another key: computed again
     files = list((tmp_path / "features").iterdir())
     assert len(files) == 2 and not any(".tmp" in f.name for f in files)
     path = [f for f in files if f.name.startswith("d-s-")][0]
     path.write_bytes(path.read_bytes()[:100])                 # a half-written file
-    c = features.extract(enc, ["x"] * 10, tmp_path, batch_size=4, dataset="d", split="s", modality="text")
+    c = cache.extract(enc, ["x"] * 10, tmp_path, batch_size=4, dataset="d", split="s", modality="text")
     assert enc.calls == 9 and torch.equal(a.tokens, c.tokens) and "unreadable" in capsys.readouterr().out
 
 

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 import align
-import features
-from features import Features, StoredFeatures
+import cache
+from cache import StoredFeatures
+from features import Features
 from methods.linear import Linear
 
 
@@ -33,13 +34,13 @@ class FakeEncoder:
 
 
 def extract(enc, n, tmp_path, **kw):
-    return features.extract(enc, list(range(n)), tmp_path, batch_size=4, dataset="d", split="s", modality="m", **kw)
+    return cache.extract(enc, list(range(n)), tmp_path, batch_size=4, dataset="d", split="s", modality="m", **kw)
 
 
 def shard_rows(monkeypatch, rows, image=False):
     """Every set goes to the memory-mapped layout, `rows` rows per shard (sized from the first batch's rows)."""
-    monkeypatch.setattr(features, "MEMMAP_BYTES", 0)
-    monkeypatch.setattr(features, "SHARD_BYTES", rows * 2 * (5 if image else 1) * 3)  # rows x fp16 x T x D
+    monkeypatch.setattr(cache, "MEMMAP_BYTES", 0)
+    monkeypatch.setattr(cache, "SHARD_BYTES", rows * 2 * (5 if image else 1) * 3)  # rows x fp16 x T x D
 
 
 @pytest.mark.parametrize("image", [False, True])

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from conftest import random_features
+from conftest import assert_same, random_features
 
 from features import Features
 from methods.cov import CoV, DeformableAttention, deformable_sample, max_sum, threshold_mask
@@ -103,8 +103,9 @@ def test_deformable_sample_matches_naive_bilinear_loop():
     loc[0, 0, 0, 1] = torch.tensor([-0.05, 0.5])                # half a pixel outside the left edge
     A = torch.rand(B, Q, M, K, generator=g)
     out = deformable_sample(value, loc, A)
-    assert out.shape == (B, Q, M, Dh)
-    torch.testing.assert_close(out.double(), deformable_naive(value, loc, A), atol=1e-5, rtol=1e-5)
+    assert out.shape == (B, Q, M, Dh), f"deformable_sample has shape {tuple(out.shape)}, expected (B, Q, M, Dh)"
+    assert_same(out.double(), deformable_naive(value, loc, A), "deformable_sample against the per-point bilinear loop "
+                "(points outside the grid read 0)", atol=1e-5, rtol=1e-5)
 
 
 def test_deformable_sample_pixel_centre_reads_the_patch():
@@ -112,7 +113,9 @@ def test_deformable_sample_pixel_centre_reads_the_patch():
     i, j = 2, 1
     loc = torch.tensor([(j + 0.5) / 4, (i + 0.5) / 3]).view(1, 1, 1, 1, 2)
     out = deformable_sample(value, loc, torch.ones(1, 1, 1, 1))
-    assert out.item() == pytest.approx(value[0, 0, 0, i, j].item())
+    assert out.item() == pytest.approx(value[0, 0, 0, i, j].item()), (
+        f"the centre of patch (row {i}, col {j}), loc ((j + .5) / W, (i + .5) / H), reads {out.item():.4g}, "
+        f"not that patch's value {value[0, 0, 0, i, j].item():g}")
 
 
 def test_deformable_attention_init_is_deformable_detr():
@@ -132,7 +135,8 @@ def test_deformable_attention_init_is_deformable_detr():
                 x = ref[q, 0].item() + (k + 1) * math.cos(th) / W
                 y = ref[q, 1].item() + (k + 1) * math.sin(th) / H
                 expect[0, q, m] += bilinear_naive(value[0, m].detach(), x, y) / K
-    torch.testing.assert_close(out, att.out_proj(expect.float().flatten(2)), atol=1e-5, rtol=1e-5)
+    assert_same(out, att.out_proj(expect.float().flatten(2)), "DeformableAttention at init against the loop over "
+                "heads and points", atol=1e-5, rtol=1e-5)
 
 
 def test_threshold_mask_matches_loop():
@@ -146,8 +150,8 @@ def test_threshold_mask_matches_loop():
             lo, hi = min(row), max(row)
             kept = [(a - lo) / (hi - lo) if (a - lo) / (hi - lo) >= eps else 0.0 for a in row]
             expect = torch.tensor([k / sum(kept) for k in kept])
-            torch.testing.assert_close(out[b, q], expect)
-    assert (out > 0).sum() < out.numel()          # the mask does drop patches
+            assert_same(out[b, q], expect, f"threshold_mask row ({b}, {q}) at eps {eps} against the loop")
+    assert (out > 0).sum() < out.numel(), "threshold_mask keeps every patch"   # the mask does drop patches
 
 
 def test_threshold_mask_keeps_the_top_patch_of_a_constant_row():
@@ -155,9 +159,9 @@ def test_threshold_mask_keeps_the_top_patch_of_a_constant_row():
     attn = torch.full((2, 3, 6), 1 / 6)
     attn[1, 2] = torch.tensor([0.5, 0.1, 0.1, 0.1, 0.1, 0.1])
     out = threshold_mask(attn, eps=0.7)
-    torch.testing.assert_close(out[0], torch.full((3, 6), 1 / 6))
-    torch.testing.assert_close(out[1, 2], torch.tensor([1.0, 0, 0, 0, 0, 0]))
-    torch.testing.assert_close(out.sum(-1), torch.ones(2, 3))
+    assert_same(out[0], torch.full((3, 6), 1 / 6), "threshold_mask of constant rows (every patch is a top patch)")
+    assert_same(out[1, 2], torch.tensor([1.0, 0, 0, 0, 0, 0]), "threshold_mask of a row with one top patch")
+    assert_same(out.sum(-1), torch.ones(2, 3), "the row sums of threshold_mask")
 
 
 def test_cov_blank_image_gives_finite_scores_and_loss():
@@ -185,7 +189,8 @@ def test_max_sum_matches_loop_with_padding():
     r[1, 3] = 0                                   # a padded region
     w[0, 4:] = 0                                  # padded words
     w[2, 1:] = 0
-    torch.testing.assert_close(max_sum(r, w).double(), max_sum_naive(r, w))
+    assert_same(max_sum(r, w).double(), max_sum_naive(r, w), "max_sum against the loop (region 3 of image 1, "
+                "words 4-5 of text 0 and 1-5 of text 2 are padding)")
 
 
 def test_cov_shapes_and_padding_contract():
@@ -206,7 +211,7 @@ def test_cov_dense_image_slice_is_a_one_region_image():
     s = torch.einsum("ik,tlk->itl", d[:, p, 0], w)                     # (I, T, L)
     ok = txt.mask[None]
     expect = s.masked_fill(~ok, -9).amax(-1) + (s * ok).sum(-1) / ok.sum(-1)
-    torch.testing.assert_close(S, expect)
+    assert_same(S, expect, f"the score of patch {p} as a one-region image (max over words + mean over words)")
 
 
 def test_cov_ablation_switches_build_and_train():
@@ -225,7 +230,8 @@ def test_cov_conc_loss_is_the_attention_weighted_spread():
     a = torch.zeros(1, 2, 4)                      # grid 2 x 2
     a[0, 0, 0] = 1                                # all mass on one patch: spread 0
     a[0, 1] = 0.25                                # uniform: each centre at distance sqrt(2)/4
-    torch.testing.assert_close(CoV.spread(a, (2, 2)), torch.tensor([[0.0, math.sqrt(2) / 4]]), atol=1e-5, rtol=0)
+    assert_same(CoV.spread(a, (2, 2)), torch.tensor([[0.0, math.sqrt(2) / 4]]), "spread of a one-patch and of a "
+                "uniform attention on a 2 x 2 grid (patch centres at (j + .5) / W)", atol=1e-5, rtol=0)
 
 
 def naive_assign(m, img):
@@ -268,10 +274,11 @@ def test_regions_match_naive_loop():
     with torch.no_grad():
         r, attn, attn_bar = m.regions(img)
         ref_attn, ref_bar, ref_r = naive_assign(m, img)
-    torch.testing.assert_close(attn.double(), ref_attn, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(attn_bar.double(), ref_bar, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(r.double(), ref_r, atol=1e-5, rtol=1e-4)
-    assert 0 < (attn_bar > 0).float().mean() < 0.5                    # the mask drops most patches here
+    assert_same(attn.double(), ref_attn, "attn (Eq. 2, softmax over the patches) against the loop", atol=1e-5, rtol=1e-4)
+    assert_same(attn_bar.double(), ref_bar, "attn_bar (Eq. 3) against the loop", atol=1e-5, rtol=1e-4)
+    assert_same(r.double(), ref_r, "the regions r = attn_bar V F (Eq. 3) against the loop", atol=1e-5, rtol=1e-4)
+    kept = (attn_bar > 0).float().mean()
+    assert 0 < kept < 0.5, f"attn_bar keeps {100 * kept:.0f}% of the patches; at eps 0.5 it drops most"
 
 
 def test_conc_loss_reads_the_full_softmax_attention():
@@ -283,7 +290,9 @@ def test_conc_loss_reads_the_full_softmax_attention():
     full = sum(sum(naive_spread(a, 4, 4)) for a in ref_attn) / ref_attn.shape[:2].numel()
     masked = sum(sum(naive_spread(a, 4, 4)) for a in ref_bar) / ref_bar.shape[:2].numel()
     assert abs(full - masked) > 0.05                                    # the two readings differ here
-    assert logs["conc"] == pytest.approx(full, rel=1e-4)
+    assert logs["conc"] == pytest.approx(full, rel=1e-4), (
+        f"L_conc = {logs['conc']:.4f}; the spread of the full softmax attention is {full:.4f}, of the masked "
+        f"attention {masked:.4f}")
 
 
 # ----------------------------------------------------------------------------- baselines vs loops
@@ -321,9 +330,10 @@ def test_padded_words_do_not_change_the_score(cls):
     junk = torch.randn(5, 3, 12, generator=g)     # padding columns with garbage tokens
     longer = Features(tokens=torch.cat([txt.tokens, junk], 1),
                       mask=torch.cat([txt.mask, torch.zeros(5, 3, dtype=torch.bool)], 1), pooled=txt.pooled)
-    torch.testing.assert_close(m.score(m.embed_image(img), m.embed_text(longer)), S)
+    assert_same(m.score(m.embed_image(img), m.embed_text(longer)), S, "scores after 3 padded garbage tokens are "
+                "appended to every caption")
     w0 = torch.nn.functional.pad(m.embed_text(txt), (0, 0, 0, 4))   # zero rows appended
-    torch.testing.assert_close(m.score(m.embed_image(img), w0), S)
+    assert_same(m.score(m.embed_image(img), w0), S, "scores after 4 all-zero (padding) word rows are appended")
 
 
 @pytest.mark.parametrize("cls", ALL)
@@ -332,7 +342,7 @@ def test_permuting_the_batch_permutes_the_scores(cls):
     S = m.score(m.embed_image(img), m.embed_text(txt))
     pi, pt = torch.tensor([3, 0, 4, 1, 2]), torch.tensor([1, 4, 0, 2, 3])
     S2 = m.score(m.embed_image(img[pi]), m.embed_text(txt[pt]))
-    torch.testing.assert_close(S2, S[pi][:, pt])
+    assert_same(S2, S[pi][:, pt], "scores of the permuted batch against the permuted scores")
 
 
 @pytest.mark.parametrize("cls", ALL)
@@ -343,7 +353,7 @@ def test_chunked_score_equals_unchunked(cls):
     S = m.score(e_i, e_t)
     for chunk in [1, 300, 5000]:                  # one pair per chunk, a few pairs, several rows
         m.score_chunk = chunk
-        torch.testing.assert_close(m.score(e_i, e_t), S)
+        assert_same(m.score(e_i, e_t), S, f"score() in chunks of {chunk} elements against one chunk")
 
 
 @pytest.mark.parametrize("cls", ALL)

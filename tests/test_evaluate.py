@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from conftest import random_features
+from conftest import assert_same, random_features
 from features import Features
 import evaluate as ev
 
@@ -75,7 +75,7 @@ def naive_retrieval(S, txt_to_img):
         order = torch.argsort(S[:, j], descending=True).tolist()
         t2i_rank.append(order.index(int(txt_to_img[j])))
     out = {}
-    for name, rank in (("i2t", i2t_rank), ("t2i", t2i_rank)):
+    for name, rank in [("i2t", i2t_rank), ("t2i", t2i_rank)]:
         for K in (1, 5, 10):
             out[f"{name}_r{K}"] = 100 * sum(r < K for r in rank) / len(rank)
     out["rsum"] = sum(out.values())
@@ -105,31 +105,34 @@ def test_recalls_on_hand_made_matrix_with_known_ranks():
     # t2i ranks, column by column: cap0 1 (tie with image 2 counts against), cap1 2, cap2 2,
     # cap3 0, cap4 2, cap5 2 (0.40 above, 0.20 tie)
     m = ev.retrieval_metrics(S, txt_to_img)
-    assert m["i2t_r1"] == pytest.approx(100 / 3)
-    assert m["i2t_r5"] == pytest.approx(100) and m["i2t_r10"] == pytest.approx(100)
-    assert m["t2i_r1"] == pytest.approx(100 / 6)
-    assert m["t2i_r5"] == pytest.approx(100)
-    assert m["rsum"] == pytest.approx(100 / 3 + 200 + 100 / 6 + 200)
-    assert m["i2t_p1"] == pytest.approx(1 / 3) and m["t2i_p1"] == pytest.approx(1 / 6)
+    want(m, "i2t_r1", 100 / 3, "i2t ranks 0, 1, 4")
+    want(m, "i2t_r5", 100, "i2t ranks 0, 1, 4")
+    want(m, "i2t_r10", 100, "i2t ranks 0, 1, 4")
+    want(m, "t2i_r1", 100 / 6, "t2i ranks 1, 2, 2, 0, 2, 2: a tie counts against the truth")
+    want(m, "t2i_r5", 100, "t2i ranks 1, 2, 2, 0, 2, 2")
+    want(m, "rsum", 100 / 3 + 200 + 100 / 6 + 200, "the sum of the six recalls")
+    want(m, "i2t_p1", 1 / 3, "only image 0's best caption is first")
+    want(m, "t2i_p1", 1 / 6, "only caption 3's image is first")
     # image 2's own captions sit at positions 5 and 6 of its list: AP = (1/5 + 2/6) / 2
     # image 1: positions 2 and 3 -> (1/2 + 2/3) / 2; image 0: positions 1 and 6 -> (1 + 2/6) / 2
     ap = [(1 + 2 / 6) / 2, (1 / 2 + 2 / 3) / 2, (1 / 5 + 2 / 6) / 2]
-    assert m["i2t_map"] == pytest.approx(sum(ap) / 3)
-    assert m["i2t_p5"] == pytest.approx((1 / 5 + 2 / 5 + 1 / 5) / 3)
+    want(m, "i2t_map", sum(ap) / 3, "own captions at positions (1, 6), (2, 3), (5, 6)")
+    want(m, "i2t_p5", (1 / 5 + 2 / 5 + 1 / 5) / 3, "1, 2 and 1 own captions in the top 5")
 
 
 def test_constant_scores_count_ties_against_the_ground_truth():
     txt_to_img = torch.tensor([0, 0, 1, 1])
     m = ev.retrieval_metrics(torch.zeros(2, 4), txt_to_img)
     # i2t rank 2 (both other captions first), t2i rank 1: R@1 = 0 both ways, R@5 = R@10 = 100
-    assert m["i2t_r1"] == 0 and m["t2i_r1"] == 0 and m["rsum"] == 400
-    assert m["i2t_p1"] == 0 and m["t2i_p1"] == 0
+    tie = "all scores equal: a tie counts against the truth"
+    for key, value in (("i2t_r1", 0), ("t2i_r1", 0), ("rsum", 400), ("i2t_p1", 0), ("t2i_p1", 0)):
+        want(m, key, value, tie, exact=True)
     # own captions after the 2 others: positions 3 and 4
-    assert m["i2t_map"] == pytest.approx((1 / 3 + 2 / 4) / 2)
+    want(m, "i2t_map", (1 / 3 + 2 / 4) / 2, tie + ", own captions at positions 3 and 4")
     # NaN scores count as -inf: a NaN ground truth is never ranked first
     S = torch.eye(2).repeat_interleave(2, dim=1)
     S[0, 0] = S[0, 1] = float("nan")
-    assert ev.retrieval_metrics(S, txt_to_img)["i2t_r1"] == pytest.approx(50)
+    want(ev.retrieval_metrics(S, txt_to_img), "i2t_r1", 50, "image 0's own scores are NaN: they rank last")
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -138,10 +141,11 @@ def test_retrieval_metrics_match_naive_loops(seed):
     S = torch.randn(30, len(txt_to_img), generator=torch.Generator().manual_seed(seed))
     m = ev.retrieval_metrics(S, txt_to_img, chunk=16)   # small chunk: exercise the chunking
     ref = naive_retrieval(S, txt_to_img)
-    assert m.keys() == ref.keys()
+    assert m.keys() == ref.keys(), f"keys {sorted(m)}, expected {sorted(ref)}"
     for k in ref:
-        assert m[k] == pytest.approx(ref[k], abs=1e-5), k
-    assert 0 < m["i2t_r1"] < 100 and 0 < m["i2t_map"] < 1   # not a degenerate case
+        assert m[k] == pytest.approx(ref[k], abs=1e-5), f"{k} = {m[k]:.5g}, the naive loop gives {ref[k]:.5g}"
+    assert 0 < m["i2t_r1"] < 100                             # not a degenerate case
+    assert 0 < m["i2t_map"] < 1
 
 
 def test_retrieval_metrics_invariant_to_consistent_permutation():
@@ -152,7 +156,8 @@ def test_retrieval_metrics_invariant_to_consistent_permutation():
     m = ev.retrieval_metrics(S, txt_to_img)
     m2 = ev.retrieval_metrics(S[pi][:, pt], inv_pi[txt_to_img[pt]])
     for k in m:
-        assert m2[k] == pytest.approx(m[k], abs=1e-5), k
+        assert m2[k] == pytest.approx(m[k], abs=1e-5), \
+            f"{k} = {m2[k]:.5g} after permuting images and captions consistently, {m[k]:.5g} before"
 
 
 def test_score_matrix_chunked_equals_full():
@@ -175,9 +180,12 @@ def test_retrieval_end_to_end_is_perfect_for_near_copies_and_uses_eval_mode():
     method = Cosine(p_drop=0.9)               # in training mode the dropout would scramble everything
     method.train()
     m = ev.retrieval(method, Features.from_vectors(x), Features.from_vectors(y), txt_to_img, batch_size=7)
-    assert m["rsum"] == pytest.approx(600)
-    assert m["i2t_map"] == pytest.approx(1) and m["i2t_p5"] == pytest.approx(1) and m["t2i_p1"] == 1
-    assert method.training                     # flag restored
+    near = "captions are near copies of their image"
+    want(m, "rsum", 600, near)
+    want(m, "i2t_map", 1, near)
+    want(m, "i2t_p5", 1, near)
+    want(m, "t2i_p1", 1, near, exact=True)
+    assert method.training, "retrieval() left the method in eval mode"   # flag restored
 
 
 # ----------------------------------------------------------------------------- embed
@@ -204,6 +212,13 @@ def test_embed_reads_fp16_features():
 
 # ----------------------------------------------------------------------------- classification
 
+def want(metrics, key, value, why, exact=False):
+    """metrics[key] == value (approximately unless exact), with a message saying what was expected and why."""
+    got = metrics[key]
+    ok = got == value if exact else got == pytest.approx(value)
+    assert ok, f"{key} = {got:.4g}, expected {value:.4g} ({why})"
+
+
 def test_template_average_matches_naive():
     C, n, K = 3, 4, 5
     t = torch.randn(C * n, K)
@@ -214,7 +229,8 @@ def test_template_average_matches_naive():
             v = t[c * n + r]
             acc += v / math.sqrt(float(v @ v))
         acc /= n
-        torch.testing.assert_close(w[c], acc / math.sqrt(float(acc @ acc)))
+        assert_same(w[c], acc / math.sqrt(float(acc @ acc)), f"class {c}'s embedding (normalise each of its {n} "
+                    f"templates, average, normalise)")
 
 
 def test_token_level_class_logits_average_scores_over_templates():
@@ -223,11 +239,13 @@ def test_token_level_class_logits_average_scores_over_templates():
     txt = torch.randn(C * n, 2, 5)
     txt[1, 1] = 0                                # one padded word
     logits = ev.class_logits(TokenLevel(), img, ev.template_average(txt, n), n)
-    assert logits.shape == (4, C)
+    assert logits.shape == (4, C), f"class_logits has shape {tuple(logits.shape)}, expected (N, C) = (4, {C})"
     for i in range(4):
         for c in range(C):
             ref = sum(naive_token_score(img[i], txt[c * n + r]) for r in range(n)) / n
-            assert float(logits[i, c]) == pytest.approx(ref, abs=1e-5)
+            assert float(logits[i, c]) == pytest.approx(ref, abs=1e-5), (
+                f"image {i}, class {c}: logit {float(logits[i, c]):.4f}, the mean over its {n} templates' "
+                f"scores is {ref:.4f} (prompts are class-major)")
 
 
 def test_classification_with_class_mean_prompts_is_perfect():
@@ -239,10 +257,11 @@ def test_classification_with_class_mean_prompts_is_perfect():
     # each template: the class mean at a different scale (normalisation removes it)
     prompts = means.repeat_interleave(n, dim=0) * torch.tensor([1.0, 2.0, 0.5]).repeat(C)[:, None]
     img, cls = Features.from_vectors(x), Features.from_vectors(prompts)
-    assert ev.classification(Cosine(), img, labels, cls, n, batch_size=16)["top1"] == pytest.approx(100)
+    want(ev.classification(Cosine(), img, labels, cls, n, batch_size=16), "top1", 100,
+         "images near their class mean, prompts = the class mean at 3 scales")
     wrong = labels.clone()
     wrong[:10] = (wrong[:10] + 1) % C
-    assert ev.classification(Cosine(), img, wrong, cls, n)["top1"] == pytest.approx(75)
+    want(ev.classification(Cosine(), img, wrong, cls, n), "top1", 75, "10 of 40 labels changed")
 
 
 # ----------------------------------------------------------------------------- segmentation
@@ -253,12 +272,18 @@ def test_miou_hand_made_and_ignore_pixels_excluded():
     pred = torch.tensor([[0, 1, 1],
                          [1, 0, 1]])
     # class 0: I = 1, U = 2 (pred 1 + gt 2 - 1); class 1: I = 2, U = 3 (pred 3 + gt 2 - 2) -> (1/2 + 2/3) / 2
-    assert ev.miou_from_predictions(pred, gt, 2) == pytest.approx(100 * (1 / 2 + 2 / 3) / 2)
+    got = ev.miou_from_predictions(pred, gt, 2)
+    assert got == pytest.approx(100 * (1 / 2 + 2 / 3) / 2), \
+        f"mIoU {got:.4g}, expected 58.33 (class 0: I 1 / U 2, class 1: I 2 / U 3; the 255 pixels ignored)"
     pred2 = pred.clone()
     pred2[1, 1:] = torch.tensor([1, 0])           # only ignored pixels changed
-    assert ev.miou_from_predictions(pred2, gt, 2) == ev.miou_from_predictions(pred, gt, 2)
+    got2 = ev.miou_from_predictions(pred2, gt, 2)
+    assert got2 == got, f"changing the prediction on ignored (255) pixels moves mIoU from {got:.4g} to {got2:.4g}"
     # a class predicted but absent from gt counts with IoU 0; a class absent from both does not count
-    assert ev.miou_from_predictions(torch.tensor([0, 2]), torch.tensor([0, 0]), 4) == pytest.approx(100 * (1 / 2 + 0) / 2)
+    got = ev.miou_from_predictions(torch.tensor([0, 2]), torch.tensor([0, 0]), 4)
+    assert got == pytest.approx(100 * (1 / 2 + 0) / 2), (
+        f"mIoU {got:.4g}, expected 25 (class 0 IoU 1/2, class 2 predicted but absent IoU 0, classes 1 and 3 "
+        f"absent from both: not counted)")
     with pytest.raises(ValueError):
         ev.miou_from_predictions(torch.tensor([0]), torch.tensor([7]), 2)
 
@@ -269,8 +294,9 @@ def test_miou_accumulates_over_the_set_not_per_image():
     pred2 = torch.ones(2, 2, dtype=torch.long)                                                # all class 1
     per_image = (ev.miou_from_predictions(pred1, gt1, 2) + ev.miou_from_predictions(pred2, gt2, 2)) / 2
     pooled = ev.miou_from_predictions(torch.stack([pred1, pred2]), torch.stack([gt1, gt2]), 2)
-    assert per_image == pytest.approx((100 + 100 * (0 + 3 / 4) / 2) / 2)    # 68.75
-    assert pooled == pytest.approx(100 * (4 / 5 + 3 / 4) / 2)                # 77.5
+    assert per_image == pytest.approx((100 + 100 * (0 + 3 / 4) / 2) / 2), f"per-image mean {per_image:.4g}, not 68.75"
+    assert pooled == pytest.approx(100 * (4 / 5 + 3 / 4) / 2), \
+        f"mIoU of the two images together {pooled:.4g}, expected 77.5 (intersections and unions summed over the set)"
 
 
 def one_hot_world(N=6, C=3, H=4, W=4, up=2, seed=0):
@@ -289,10 +315,11 @@ def test_segmentation_one_hot_dense_is_perfect_and_matches_known_swap():
     C, n = 3, 2
     img, masks = one_hot_world(C=C)
     prompts = Features.from_vectors(torch.eye(C).repeat_interleave(n, dim=0))   # class-major templates
-    assert ev.segmentation(Cosine(), img, masks, prompts, n, batch_size=4)["miou_fg"] == pytest.approx(100)
+    want(ev.segmentation(Cosine(), img, masks, prompts, n, batch_size=4), "miou_fg", 100,
+         "one-hot patches scored against one-hot class prompts")
     swapped = masks.clone()                            # ground truth with classes 0 and 1 exchanged
     swapped[masks == 0], swapped[masks == 1] = 1, 0
-    assert ev.segmentation(Cosine(), img, swapped, prompts, n)["miou_fg"] == pytest.approx(100 / 3)
+    want(ev.segmentation(Cosine(), img, swapped, prompts, n), "miou_fg", 100 / 3, "classes 0 and 1 swapped in the truth")
 
 
 def test_segmentation_with_token_level_method_runs_per_patch():
@@ -303,7 +330,7 @@ def test_segmentation_with_token_level_method_runs_per_patch():
     C = 3
     img, masks = one_hot_world(C=C)
     prompts = Features(tokens=torch.eye(C)[:, None], mask=torch.ones(C, 1, dtype=torch.bool), pooled=torch.eye(C))
-    assert ev.segmentation(Dense(), img, masks, prompts, 1)["miou_fg"] == pytest.approx(100)
+    want(ev.segmentation(Dense(), img, masks, prompts, 1), "miou_fg", 100, "a token-level method, one patch per image")
 
 
 def naive_bilinear(logits, Hm, Wm):
@@ -337,7 +364,8 @@ def test_segmentation_upsamples_logits_bilinearly():
     masks = torch.stack([naive_bilinear(l, Hm, Wm).argmax(0) for l in logits])     # (N, Hm, Wm)
     masks[:, 0, :3] = 255                                                           # a few ignored pixels
     prompts = Features.from_vectors(torch.eye(C))
-    assert ev.segmentation(Cosine(), img, masks, prompts, 1, batch_size=3)["miou_fg"] == pytest.approx(100)
+    want(ev.segmentation(Cosine(), img, masks, prompts, 1, batch_size=3), "miou_fg", 100,
+         "the truth is the argmax of the logits upsampled bilinearly (align_corners=False) to 10 x 11")
     valid = masks != 255
     for kw in (dict(mode="nearest"), dict(mode="bilinear", align_corners=True)):
         other = F.interpolate(logits, size=(Hm, Wm), **kw).argmax(1)
@@ -361,7 +389,9 @@ def test_segmentation_sums_intersections_and_unions_over_all_batches():
     union = [int((((pred == c) | (masks == c)) & valid).sum()) for c in range(C)]
     expect = 100 * sum(i / u for i, u in zip(inter, union)) / C
     prompts = Features.from_vectors(torch.eye(C))
-    assert ev.segmentation(Cosine(), img, masks, prompts, 1, batch_size=2)["miou_fg"] == pytest.approx(expect, abs=1e-4)
+    got = ev.segmentation(Cosine(), img, masks, prompts, 1, batch_size=2)["miou_fg"]
+    assert got == pytest.approx(expect, abs=1e-4), \
+        f"mIoU {got:.4g} over 5 images in batches of 2; intersections and unions summed over all give {expect:.4g}"
     last = ev.segmentation(Cosine(), img[4:], masks[4:], prompts, 1)["miou_fg"]
     assert abs(last - expect) > 1                                                   # the last batch alone differs
 

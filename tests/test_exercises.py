@@ -1,11 +1,15 @@
 """The course (exercises/): the markers agree with the table, and the grader has teeth.
 
-The reference grades all passed; a fresh student copy grades all failed, naming each
-exercise, while the rest of the project still imports; one classic mistake per
-exercise, patched into a copy, fails with the hint naming it; the reference regions
-pasted back grade as passed and align.py runs in that copy. Four grader calls in all
-(each one pytest run of the table's node ids)."""
+The reference grades all passed; in a fresh student copy EVERY graded test of every exercise
+fails, while the rest of the project still imports, no exercise's answer stands anywhere in
+it, and align.py refuses a run that needs a blank exercise in one line; one classic mistake
+per exercise, patched into a copy, fails with the hint naming it; a cap that forgets the
+padding mask fails its grade and changes PAL's retrieval; the reference regions pasted back
+grade as passed and align.py gives the reference's metrics there (its paper form, since a copy
+has no methods/fast_cap.py). This file plants the answers, so it is not in a student copy."""
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,14 +19,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "exercises"))
+import grade as grader  # noqa: E402
 import make_student_copy as msc  # noqa: E402
+import table  # noqa: E402
 from table import EXERCISES  # noqa: E402
 
 # One classic mistake per exercise: (file, reference text, mistaken text, words of the hint that name it).
 MISTAKES = {
     1: ("evaluate.py", "n_above[j] = ((rows >= g) & ~same).sum(1)", "n_above[j] = ((rows > g) & ~same).sum(1)",
         "ties ranked in favour of the truth"),
-    2: ("methods/pal.py", "return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2",
+    2: ("methods/losses.py", "return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2",
         "return F.cross_entropy(logits, target)", "one direction only"),
     3: ("methods/pal.py", "alpha = logits.softmax(dim=1)", "alpha = logits.softmax(dim=2)", "softmax over the anchors"),
     4: ("methods/cov.py", 'padding_mode="zeros", align_corners=False)', 'padding_mode="zeros", align_corners=True)',
@@ -45,6 +51,14 @@ MISTAKES = {
     13: ("evaluate.py", "w = F.normalize(txt_emb, dim=-1).view(C, n_templates, -1).mean(1)",
          "w = txt_emb.view(C, n_templates, -1).mean(1)", "averaging the templates before normalising"),
 }
+
+
+# A cap that forgets the padding mask: every token, padded or not, enters the softmax and the sum.
+NO_MASK = ("methods/pal.py", """    R = R.masked_fill(~mask[..., None], 0.0)                                   # padding -> 0
+    logits = (R / tau_p).masked_fill(~mask[..., None], float("-inf"))
+""", """    logits = R / tau_p
+""")
+TINY_RUN = ["--epochs", "1", "--eval-images", "50", "--threads", "1", "--no-figures"]
 
 
 def grade(root, *numbers):
@@ -117,16 +131,42 @@ def test_only_blanks_the_chosen_exercises_and_never_overwrites(tmp_path):
 
 # ----------------------------------------------------------------------------- the grader has teeth
 
-def test_reference_grades_all_passed():
+def graded_results(root):
+    """{exercise: [(node, outcome, message)]} of every graded test, from one pytest run in root."""
+    ids = list(dict.fromkeys(t for ex in EXERCISES.values() for t in ex["tests"]))
+    results, broken, tail = grader.run_tests(root, ids)
+    assert not broken, broken
+    out = {}
+    for n, ex in EXERCISES.items():
+        for table_id in ex["tests"]:
+            got = [(node, *res) for node, res in results.items() if grader.matches(node, table_id)]
+            assert got, f"exercise {n}: {table_id} was not run ({tail})"
+            out.setdefault(n, []).extend(got)
+    return out
+
+
+def test_reference_passes_every_graded_test_and_grades_all_passed():
     code, lines, out = grade(ROOT)
     assert code == 0, out
-    assert sorted(lines) == sorted(EXERCISES) and all("  passed  " in l for l in lines.values()), out
+    assert sorted(lines) == sorted(EXERCISES), out
+    for n, line in lines.items():
+        k = sum(1 for _ in EXERCISES[n]["tests"])
+        assert "  passed  " in line and re.search(rf"\((\d+) of \1 checks pass\)", line), line   # every graded test
+        assert int(re.search(r"\((\d+) of", line)[1]) >= k, line
+
+
+def test_every_graded_test_fails_on_the_blank_copy(student_copy):
+    """A test that passes with an exercise still blank checks nothing of the student's code."""
+    for n, tests in graded_results(student_copy).items():
+        for node, outcome, msg in tests:
+            assert outcome == "failed", f"exercise {n}: {node} passes with every exercise blank"
 
 
 def test_student_copy_fails_every_exercise_and_the_rest_still_imports(student_copy):
     ref_files = msc.project_files(ROOT)
     assert msc.project_files(student_copy) == ref_files
-    assert not (student_copy / "exercises" / "answers.md").exists()
+    for left_out in ("exercises/answers.md", "methods/fast_cap.py", "tests/test_exercises.py"):
+        assert (ROOT / left_out).exists() and not (student_copy / left_out).exists(), left_out
     assert not any((student_copy / d).exists() for d in (".git", ".cache", "results"))
     for rel in ref_files:                                         # verbatim outside the regions
         ref, got = (ROOT / rel).read_bytes(), (student_copy / rel).read_bytes()
@@ -143,7 +183,60 @@ def test_student_copy_fails_every_exercise_and_the_rest_still_imports(student_co
     code, lines, out = grade(student_copy)
     assert code == 1 and sorted(lines) == sorted(EXERCISES), out
     for n, line in lines.items():
-        assert "  FAILED  " in line and f"NotImplementedError: Exercise {n} " in line, line
+        assert "  FAILED  " in line and f"still blank: replace the raise between # EXERCISE {n} and" in line, line
+        assert "junit" not in line and "element text" not in line and "AssertionError" not in line, line
+
+
+def normalised(line):
+    """A code line without its comment and whitespace."""
+    return re.sub(r"\s+", "", line.split("#")[0])
+
+
+def test_no_answer_stands_anywhere_in_the_student_copy(student_copy):
+    """Each region's distinctive lines (>= 30 characters once normalised) appear nowhere in the copy."""
+    answers = {}
+    for rel in msc.project_files(ROOT):
+        if rel.suffix == ".py" and "# EXERCISE" in (text := (ROOT / rel).read_text()):
+            lines = text.split("\n")
+            for n, s, e, _, _ in msc.find_regions(lines, str(rel)):
+                for line in lines[s:e]:
+                    if len(normalised(line)) >= 30:
+                        answers.setdefault(normalised(line), n)
+    assert len(answers) > 40
+    for path in sorted(student_copy.rglob("*")):
+        if path.is_file() and path.suffix in (".py", ".md", ".txt"):
+            for i, line in enumerate(path.read_text().split("\n")):
+                assert normalised(line) not in answers, \
+                    f"{path.relative_to(student_copy)}:{i + 1} holds exercise {answers[normalised(line)]}'s answer"
+
+
+def test_align_refuses_a_run_that_needs_a_blank_exercise(student_copy):
+    """One line before any work; in the reference nothing is blank and the check says nothing."""
+    assert table.blank_exercises(ROOT) == set()
+    assert table.blank_exercises(student_copy) == set(EXERCISES)
+    table.refuse_blank_exercises("pal")                           # the reference: returns silently
+    for method in table.NEEDS:
+        need = table.run_needs(method)
+        with pytest.raises(SystemExit) as e:
+            table.refuse_blank_exercises(method, root=student_copy)
+        assert str(e.value).startswith(f"error: --method {method} needs exercises {', '.join(map(str, need))}; "
+                                       f"still blank: {', '.join(map(str, need))} ("), e.value
+    assert set(table.NEEDS) == set(__import__("methods").METHODS)
+    assert table.run_needs("pal", analyses=True) == [1, 2, 3, 8, 9, 10, 13]
+    r = subprocess.run([sys.executable, "align.py", "--method", "pal", "--cache-dir", str(student_copy / "no-cache")],
+                       cwd=student_copy, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and r.stdout == "", (r.stdout, r.stderr)
+    assert r.stderr.strip().splitlines() == ["error: --method pal needs exercises 1, 2, 3, 10, 13; still blank: "
+                                             "1, 2, 3, 10, 13 (finish them, or run it in a copy that blanks only "
+                                             "yours: python exercises/make_student_copy.py DIR --only 2 3, then "
+                                             "paste your solutions in)"], r.stderr
+    assert not (student_copy / "no-cache").exists()               # nothing was started
+    copy3 = student_copy.parent / "only3"
+    msc.make_copy(copy3, only={3})
+    assert table.blank_exercises(copy3) == {3}
+    table.refuse_blank_exercises("csa", root=copy3)               # csa does not need exercise 3
+    with pytest.raises(SystemExit, match="still blank: 3 "):
+        table.refuse_blank_exercises("pal_rel", root=copy3)
 
 
 def test_classic_mistakes_fail_with_the_hint_that_names_them(tmp_path):
@@ -151,7 +244,7 @@ def test_classic_mistakes_fail_with_the_hint_that_names_them(tmp_path):
     msc.make_copy(copy, only=set())                               # a verbatim copy
     for n, (rel, right, wrong, _) in MISTAKES.items():
         text = (copy / rel).read_text()
-        assert text.count(right) == 1, (n, right)
+        assert text.count(right) == (2 if n == 2 else 1), (n, right)       # exercise 2: both of its regions
         (copy / rel).write_text(text.replace(right, wrong))
     code, lines, out = grade(copy)
     assert code == 1 and sorted(lines) == sorted(EXERCISES), out
@@ -160,7 +253,20 @@ def test_classic_mistakes_fail_with_the_hint_that_names_them(tmp_path):
         assert MISTAKES[n][3] in line.split("hint:")[1], line
 
 
-def test_pasted_back_copy_passes_and_align_runs_in_it(student_copy, tmp_path, cache_dir):
+def run_align(root, out, cache_dir, *extra):
+    r = subprocess.run([sys.executable, "align.py", *TINY_RUN, "--cache-dir", str(cache_dir), "--out", str(out),
+                        *extra], cwd=root, capture_output=True, text=True, timeout=900,
+                       env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "[done]" in r.stdout
+    metrics = json.loads((out / "metrics.json").read_text())
+    metrics["train"].pop("seconds")
+    return metrics, r.stdout
+
+
+def test_pasted_back_copy_passes_and_trains_the_paper_form_to_the_last_digit(student_copy, tmp_path, cache_dir):
+    """The copy (no fast_cap.py) trains PAL through relative + cap: the reference's metrics with --hp fast=False;
+    a cap that forgets the padding mask fails its grade there and changes the retrieval."""
     copy = tmp_path / "solved"
     shutil.copytree(student_copy, copy)
     msc.paste_back(copy, ROOT)
@@ -168,9 +274,16 @@ def test_pasted_back_copy_passes_and_align_runs_in_it(student_copy, tmp_path, ca
         assert (copy / rel).read_bytes() == (ROOT / rel).read_bytes(), rel
     code, lines, out = grade(copy)
     assert code == 0 and len(lines) == len(EXERCISES), out
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    r = subprocess.run([sys.executable, "align.py", "--epochs", "1", "--eval-images", "50", "--threads", "1",
-                        "--cache-dir", str(cache_dir), "--out", str(tmp_path / "run")],
-                       cwd=copy, capture_output=True, text=True, timeout=900, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert (tmp_path / "run" / "metrics.json").exists() and "[done]" in r.stdout
+    got, log = run_align(copy, tmp_path / "copy-run", cache_dir)
+    assert "[pal] CAP trains in the paper form, cap(relative(Z, A), mask, tau_p) (methods/fast_cap.py is not in " \
+           "this copy)" in log.splitlines()
+    want, ref_log = run_align(ROOT, tmp_path / "ref-run", cache_dir, "--hp", "fast=False")
+    assert got == want
+    rel, right, wrong = NO_MASK
+    text = (copy / rel).read_text()
+    assert text.count(right) == 1
+    (copy / rel).write_text(text.replace(right, wrong))
+    code, lines, out = grade(copy, 3)
+    assert code == 1 and "  FAILED  " in lines[3] and "padded" in lines[3], out
+    wrong_run, _ = run_align(copy, tmp_path / "no-mask-run", cache_dir)
+    assert wrong_run["retrieval"]["rsum"] != want["retrieval"]["rsum"], (wrong_run["retrieval"], want["retrieval"])

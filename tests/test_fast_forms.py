@@ -1,16 +1,22 @@
-"""Fast forms against their naive forms (issue 15): values AND gradients, on random input with padding.
+"""Fast forms against their paper forms: values AND gradients, on random input with padding.
 
-PAL's ChunkedCAP (Eqs. 3-6 in cache-sized chunks, hand-written backward) against the exercise's
-cap(relative(...)) through autograd, and against torch.autograd.gradcheck in float64; PAL-Rel's
-embeddings through that pass against its naive form (a separate softmax over the patches for beta),
-written out here as it stood before."""
+methods/fast_cap.py's chunked_cap (Eqs. 3-6 in cache-sized chunks, hand-written backward) against
+the exercise's cap(relative(...)) through autograd, and against torch.autograd.gradcheck in float64;
+PAL and PAL-Rel with fast=True against fast=False; PAL-Rel's embeddings against a form with a
+separate softmax over the patches for beta. A student copy has no fast_cap.py: its tests skip."""
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import random_features
 
-from methods.pal import cap, chunked_cap, relative
+from methods.pal import PAL, cap, relative
 from methods.pal_rel import PALRel, grid_positions, word_positions_code
+
+try:
+    from methods.fast_cap import chunked_cap
+except ImportError:                                                            # a student copy
+    chunked_cap = None
+needs_fast = pytest.mark.skipif(chunked_cap is None, reason="methods/fast_cap.py is not in this copy")
 
 
 def padded_input(B=7, T=9, D=5, c=2, seed=0, dtype=torch.float32):
@@ -31,6 +37,7 @@ def naive(Z, A, mask, tau_p, V):
     return p, alpha.transpose(1, 2) @ V                                        # (B, K), (B, K, c)
 
 
+@needs_fast
 @pytest.mark.parametrize("tau_p", [0.03, 0.3])
 @pytest.mark.parametrize("chunk_elements", [1, 3 * 9 * 11, 2 ** 18])          # 1 row, 3 rows (7 = 3 + 3 + 1), all
 def test_chunked_cap_matches_naive_form_values_and_gradients(tau_p, chunk_elements):
@@ -52,6 +59,7 @@ def test_chunked_cap_matches_naive_form_values_and_gradients(tau_p, chunk_elemen
     assert torch.allclose(p2, p0, atol=1e-6) and torch.allclose(Y2, Y0, atol=1e-5)
 
 
+@needs_fast
 def test_chunked_cap_without_values_and_without_padding():
     Z, mask, _ = padded_input()
     mask = torch.ones_like(mask)
@@ -63,6 +71,7 @@ def test_chunked_cap_without_values_and_without_padding():
     assert torch.allclose(torch.autograd.grad(p1.square().sum(), A)[0], gA, atol=1e-4)
 
 
+@needs_fast
 @pytest.mark.parametrize("tau_p", [0.03, 0.2])
 def test_chunked_cap_gradcheck_float64(tau_p):
     Z, mask, V = padded_input(B=4, T=5, D=3, dtype=torch.float64)
@@ -72,8 +81,7 @@ def test_chunked_cap_gradcheck_float64(tau_p):
 
 
 def naive_pal_rel(m, img, txt):
-    """PAL-Rel's (R1)-(R4) embeddings as first written: CAP, and a separate softmax over the patches."""
-    from methods.pal import PAL
+    """PAL-Rel's (R1)-(R4) embeddings with a separate softmax over the patches for beta."""
     Z, mask = PAL.Z(img, "image")
     R = relative(Z, m.A_v)                                                     # (B, 1 + H*W, K)
     h_v = F.normalize(cap(R, mask, m.tau_p)[0], dim=-1)
@@ -90,11 +98,12 @@ def naive_pal_rel(m, img, txt):
     return e_v, torch.cat([F.normalize(p, dim=-1), d.flatten(1) / m.K], dim=1)
 
 
-def test_pal_rel_matches_its_naive_form_values_and_gradients():
+@pytest.mark.parametrize("fast", [pytest.param(True, marks=needs_fast), False])
+def test_pal_rel_matches_its_naive_form_values_and_gradients(fast):
     img = random_features(5, 1 + 6, 5, grid=(2, 3))
     txt = random_features(5, 6, 4, lengths=[6, 3, 1, 4, 2], seed=1)
     torch.manual_seed(0)
-    m = PALRel(5, 4, K=7)
+    m = PALRel(5, 4, K=7, fast=fast, order="index")                       # the naive form above: the index code
     with torch.no_grad():
         m.U.normal_()                                                          # the relation part live
         m.V.normal_()
@@ -106,6 +115,24 @@ def test_pal_rel_matches_its_naive_form_values_and_gradients():
     g1 = torch.autograd.grad((e_v1 @ e_l1.T).sum(), list(m.parameters()))
     for a, b in zip(g0, g1):
         assert torch.allclose(b, a, atol=1e-4, rtol=1e-4)
+
+
+@needs_fast
+@pytest.mark.parametrize("pooling", ["cap", "mean", "global"])
+def test_pal_fast_and_paper_forms_give_the_same_embeddings_loss_and_gradients(pooling):
+    """PAL(fast=True) and PAL(fast=False), same anchors, on images (global slot masked) and padded text."""
+    img = random_features(6, 1 + 6, 5, grid=(2, 3), seed=4)
+    txt = random_features(6, 7, 4, lengths=[7, 3, 1, 5, 2, 6], seed=5)
+    torch.manual_seed(0)
+    fast, paper = PAL(5, 4, K=9, pooling=pooling, fast=True), PAL(5, 4, K=9, pooling=pooling, fast=False)
+    paper.load_state_dict(fast.state_dict())
+    for x, modality in ((img, "image"), (txt, "text")):
+        torch.testing.assert_close(fast.pool(x, modality), paper.pool(x, modality), atol=1e-6, rtol=1e-5)
+    l_fast, l_paper = fast.loss(img, txt)[0], paper.loss(img, txt)[0]
+    torch.testing.assert_close(l_fast, l_paper, atol=1e-5, rtol=1e-5)
+    for a, b in zip(torch.autograd.grad(l_fast, list(fast.parameters())),
+                    torch.autograd.grad(l_paper, list(paper.parameters()))):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
 def naive_text_guided_score(v, w, tau_a):

@@ -21,10 +21,10 @@ import pytest
 import torch
 
 import align
+import cache
 import data
 import encoders
 import shapes_encoders
-import features
 from conftest import interrupted, random_features
 from methods.linear import Linear
 from methods.mlp import MLP
@@ -95,14 +95,14 @@ def reference(shared, tmp_path_factory):
 
 
 # ----------------------------------------------------------------------------- 1. changed weights
-def plant_tiny_encoders(cache, seed, vocab):
+def plant_tiny_encoders(folder, seed, vocab):
     """Random-init tiny encoders saved as the cache's pretrained checkpoints (as a re-pretraining would)."""
     torch.manual_seed(seed)
     image, text = shapes_encoders.TinyImageEncoder(len(data.CLASS_NAMES)), shapes_encoders.TinyTextEncoder(len(vocab))
-    features.atomic_save({"key": "shapes-cnn-0", "state": image.state_dict(), "acc": 0.0},
-                         cache / "encoders" / "shapes-cnn-seed0.pt")
-    features.atomic_save({"key": "shapes-text-0", "state": text.state_dict(), "vocab": vocab, "acc": 0.0},
-                         cache / "encoders" / "shapes-text-seed0.pt")
+    cache.atomic_save({"key": "shapes-cnn-0", "state": image.state_dict(), "acc": 0.0},
+                      folder / "encoders" / "shapes-cnn-seed0.pt")
+    cache.atomic_save({"key": "shapes-text-0", "state": text.state_dict(), "vocab": vocab, "acc": 0.0},
+                      folder / "encoders" / "shapes-text-seed0.pt")
 
 
 def test_changed_tiny_encoder_weights_never_read_old_features(tmp_path):
@@ -112,8 +112,8 @@ def test_changed_tiny_encoder_weights_never_read_old_features(tmp_path):
     for seed in (0, 1):                                       # the same names, other weights
         plant_tiny_encoders(tmp_path, seed, vocab)
         img_enc, txt_enc = shapes_encoders.load_shapes_encoders(tmp_path, log=lambda s: None)
-        img = features.extract(img_enc, images, tmp_path, dataset="t", split="s", modality="image")
-        txt = features.extract(txt_enc, texts, tmp_path, dataset="t", split="s", modality="text")
+        img = cache.extract(img_enc, images, tmp_path, dataset="t", split="s", modality="image")
+        txt = cache.extract(txt_enc, texts, tmp_path, dataset="t", split="s", modality="text")
         assert torch.equal(img.tokens, img_enc.encode(images).tokens.half())   # this encoder's own features
         assert torch.equal(txt.tokens, txt_enc.encode(texts).tokens.half())
         got.append((img, txt, img_enc.fingerprint, txt_enc.fingerprint))
@@ -134,7 +134,7 @@ def test_a_model_folder_rewritten_in_place_gets_new_features(tmp_path, monkeypat
                              intermediate_size=32, max_position_embeddings=16)).save_pretrained(folder)
         BertTokenizer(vocab=vocab, model_max_length=16).save_pretrained(folder)
         enc = encoders.load_hf_text(str(folder))
-        f = features.extract(enc, texts, tmp_path / "cache", dataset="t", split="s", modality="text")
+        f = cache.extract(enc, texts, tmp_path / "cache", dataset="t", split="s", modality="text")
         assert torch.equal(f.tokens, enc.encode(texts).tokens.half())
         got.append((f, enc.fingerprint))
     assert got[0][1] != got[1][1] and not torch.equal(got[0][0].tokens, got[1][0].tokens)
@@ -142,7 +142,7 @@ def test_a_model_folder_rewritten_in_place_gets_new_features(tmp_path, monkeypat
     commit = "0123456789abcdef0123456789abcdef01234567"
     snap = tmp_path / "models--org--m" / "snapshots" / commit
     snap.mkdir(parents=True)
-    assert features.folder_fingerprint(snap) == f"commit {commit}"
+    assert cache.folder_fingerprint(snap) == f"commit {commit}"
     import torchvision
     calls = []
 
@@ -192,7 +192,8 @@ def test_bad_inputs_stop_with_one_line_before_any_work(row, bad_input_runs):
 
 
 def test_batch_of_one_is_allowed_where_the_loss_is_per_pair_and_refused_from_too_few_pairs(tmp_path):
-    args = Namespace(eval_images=None, num_pairs=None, threads=0, epochs=1, batch_size=1, lr=None, weight_decay=None)
+    args = Namespace(eval_images=None, num_pairs=None, threads=0, epochs=1, batch_size=1, lr=None, weight_decay=None,
+                     seed=0, select_pairs=5000, method="mlp", align_data="pairs", hard_negatives=False)
     align.check_flags(args, MLP)                             # 1 - cos per pair: a batch of one learns
     with pytest.raises(SystemExit, match=r"--batch-size 1: Linear takes batch_size in \[2, inf\)"):
         align.check_flags(args, Linear)
@@ -291,15 +292,15 @@ def test_a_run_waits_for_the_run_writing_the_same_cache_file_then_reads_it(tmp_p
     enc, texts = CountingEncoder(), ["x"] * 6
     parts = dict(encoder=enc.name, weights=enc.fingerprint, layer=-1, preprocess="none", n=6,
                  dataset="d", split="s", modality="text")
-    key, got, logs = features.cache_key(**parts), [], []
+    key, got, logs = cache.cache_key(**parts), [], []
     theirs = random_features(6, 3, 4, seed=99)
-    with features.file_lock(tmp_path / "locks" / f"{key}.lock"):          # the other run, mid-write
-        t = threading.Thread(target=lambda: got.append(features.extract(enc, texts, tmp_path, dataset="d",
+    with cache.file_lock(tmp_path / "locks" / f"{key}.lock"):          # the other run, mid-write
+        t = threading.Thread(target=lambda: got.append(cache.extract(enc, texts, tmp_path, dataset="d",
                                                                        split="s", modality="text")))
         t.start()
         time.sleep(0.5)
         assert t.is_alive() and enc.calls == 0                             # waiting, not encoding
-        features.atomic_save({"key": key, "tokens": theirs.tokens.half(), "mask": theirs.mask,
+        cache.atomic_save({"key": key, "tokens": theirs.tokens.half(), "mask": theirs.mask,
                               "pooled": theirs.pooled.half(), "grid": None}, tmp_path / "features" / f"{key}.pt")
     t.join(30)
     assert enc.calls == 0 and torch.equal(got[0].tokens, theirs.tokens.half())
@@ -307,14 +308,16 @@ def test_a_run_waits_for_the_run_writing_the_same_cache_file_then_reads_it(tmp_p
 
 def test_ctrl_c_mid_training_then_resume_matches_an_uninterrupted_run(reference, shared, tmp_path):
     p = subprocess.Popen(align_cmd(shared, tmp_path / "out", *RUN), cwd=ROOT, env=env(),
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(p, lambda: (tmp_path / "out" / "checkpoint.pt").exists())  # epoch 1 of 3 saved
         p.send_signal(signal.SIGINT)
-        p.wait(60)
+        err = p.communicate(timeout=60)[1].strip()
     finally:
         p.kill()
     assert p.returncode != 0 and not (tmp_path / "out" / "metrics.json").exists()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err[-3000:]      # one line: how to go on
+    assert err.startswith("interrupted:") and "--resume" in err and str(tmp_path / "out" / "checkpoint.pt") in err
     assert torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=True)["epoch"] < 2
     r = run(shared, tmp_path / "out", *RUN, "--resume")
     assert r.returncode == 0 and "[train] resumed from" in r.stdout, r.stderr[-3000:]
@@ -328,7 +331,7 @@ def test_interrupted_writes_leave_no_file_and_resume_restores_dropout_and_the_la
         raise KeyboardInterrupt
     monkeypatch.setattr(torch, "save", half_then_ctrl_c)
     with pytest.raises(KeyboardInterrupt):
-        features.atomic_save({"x": torch.zeros(3)}, tmp_path / "f.pt")
+        cache.atomic_save({"x": torch.zeros(3)}, tmp_path / "f.pt")
     assert list(tmp_path.iterdir()) == []
     monkeypatch.undo()
     # training with dropout, stopped in epoch 3 and resumed, ends where a straight run ends
@@ -415,25 +418,25 @@ def test_a_read_only_or_full_cache_is_one_error_naming_it_before_any_work(shared
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(torch, "save", full)
     with pytest.raises(SystemExit, match=f"no space left in {tmp_path / 'f'}"):
-        features.atomic_save({"x": torch.zeros(3)}, tmp_path / "f" / "x.pt")
+        cache.atomic_save({"x": torch.zeros(3)}, tmp_path / "f" / "x.pt")
     assert list((tmp_path / "f").iterdir()) == []
 
 
 # ----------------------------------------------------------------------------- 11. planted pickles
 def test_a_planted_pickle_in_the_cache_is_refused_and_never_run(shared, tmp_path):
     marker = tmp_path / "MARKER"
-    cache = fresh_cache(tmp_path / "cache", shared)
-    torch.save({"key": "shapes-cnn-0", "state": RunsCode(marker)}, cache / "encoders" / "shapes-cnn-seed0.pt")
-    r = run(cache, tmp_path / "out", *RUN)
+    folder = fresh_cache(tmp_path / "cache", shared)
+    torch.save({"key": "shapes-cnn-0", "state": RunsCode(marker)}, folder / "encoders" / "shapes-cnn-seed0.pt")
+    r = run(folder, tmp_path / "out", *RUN)
     one_line_error(r, "refusing to load", "shapes-cnn-seed0.pt")
     assert not marker.exists()
     enc = shapes_encoders.ShapesTextEncoder(shapes_encoders.TinyTextEncoder(6), shapes_encoders.WordTokenizer(shapes_encoders.SPECIALS + ["a", "b"]))
-    (cache / "features").mkdir()
-    key = features.cache_key(encoder=enc.name, weights=enc.fingerprint, layer=enc.layer, preprocess=enc.preprocess,
-                             n=2, dataset="t", split="s", modality="text")
-    torch.save({"key": key, "tokens": RunsCode(marker)}, cache / "features" / f"{key}.pt")   # a planted feature file
+    (folder / "features").mkdir()
+    key = cache.cache_key(encoder=enc.name, weights=enc.fingerprint, layer=enc.layer, preprocess=enc.preprocess,
+                          n=2, dataset="t", split="s", modality="text")
+    torch.save({"key": key, "tokens": RunsCode(marker)}, folder / "features" / f"{key}.pt")   # a planted feature file
     with pytest.raises(SystemExit, match="refusing to load .*could run code"):
-        features.extract(enc, ["a", "b"], cache, dataset="t", split="s", modality="text")
+        cache.extract(enc, ["a", "b"], folder, dataset="t", split="s", modality="text")
     assert not marker.exists()
 
 

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 import align
+import cache
 import features
 from conftest import interrupted, random_features
+from methods import budget
 from methods.linear import Linear
 
 
@@ -32,11 +34,11 @@ class RandomEncoder:
 
 def stored_and_dense(tmp_path, monkeypatch, n=70):
     """The same pairs as memory-mapped StoredFeatures (shards of 16 rows) and as in-RAM Features."""
-    monkeypatch.setattr(features, "MEMMAP_BYTES", 0)            # every set goes to shards
-    monkeypatch.setattr(features, "SHARD_BYTES", 1)            # one batch per shard
+    monkeypatch.setattr(cache, "MEMMAP_BYTES", 0)            # every set goes to shards
+    monkeypatch.setattr(cache, "SHARD_BYTES", 1)            # one batch per shard
     enc_i, enc_t = RandomEncoder("img", 5, 8, ragged=False), RandomEncoder("txt", 6, 6, ragged=True)
-    img = features.extract(enc_i, list(range(n)), tmp_path, batch_size=16, dataset="t", split="a", modality="image")
-    txt = features.extract(enc_t, list(range(n)), tmp_path, batch_size=16, dataset="t", split="a", modality="text")
+    img = cache.extract(enc_i, list(range(n)), tmp_path, batch_size=16, dataset="t", split="a", modality="image")
+    txt = cache.extract(enc_t, list(range(n)), tmp_path, batch_size=16, dataset="t", split="a", modality="text")
     assert features.is_stored(img) and features.is_stored(txt) and len(img.tokens_files) == -(-n // 16)
     return (img, txt), (img[:], txt[:])
 
@@ -47,7 +49,7 @@ def test_read_ahead_gives_the_plain_loaders_batches_in_order(tmp_path, monkeypat
     index_batches = [order[s * 16:(s + 1) * 16] for s in range(len(img) // 16)]
     seen_threads = []
     ahead = []
-    for idx, a, b in align.batch_loader(img, txt, iter(index_batches), "cpu"):
+    for idx, a, b in features.batch_loader(img, txt, iter(index_batches), "cpu"):
         seen_threads.append(any(t.name == "read-ahead" for t in threading.enumerate()))
         ahead.append((idx, a, b))
     assert all(seen_threads[:-1])      # read by the background thread (after the last batch it may have ended)
@@ -108,11 +110,11 @@ def test_forward_gflop_counts_the_matrix_products_and_changes_nothing():
     img, txt = random_features(40, 5, 8, grid=(2, 2), seed=1), random_features(40, 4, 6, seed=2)
     m = Linear(8, 6, K=4)
     before, rng = {k: v.clone() for k, v in m.state_dict().items()}, torch.get_rng_state()
-    assert align.forward_gflop(m, img, txt, 32) == pytest.approx(linear_gflop(32, 8, 6, 4))
+    assert budget.forward_gflop(m, img, txt, 32) == pytest.approx(linear_gflop(32, 8, 6, 4))
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(v, m.state_dict()[k]) for k, v in before.items())
-    assert align.cpu_threads(align.BIG_STEP_GFLOP, 2) == 2 and align.cpu_threads(0.9 * align.BIG_STEP_GFLOP, 2) == 1
-    assert align.cpu_threads(None, 4) == 1
+    assert budget.cpu_threads(budget.BIG_STEP_GFLOP, 2) == 2 and budget.cpu_threads(0.9 * budget.BIG_STEP_GFLOP, 2) == 1
+    assert budget.cpu_threads(None, 4) == 1
 
 
 def cpu_args(**kw):
@@ -125,40 +127,40 @@ def test_cpu_default_caps_epochs_by_the_budget_and_halves_an_over_budget_batch(m
     m = Linear(D, D, K=512)                                       # defaults: 20 epochs, batch 256
     tflop = lambda B, epochs: 3 * linear_gflop(B, D, D, 512) * (N // B) * epochs / 1000
     # within the budget: the paper's settings stand
-    monkeypatch.setattr(align, "CPU_BUDGET_TFLOP", tflop(256, 20) * 1.01)
+    monkeypatch.setattr(budget, "CPU_BUDGET_TFLOP", tflop(256, 20) * 1.01)
     args = cpu_args()
-    assert align.cpu_default(args, m, img, txt)[1] is None and args.epochs is None and args.batch_size is None
+    assert budget.cpu_default(args, m, img, txt)[1] is None and args.epochs is None and args.batch_size is None
     # 7.5 epochs' worth: 7 epochs at the paper's batch (56 steps), and the line says so
-    monkeypatch.setattr(align, "MIN_STEPS", 50)
-    monkeypatch.setattr(align, "CPU_BUDGET_TFLOP", tflop(256, 7.5))
+    monkeypatch.setattr(budget, "MIN_STEPS", 50)
+    monkeypatch.setattr(budget, "CPU_BUDGET_TFLOP", tflop(256, 7.5))
     args = cpu_args()
-    gflop, line = align.cpu_default(args, m, img, txt)
+    gflop, line = budget.cpu_default(args, m, img, txt)
     assert (args.epochs, args.batch_size) == (7, None) and gflop == pytest.approx(linear_gflop(256, D, D, 512))
     assert "epochs 7, batch 256 (the method's own: epochs 20, batch 256" in line and "--epochs" in line
     # fewer than MIN_STEPS steps in the budget: halved once (128: 16 steps an epoch, 10 epochs = 160 >= 100)
-    monkeypatch.setattr(align, "MIN_STEPS", 100)
+    monkeypatch.setattr(budget, "MIN_STEPS", 100)
     assert 7 * 8 < 100 <= int(tflop(256, 7.5) // tflop(128, 1)) * 16
     args = cpu_args()
-    align.cpu_default(args, m, img, txt)
+    budget.cpu_default(args, m, img, txt)
     assert (args.epochs, args.batch_size) == (int(tflop(256, 7.5) // tflop(128, 1)), 128)
-    monkeypatch.setattr(align, "MIN_STEPS", 1)
+    monkeypatch.setattr(budget, "MIN_STEPS", 1)
     # one epoch at batch 128 is over the budget, one at 64 is not (per epoch, the (B, B) term grows with B):
     # the batch is halved twice, then 1 epoch
-    monkeypatch.setattr(align, "CPU_BUDGET_TFLOP", tflop(64, 1.2))
-    assert tflop(128, 1) > align.CPU_BUDGET_TFLOP
+    monkeypatch.setattr(budget, "CPU_BUDGET_TFLOP", tflop(64, 1.2))
+    assert tflop(128, 1) > budget.CPU_BUDGET_TFLOP
     args = cpu_args()
-    gflop, line = align.cpu_default(args, m, img, txt)
+    gflop, line = budget.cpu_default(args, m, img, txt)
     assert (args.epochs, args.batch_size) == (1, 64) and gflop == pytest.approx(linear_gflop(64, D, D, 512))
     assert "epochs 1, batch 64 (the method's own: epochs 20, batch 256" in line
     # --epochs given: nothing changes, whatever the budget
-    monkeypatch.setattr(align, "CPU_BUDGET_TFLOP", 1e-9)
+    monkeypatch.setattr(budget, "CPU_BUDGET_TFLOP", 1e-9)
     args = cpu_args(epochs=3)
-    assert align.cpu_default(args, m, img, txt)[1] is None and (args.epochs, args.batch_size) == (3, None)
+    assert budget.cpu_default(args, m, img, txt)[1] is None and (args.epochs, args.batch_size) == (3, None)
     # a step budget ("steps": 400, e.g. MLP) is the paper's count too: ceil(400 / steps per epoch) epochs
     m.defaults = dict(Linear.defaults, steps=400, epochs=None)
-    monkeypatch.setattr(align, "CPU_BUDGET_TFLOP", tflop(256, 10.5))
+    monkeypatch.setattr(budget, "CPU_BUDGET_TFLOP", tflop(256, 10.5))
     args = cpu_args()
-    line = align.cpu_default(args, m, img, txt)[1]
+    line = budget.cpu_default(args, m, img, txt)[1]
     assert args.epochs == 10 and "the method's own: epochs 50" in line   # 400 steps / 8 per epoch
 
 

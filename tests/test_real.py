@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+import cache
 import data
 import encoders
 import shapes_encoders
-import features
 import similarity
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -165,7 +165,7 @@ def test_a_corrupt_image_is_an_error_naming_the_file(tmp_path, models):
         train.images[2]
     enc = encoders.load_hf_image(str(models / "dinov2"))
     with pytest.raises(OSError, match="train_2.jpg"):        # raised in the main process, from the decoding threads
-        features.extract(enc, train.images, tmp_path / "cache", batch_size=4, dataset="coco", split="train", modality="image")
+        cache.extract(enc, train.images, tmp_path / "cache", batch_size=4, dataset="coco", split="train", modality="image")
 
 
 # ----------------------------------------------------------------------------- tiny models

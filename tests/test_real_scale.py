@@ -101,7 +101,7 @@ def test_mlp_budget_is_400_steps_whatever_the_data_size(tmp_path, monkeypatch):
 
     import align
     from methods.mlp import MLP
-    monkeypatch.setattr(align.features, "atomic_save", lambda *a, **k: None)   # no checkpoint per epoch here
+    monkeypatch.setattr(align.cache, "atomic_save", lambda *a, **k: None)   # no checkpoint per epoch here
     for n, epochs in ((24, 400), (3000, 80)):
         m = MLP(12, 16)
         calls = []                                     # count the steps; a zero loss keeps each one cheap

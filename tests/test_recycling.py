@@ -47,17 +47,20 @@ def test_neural_collapse_exact_collapse_gives_100():
     labels = torch.arange(5).repeat(4)
     feats = W[labels] * torch.rand(20, 1, generator=torch.Generator().manual_seed(0)).add(0.1)
     d = R.neural_collapse_check(W, torch.zeros(5), feats, labels)
-    assert d == {"linear_top1": 100.0, "cosine_top1": 100.0, "nobias_top1": 100.0}
+    assert d == {"linear_top1": 100.0, "cosine_top1": 100.0, "nobias_top1": 100.0}, \
+        f"{d} on exactly collapsed features (every feature a positive multiple of its class's row): all 100"
 
 
 def test_neural_collapse_bias_and_norm_change_the_answer():
     W = torch.eye(2)
     feats, labels = torch.tensor([[1.0, 0.9]]), torch.tensor([0])
     d = R.neural_collapse_check(W, torch.tensor([0.0, 0.5]), feats, labels)  # 0.9 + 0.5 > 1: bias flips it
-    assert d == {"linear_top1": 0.0, "cosine_top1": 100.0, "nobias_top1": 100.0}
+    assert d == {"linear_top1": 0.0, "cosine_top1": 100.0, "nobias_top1": 100.0}, \
+        f"{d}: f = (1, 0.9), b = (0, 0.5): the bias flips the linear head only"
     W = torch.tensor([[10.0, 0.0], [0.0, 1.0]])                             # now the norm decides
     d = R.neural_collapse_check(W, torch.zeros(2), torch.tensor([[0.2, 1.0]]), labels)
-    assert d == {"linear_top1": 100.0, "cosine_top1": 0.0, "nobias_top1": 100.0}
+    assert d == {"linear_top1": 100.0, "cosine_top1": 0.0, "nobias_top1": 100.0}, \
+        f"{d}: rows of norm 10 and 1, f = (0.2, 1): the cosine classifier ignores the norms, W f does not"
 
 
 # ---------------------------------------------------------------- mutual kNN, CKA
@@ -74,16 +77,20 @@ def test_mutual_knn_matches_naive_loop():
     X = torch.randn(25, 5, generator=g)
     Y = torch.cat([X, torch.zeros(25, 2)], 1) + 0.7 * torch.randn(25, 7, generator=g)
     for k in (1, 3, 7):
-        assert abs(S.mutual_knn(X, Y, k) - naive_mutual_knn(X, Y, k)) < 1e-6
+        got, want = S.mutual_knn(X, Y, k), naive_mutual_knn(X, Y, k)
+        assert abs(got - want) < 1e-6, f"mutual_knn at k = {k}: {got:.4f}, the loop (self excluded) gives {want:.4f}"
 
 
 def test_mutual_knn_identical_and_independent():
     g = torch.Generator().manual_seed(1)
     X = torch.randn(400, 16, generator=g)
-    assert S.mutual_knn(X, X, 10) == 1.0
-    assert S.mutual_knn(X, 3 * X @ orthogonal(16), 10) == 1.0             # cosine kNN is rotation/scale invariant
+    got = S.mutual_knn(X, X, 10)
+    assert got == 1.0, f"mutual_knn of a space with itself is {got:.4f}, not 1"
+    got = S.mutual_knn(X, 3 * X @ orthogonal(16), 10)
+    assert got == 1.0, f"mutual_knn with a rotated, scaled copy is {got:.4f}, not 1 (cosine neighbours)"
     Y = torch.randn(400, 12, generator=g)
-    assert abs(S.mutual_knn(X, Y, 10) - 10 / 399) < 0.01                   # chance: k / (N - 1)
+    got = S.mutual_knn(X, Y, 10)
+    assert abs(got - 10 / 399) < 0.01, f"mutual_knn of independent spaces is {got:.4f}, chance is k / (N - 1) = 0.025"
 
 
 def test_cka_against_naive_formula_and_invariances():
@@ -131,7 +138,9 @@ def test_neural_collapse_check_matches_naive_loop():
               "nobias_top1": top1(lambda i, f: float(W[i] @ f))}
     assert len(set(expect.values())) == 3                     # the three classifiers differ here
     got = R.neural_collapse_check(W, b, feats, labels)
-    assert got.keys() == expect.keys() and all(abs(got[k] - expect[k]) < 1e-4 for k in expect), (got, expect)
+    assert got.keys() == expect.keys(), f"keys {sorted(got)}, expected {sorted(expect)}"
+    for k in expect:
+        assert abs(got[k] - expect[k]) < 1e-4, f"{k} = {got[k]:.2f}, the per-image loop gives {expect[k]:.2f}"
 
 
 # ---------------------------------------------------------------- Fig. 1
@@ -145,8 +154,11 @@ def test_prototype_alignment_head_rows_vs_noisy_means():
     feats = W[labels] * 3 + 2.0 * torch.randn(len(labels), D, generator=g)
     d = R.prototype_alignment(W, feats, labels, T, counts=(1, 2, 5, 10), k=(3, 5), repeats=2)
     assert set(d) == {f"{s}_k{k}" for k in (3, 5) for s in ("head", "mean1", "mean2", "mean5", "meanall")}
-    assert d["head_k3"] == d["head_k5"] == 1.0                             # the head IS the text geometry
-    assert d["mean1_k5"] < d["mean5_k5"] < 1.0                             # averaging more images helps
+    for k in ("head_k3", "head_k5"):                                       # the head IS the text geometry
+        assert d[k] == 1.0, f"{k} = {d[k]:.3f}: head rows that are a rotated copy of the text space give 1"
+    assert d["mean1_k5"] < d["mean5_k5"], \
+        f"mean1_k5 = {d['mean1_k5']:.3f} >= mean5_k5 = {d['mean5_k5']:.3f}: averaging more images should help"
+    assert d["mean5_k5"] < 1.0, "noisy class means align perfectly"
 
 
 # ---------------------------------------------------------------- Appendix I
@@ -311,8 +323,7 @@ def test_weights_plus_pairs_on_a_memory_mapped_training_set(tmp_path, monkeypatc
     rows equal the in-memory union, batches read only their own rows, the training loop runs on it."""
     import argparse
     import align
-    import features
-    from features import StoredFeatures
+    from cache import StoredFeatures
     from methods.linear import Linear
     from test_cache import FakeEncoder, extract, shard_rows
     n = 30
@@ -349,8 +360,8 @@ def test_analyses_run_on_real_data_with_a_head_and_a_torchvision_set(tmp_path, m
     checked against the checkpoint's own logits; Table 2 uses "A photo of a {class}" (issue 11.6)."""
     import align
     import data
+    import cache
     import encoders
-    import features
     from transformers import BeitConfig, BeitForImageClassification
     from test_real import VISION, write_image, write_karpathy
     root = tmp_path / "data"
@@ -363,10 +374,10 @@ def test_analyses_run_on_real_data_with_a_head_and_a_torchvision_set(tmp_path, m
     model = BeitForImageClassification(BeitConfig(**VISION, use_mean_pooling=True, id2label=head,
                                                   label2id={v: k for k, v in head.items()})).eval()
     model.save_pretrained(tmp_path / "beit")
-    prompts, extract = [], features.extract
+    prompts, extract = [], cache.extract
     spy = lambda enc, inputs, *a, **kw: (prompts.append(list(inputs)) if kw.get("modality") == "fewshot" else None) \
         or extract(enc, inputs, *a, **kw)
-    monkeypatch.setattr(features, "extract", spy)
+    monkeypatch.setattr(cache, "extract", spy)
     m = align.main(["--data", "coco", "--data-root", str(root), "--method", "linear", "--epochs", "1", "--analyses",
                     "--image-encoder", str(tmp_path / "beit"), "--text-encoder", str(models / "bert"), "--no-figures",
                     "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "out"), "--threads", "1"])
@@ -388,7 +399,6 @@ def test_analyses_run_on_real_data_with_a_head_and_a_torchvision_set(tmp_path, m
 
 def test_analyses_say_in_one_line_what_is_skipped(capsys):
     import argparse
-    import align
 
     class NoHead:
         def head(self):
@@ -398,8 +408,8 @@ def test_analyses_say_in_one_line_what_is_skipped(capsys):
         def head(self):
             return torch.randn(3, 4), torch.zeros(3), ["a", "b", "c"]
     args = argparse.Namespace(data="coco", data_root="/data")
-    assert align.recycling_analyses({"image_encoder": NoHead(), "sets": {}}, args, "cpu") == {}
-    assert align.recycling_analyses({"image_encoder": Head(), "sets": {"train": None}}, args, "cpu") == {}
+    assert R.recycling_analyses({"image_encoder": NoHead(), "sets": {}}, args, "cpu") == {}
+    assert R.recycling_analyses({"image_encoder": Head(), "sets": {"train": None}}, args, "cpu") == {}
     out = capsys.readouterr().out.strip().splitlines()
     assert out == ["[analyses] skipped: tiny-dinov2 has no linear classification head. Use ...",
                    "[analyses] skipped: --data coco has no classification set (put one of stl10, cifar10, cifar100, "

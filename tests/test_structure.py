@@ -32,18 +32,24 @@ def test_rs_matches_loops():
     g = torch.Generator().manual_seed(0)
     X, Z = torch.randn(9, 5, generator=g), torch.randn(9, 7, generator=g)
     for tau in (0.05, 0.5):
-        assert math.isclose(structure_reg(X, Z, tau).item(), naive_rs(X, Z, tau), rel_tol=1e-4, abs_tol=1e-6)
+        got, want = structure_reg(X, Z, tau).item(), naive_rs(X, Z, tau)
+        assert math.isclose(got, want, rel_tol=1e-4, abs_tol=1e-6), \
+            f"R_S at tau {tau} = {got:.6f}, the loops (normalise, centre, softmax rows, JS) give {want:.6f}"
 
 
 def test_rs_zero_for_identity_and_rotation_positive_otherwise():
     g = torch.Generator().manual_seed(1)
     X = torch.randn(16, 6, generator=g)
-    assert structure_reg(X, X, 0.05).abs() < 1e-6
+    got = structure_reg(X, X, 0.05).item()
+    assert abs(got) < 1e-6, f"R_S of a space with itself is {got:.3g}, not 0"
     Q, _ = torch.linalg.qr(torch.randn(6, 6, generator=g))
-    assert structure_reg(X, 3.0 * X @ Q, 0.05).abs() < 1e-5   # rotation + scale keep all cosines
-    assert structure_reg(X, torch.randn(16, 6, generator=g), 0.05) > 0.01   # (the diagonal dominates at tau 0.05)
+    got = structure_reg(X, 3.0 * X @ Q, 0.05).item()
+    assert abs(got) < 1e-5, f"R_S of a rotated, scaled copy is {got:.3g}, not 0"   # rotation + scale keep all cosines
+    got = structure_reg(X, torch.randn(16, 6, generator=g), 0.05).item()
+    assert got > 0.01, f"R_S of two independent spaces is {got:.3g}, not > 0.01"  # (the diagonal dominates at tau 0.05)
     P = torch.softmax(torch.randn(4, 4, generator=g), 1)
-    assert js_divergence(P, P).abs() < 1e-7 and js_divergence(P, P.flip(0)) <= math.log(2)
+    assert js_divergence(P, P).abs() < 1e-7, f"JS(P || P) = {js_divergence(P, P).item():.3g}, not 0"
+    assert js_divergence(P, P.flip(0)) <= math.log(2), "a JS divergence above its bound log 2"
 
 
 def test_identity_head_has_zero_regulariser():
@@ -54,7 +60,9 @@ def test_identity_head_has_zero_regulariser():
         m.g_l.weight.copy_(torch.eye(8))
     m.step.fill_(10 ** 6)                                  # lambda fully on
     loss, logs = m.loss(img, txt)
-    assert logs["r_s"] < 1e-6 and math.isclose(loss.item(), logs["nce"], rel_tol=1e-5)
+    assert logs["r_s"] < 1e-6, f"R_S of identity heads on equal features is {logs['r_s']:.3g}, not 0"
+    assert math.isclose(loss.item(), logs["nce"], rel_tol=1e-5), \
+        f"the loss {loss.item():.5f} is not the InfoNCE {logs['nce']:.5f} alone when R_S = 0"
 
 
 def test_lambda_warmup_counts_training_steps_only():

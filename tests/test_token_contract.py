@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from PIL import Image
 
 import encoders
-import features
 import shapes_encoders
 from features import Features
 
@@ -253,10 +252,10 @@ def test_shapes_text_encoder_keeps_the_words_and_pools_over_cls_and_words():
 def test_word_positions_on_a_planted_batch():
     real = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]], dtype=torch.bool)
     special = torch.tensor([[1, 0, 0, 1, 1], [1, 0, 1, 0, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
-    idx, mask = features.word_positions(real, special)
+    idx, mask = encoders.word_positions(real, special)
     assert [i[m].tolist() for i, m in zip(idx, mask)] == [[1, 2], [1, 3], [0, 1]]   # row 3: no word, keeps its tokens
     h = torch.arange(15.0).view(3, 5, 1)
-    tokens, m = features.word_tokens(h, real, special)
+    tokens, m = encoders.word_tokens(h, real, special)
     assert tokens[..., 0].tolist() == [[1, 2], [6, 8], [10, 11]] and m.all()
 
 

@@ -1,0 +1,11 @@
+"""The project's one exception: a fault of the user's input, said in one line."""
+
+
+class RunError(SystemExit):
+    """A fault the user can fix (a flag, a file, a folder, a model): raised with one line
+    "error: <what is wrong>; <what to do>", it ends the run with exit status 1 and no
+    traceback (SystemExit's own handling, also when align.main is called from Python).
+    Every other exception is a bug and keeps its traceback."""
+
+    def __init__(self, message):
+        super().__init__(message if message.startswith("error: ") else f"error: {message}")

@@ -1,0 +1,30 @@
+"""The symmetric InfoNCE loss every contrastive method here trains with (CLIP's, Radford et al.,
+ICML 2021; PAL Eq. (8), §4.3), written once.
+
+    L = 1/(2B) sum_i [ -log softmax_j(s_ij / tau)_i - log softmax_j(s_ji / tau)_i ]
+
+info_nce(h_v, h_l, tau): s = h_v h_l^T, a dot product of L2-normalised embeddings (B, K) each.
+info_nce_of_logits(logits): the same from a (B, B) logit matrix s / tau whose diagonal holds the pairs,
+for methods whose score is not a dot product (CoV's max-sum, the text-guided score).
+"""
+import torch
+import torch.nn.functional as F
+
+
+def info_nce(h_v, h_l, tau):
+    """Symmetric InfoNCE over a batch of L2-normalised pairs (B, K), (B, K).  PAL Eq. (8)"""
+    # EXERCISE 2 (PAL Eq. 8): symmetric InfoNCE of h_v (B, K), h_l (B, K) at temperature tau: the mean of the
+    #   image->text and text->image cross-entropies with targets on the diagonal -> scalar
+    logits = h_v @ h_l.T / tau                      # (B, B) cosine similarity as logits
+    target = torch.arange(len(h_v), device=h_v.device)
+    return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
+    # END EXERCISE 2
+
+
+def info_nce_of_logits(logits):
+    """Symmetric InfoNCE over a (B, B) logit matrix whose diagonal holds the pairs."""
+    # EXERCISE 2 (the same loss from logits): the mean of the cross-entropies of the rows (image -> text) and
+    #   of the columns (text -> image) of logits (B, B), targets on the diagonal -> scalar
+    target = torch.arange(len(logits), device=logits.device)
+    return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
+    # END EXERCISE 2

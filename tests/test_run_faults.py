@@ -1,0 +1,252 @@
+"""A run as a whole: the settings it resolves (config.json), and its faults as one `error:` line.
+
+Every refused run is refused before any long work (no "[features]" line) and leaves the
+folder it was given as it found it. Runs go through align.main in this process where they
+can (fast: no new interpreter), on the session's shared cache (conftest.cache_dir) or on
+a tiny COCO layout with tiny random-init Hugging Face models (tests/test_real.py's builders);
+torchrun faults start real ranks.
+"""
+import functools
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import align
+import cache
+import data
+import recycling
+from conftest import random_features
+from features import Features
+from methods import METHODS
+from methods.mlp import MLP
+from test_real import models, write_karpathy  # noqa: F401  (the tiny Hugging Face models fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICK = ("--eval-images", "20", "--no-figures", "--threads", "1")
+
+
+SHAPES = functools.cache(data.DATASETS["shapes"])              # the Shapes world, rendered once here
+
+
+@pytest.fixture(autouse=True)
+def shapes_once(monkeypatch):
+    monkeypatch.setitem(data.DATASETS, "shapes", SHAPES)
+
+
+def run(cache_dir, out, *extra):
+    return align.main(["--cache-dir", str(cache_dir), "--out", str(out), *QUICK, *extra])
+
+
+def refused(capsys, cache_dir, out, *extra):
+    """The one error line of a run that must stop before any long work."""
+    with pytest.raises(SystemExit) as e:
+        run(cache_dir, out, *extra)
+    text = str(e.value)
+    assert text.startswith("error: ") and "\n" not in text, text
+    assert "[features]" not in capsys.readouterr().out
+    return text
+
+
+@pytest.fixture(scope="module")
+def coco(tmp_path_factory):
+    root = tmp_path_factory.mktemp("coco")
+    write_karpathy(root / "coco", n_train=16, n_test=6)
+    return root
+
+
+def coco_run(models, root, tmp, *extra):
+    return ("--data", "coco", "--data-root", str(root), "--image-encoder", str(models / "dinov2"),
+            "--text-encoder", str(models / "bert"), "--cache-dir", str(tmp / "cache"), *extra)
+
+
+# ----------------------------------------------------------------------------- config.json: resolved values
+def test_config_holds_the_resolved_loop_settings_of_a_run_without_epochs(cache_dir, tmp_path):
+    """No --epochs, --batch-size, --lr: config.json holds what ran (Linear's own 20 epochs at batch
+    256, within the CPU budget), not the flags' nulls; a step budget resolves to its epochs."""
+    run(cache_dir, tmp_path, "--method", "linear", "--num-pairs", "300")
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["epochs"], config["batch_size"], config["lr"], config["weight_decay"]) == (20, 256, 1e-3, 1e-4)
+    assert config["train_threads"] == config["encode_threads"] == 1 and config["seed"] == 0
+    assert config["image_layer"] == config["text_layer"] == -1
+    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert ckpt["epoch"] == 19 and ckpt["settings"]["epochs"] == 20 and ckpt["settings"]["batch_size"] == 256
+    # MLP declares 400 steps at batch 512: on 300 pairs, batch 300, 1 step an epoch, 400 epochs
+    args = align.parse_args(["--method", "mlp"])
+    assert align.loop_plan(args, MLP(8, 6), 300) == (dict(epochs=400, batch_size=300, lr=5e-3, weight_decay=0.0,
+                                                          seed=0), 1)
+
+
+def test_config_and_metrics_hold_the_layers_select_layers_chose(models, coco, tmp_path, capsys):
+    m = align.main([*coco_run(models, coco, tmp_path, "--out", str(tmp_path / "out")), *QUICK, "--method", "linear",
+                    "--epochs", "1", "--select-layers", "cka", "--select-pairs", "10"])
+    said = capsys.readouterr().out.split("[layers] best: image layer ")[1].split(" (")[0]   # "1, text layer 2"
+    chosen = [int(said.split(",")[0]), int(said.split("text layer ")[1])]
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert [config["image_layer"], config["text_layer"]] == chosen
+    assert json.loads((tmp_path / "out" / "metrics.json").read_text())["layers"] == m["layers"] \
+        == {"image": chosen[0], "text": chosen[1]}
+
+
+# ----------------------------------------------------------------------------- --resume on other data
+def test_resume_refuses_a_checkpoint_of_another_data_root_or_other_captions(models, coco, tmp_path, capsys):
+    out = tmp_path / "out"
+    align.main([*coco_run(models, coco, tmp_path, "--out", str(out)), *QUICK, "--method", "linear", "--epochs", "2"])
+    other = tmp_path / "other"
+    shutil.copytree(coco, other)
+    capsys.readouterr()
+    with pytest.raises(SystemExit, match=r"--resume: .*other settings: data_root '.*coco.*' there, '.*other' now"):
+        align.main([*coco_run(models, other, tmp_path, "--out", str(out)), *QUICK, "--method", "linear",
+                    "--epochs", "2", "--resume"])
+    assert "[features]" not in capsys.readouterr().out
+    ann = other / "coco" / "dataset_coco.json"                       # same root, one training caption edited
+    entries = json.loads(ann.read_text())
+    entries["images"][0]["sentences"][0]["raw"] = "a red cat sits on the man."
+    ann.write_text(json.dumps(entries))
+    shutil.copy(ann, coco / "coco" / "dataset_coco.json")
+    try:
+        with pytest.raises(SystemExit, match=r"other settings: data_hash '\w+' there, '\w+' now"):
+            align.main([*coco_run(models, coco, tmp_path, "--out", str(out)), *QUICK, "--method", "linear",
+                        "--epochs", "2", "--resume"])
+    finally:
+        write_karpathy(coco / "coco", n_train=16, n_test=6)          # the module's layout back
+    assert "[features]" not in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- one --out, one run
+def test_a_second_run_on_the_same_out_refuses_naming_the_running_one(cache_dir, tmp_path, capsys):
+    (tmp_path / "config.json").write_text("the running run's")
+    with cache.hold_folder(tmp_path, "--out"):                       # the first run, still going
+        text = refused(capsys, cache_dir, tmp_path, "--method", "linear", "--epochs", "1")
+    assert f"--out {tmp_path} is in use by a run still going (pid {os.getpid()}, started " in text
+    assert (tmp_path / "config.json").read_text() == "the running run's"
+    run(cache_dir, tmp_path, "--method", "linear", "--epochs", "1", "--num-pairs", "300")   # free again
+
+
+def test_a_refused_run_writes_nothing_into_a_finished_runs_folder(cache_dir, tmp_path, capsys):
+    files = {"config.json": "{}", "metrics.json": "{}", "method.pt": "x"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    refused(capsys, cache_dir, tmp_path, "--method", "csa", "--hard-negatives")
+    with pytest.raises(SystemExit, match="--num-pairs 0 leaves no alignment data"):   # known after the features
+        run(cache_dir, tmp_path, "--method", "linear", "--num-pairs", "0")
+    with pytest.raises(SystemExit, match=r"a batch of 1 pair\(s\)"):
+        run(cache_dir, tmp_path, "--method", "linear", "--num-pairs", "1")
+    assert {p.name: p.read_text() for p in tmp_path.iterdir() if p.name != ".lock"} == files
+
+
+# ----------------------------------------------------------------------------- head rows
+HEAD_ROWS = {"pal": None, "pal_rel": {"weights"}, "cov": {"weights", "weights+pairs"},
+             "filip": {"weights", "weights+pairs"}, "text_guided": {"weights", "weights+pairs"},
+             "fa": {"weights", "weights+pairs"}}
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_every_method_reads_a_head_row_as_its_one_vector_or_refuses_it(name):
+    """Head rows (weight recycling §4) are one vector each: every method that trains on them gives
+    different head rows different image embeddings (a token-level method reading only the empty
+    patch slots gives them all the same one), alone and beside pairs; the others are refused."""
+    W, names = torch.randn(12, 8, generator=torch.Generator().manual_seed(0)), random_features(12, 3, 6, seed=3)
+    w_img, w_txt = recycling.weight_pairs(W, names)
+    img, txt = random_features(16, 5, 8, grid=(2, 2), seed=1), random_features(16, 4, 6, seed=2)
+    pairs = {"weights": (w_img, w_txt), "weights+pairs": recycling.augment(img, txt, w_img, w_txt)}
+    for mode, (I, T) in pairs.items():
+        args = align.parse_args(["--method", name, "--align-data", mode])
+        if mode in (HEAD_ROWS.get(name) or ()):
+            with pytest.raises(SystemExit, match=re.escape(f"--method {name} --align-data {mode}: ") + ".*head row"):
+                align.check_flags(args, METHODS[name])
+            continue
+        align.check_flags(args, METHODS[name])
+        torch.manual_seed(0)
+        m = METHODS[name](8, 6, **({"K": 8} if name in ("pal", "pal_rel") else {}))
+        if hasattr(m, "fit"):
+            m.fit(Features.from_vectors(I.pooled), Features.from_vectors(T.pooled))
+        if hasattr(m, "loss"):
+            assert torch.isfinite(m.loss(I, T)[0])
+        m.eval()
+        with torch.no_grad():
+            e = m.embed_image(I)[-12:].flatten(1)                              # the head rows' embeddings
+        assert torch.isfinite(e).all()
+        assert torch.cdist(e, e)[~torch.eye(12, dtype=torch.bool)].min() > 1e-4, (name, mode)
+
+
+def test_weights_mode_checks_the_head_first_and_never_extracts_the_training_pairs(models, coco, tmp_path, capsys):
+    with pytest.raises(SystemExit, match="has no linear classification head"):
+        align.main([*coco_run(models, coco, tmp_path, "--out", str(tmp_path / "a")), *QUICK, "--method", "linear",
+                    "--align-data", "weights"])
+    assert "[features]" not in capsys.readouterr().out and not (tmp_path / "cache" / "features").exists()
+    base = list(coco_run(models, coco, tmp_path, "--out", str(tmp_path / "b")))
+    base[base.index("--image-encoder") + 1] = str(models / "beit")
+    m = align.main([*base, *QUICK, "--method", "linear", "--align-data", "weights", "--epochs", "1"])
+    assert m["retrieval"]["rsum"] >= 0
+    made = [p.name for p in (tmp_path / "cache" / "features").iterdir()]
+    assert any(n.startswith("coco-test-image") for n in made) and not any(n.startswith("coco-train") for n in made)
+
+
+# ----------------------------------------------------------------------------- the command line
+CLI = {"threads": (["--threads", "-2"], "--threads -2: give a positive count"),
+       "seed": (["--seed", "-1"], "--seed -1: give a seed in [0, 2^32)"),
+       "select pairs 0": (["--select-layers", "cka", "--select-pairs", "0"], "--select-pairs 0: score the layers"),
+       "select pairs < 0": (["--select-pairs", "-5990"], "--select-pairs -5990: score the layers on at least"),
+       "cov on head rows": (["--method", "cov", "--align-data", "weights"],
+                            "--method cov --align-data weights: its regions attend over the patch tokens"),
+       "huge K": (["--hp", "K=2000000000"], "--hp K=2000000000: PAL would hold 384,000,000,001 parameters, about")}
+
+
+@pytest.mark.parametrize("row", list(CLI))
+def test_bad_command_lines_stop_with_one_line_before_any_work(row, cache_dir, tmp_path, capsys):
+    threads = torch.get_num_threads()
+    text = refused(capsys, cache_dir, tmp_path / "out", *CLI[row][0])
+    assert CLI[row][1] in text and torch.get_num_threads() == threads
+    assert not (tmp_path / "out" / "config.json").exists()
+
+
+# ----------------------------------------------------------------------------- torchrun
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ranks(cache_dir, out, per_rank, timeout=240):
+    """Start len(per_rank) ranks by hand (as torchrun on several nodes would), rank r with per_rank[r]'s
+    extra arguments; (exit codes, stderr texts)."""
+    env = dict(os.environ, WORLD_SIZE=str(len(per_rank)), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "align.py"), "--cache-dir", str(cache_dir), "--out",
+                               str(out), *QUICK, "--device", "cpu", *extra], cwd=ROOT, text=True,
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE) for r, extra in enumerate(per_rank)]
+    try:
+        errs = [p.communicate(timeout=timeout)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [p.returncode for p in procs], errs
+
+
+def test_ranks_started_with_different_arguments_stop_at_once_naming_the_difference(cache_dir, tmp_path):
+    codes, errs = ranks(cache_dir, tmp_path, [["--epochs", "3"], ["--epochs", "6"]], timeout=120)
+    assert codes == [1, 1], errs
+    for err in errs:
+        assert "error: the 2 ranks were started with different arguments (epochs: 3 on rank 0, 6 on rank 1)" in err
+        assert "Traceback" not in err
+    assert not (tmp_path / "config.json").exists()
+
+
+def test_a_global_batch_smaller_than_the_ranks_is_refused_on_every_rank(models, coco, tmp_path):
+    """MLP's per-pair loss trains on a batch of one, split across 2 ranks (no dropout) it cannot."""
+    extra = [*coco_run(models, coco, tmp_path), "--method", "mlp", "--hp", "dropout=0.0", "--batch-size", "1",
+             "--epochs", "1"]
+    codes, errs = ranks(tmp_path / "cache", tmp_path, [extra] * 2)
+    assert codes == [1, 1], errs
+    for err in errs:
+        assert "error: a global batch of 1 pair(s) on 2 ranks" in err and "Traceback" not in err
+    assert not (tmp_path / "config.json").exists()
