@@ -20,8 +20,8 @@ sits. PAL's Eqs. (3)-(8) and anchors are kept; the additions are (R1)-(R4):
 
 y_w = token w / ||token w||. (R4) is a dot product of e_v = [h_v, vec(c - c_bar)] and
 e_l = [h_l, vec(d) / K], (B, 3K) each, so retrieval stays one matrix product. In
-"a small red circle to the left of a large blue square", rho finds "left", whose M
-sends the words up to W before it to (-, 0) and those after it to (+, 0); the anchors
+"a small red circle to the left of a large blue square", where rho picks out "left"
+and its M sends the words before it to (-, 0) and those after it to (+, 0), the anchors
 attending to "red circle" and "blue square" then score high only where the red
 circle's patches are left of the blue square's. The offset w - j is counted from
 the relation word, not from the caption's start, and M reads the relation word
