@@ -629,7 +629,8 @@ def evaluate_all(method, F, args, out, device):
                 device=device)
         elif isinstance(s, data.BindingSet):
             distractors = {k: F[split, k][:n] for k in s.distractors}
-            metrics["binding"] = evaluate.binding(method, img[:n], txt[:n], distractors, device=device)
+            metrics[split] = evaluate.binding(method, img[:n], txt[:n], distractors,   # binding, binding_heldout, ...
+                                              device=device)
     if args.figures and hasattr(method, "analyse") and "test" in sets:
         n = 64  # the first test images with their first caption
         test, txt = sets["test"], F["test", "text"]

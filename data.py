@@ -12,10 +12,11 @@ images in RAM).
     MaskSet   images, masks ((N, S, S) integer, IGNORE = background), class_names, templates
     BindingSet images, captions (true, one per image), distractors {kind: list[str]}
 
-The Shapes world (DESIGN.md): 1-3 coloured shapes in two sizes on varied
-backgrounds, captions that bind attributes and relations ("a small red circle
-to the left of a large blue square"), five paraphrases per test image like
-COCO's Karpathy test, and minimal-pair distractors for a binding test.
+The Shapes world: 1-3 coloured shapes in two sizes on varied backgrounds,
+captions that bind attributes and relations ("a small red circle to the left
+of a large blue square"), five paraphrases per test image like COCO's Karpathy
+test, and minimal-pair distractors for a binding test (with held-out wordings
+and object pairs, docs/binding.md).
 """
 import functools
 import re
@@ -159,6 +160,105 @@ def caption(scene, style, rel_override=None, objects=None):
     return first
 
 
+# Held-out phrasings (never in training, the test set or the text encoder's corpus): where a
+# is relative to b (rel), stated with b named first, the relation word first, each object
+# with its own side, "b has a on its left", the passive, and a pronoun.
+SIDE = {"left": "to the left", "right": "to the right", "above": "above", "below": "below"}
+ON_ITS = {"left": "on its left", "right": "on its right", "above": "above it", "below": "below it"}
+PASSIVE = {"left": "flanked on the left by", "right": "flanked on the right by", "above": "topped by",
+           "below": "propped up by"}
+HELD_OUT_TEMPLATES = [
+    lambda A, rel, B: f"{RELATIONS[rel]} {B} is {A}",                           # relation word first
+    lambda A, rel, B: f"{B} is {SIDE[OPPOSITE[rel]]} and {A} is {SIDE[rel]}",   # each object its own side
+    lambda A, rel, B: f"{B} has {A} {ON_ITS[rel]}",                             # "X has Y on its left"
+    lambda A, rel, B: f"{B} is {PASSIVE[rel]} {A}",                             # passive
+    lambda A, rel, B: f"{B} , with {A} {RELATIONS[rel]} it",                    # b first, a pronoun
+]
+
+
+def state(a, rel, b, style):
+    """A two-object caption: a is `rel` of b, in training style 0..4 or held-out template "h0".."h4"."""
+    if isinstance(style, str):
+        return HELD_OUT_TEMPLATES[int(style[1:])](phrase(a), rel, phrase(b))
+    return caption(None, style, rel_override=rel, objects=[a, b])
+
+
+def minimal_pairs(scene, style):
+    """A two-object scene's true caption and its three minimal pairs in one style (training or held-out):
+    attribute swap (the colours exchanged), relation-word swap (the relation word reversed, the objects
+    in place) and object-order swap (the objects exchanged, the same relation words; ARO's VG-Relation)."""
+    a, b = scene["objects"]
+    rel = relation(a, b)
+    return state(a, rel, b, style), {
+        "attribute_swap": state(dict(a, colour=b["colour"]), rel, dict(b, colour=a["colour"]), style),
+        "relation_swap": state(a, OPPOSITE[rel], b, style),
+        "object_swap": state(b, rel, a, style)}
+
+
+def place(rng, specs):
+    """A scene of the given objects (dicts with shape, colour, size) at random non-overlapping places."""
+    objects = []
+    while len(objects) < len(specs):
+        spec = specs[len(objects)]
+        r = int(rng.integers(*RADIUS[spec["size"]], endpoint=True))
+        x, y = rng.integers(r + 1, SIZE - r - 1, size=2)
+        if all((x - o["x"]) ** 2 + (y - o["y"]) ** 2 > (r + o["r"] + 3) ** 2 for o in objects):
+            objects.append(dict(spec, x=int(x), y=int(y), r=r))
+    background = dict(base=rng.uniform(60, 200), tint=rng.uniform(-15, 15, size=3),
+                      gradient=rng.uniform(-40, 40, size=2), noise_seed=int(rng.integers(2**31)))
+    return dict(objects=objects, background=background)
+
+
+def related_pairs(scenes):
+    """The unordered pairs of object phrases (size colour shape) whose relation the scenes' captions state."""
+    return {frozenset([phrase(s["objects"][0]), phrase(s["objects"][1])]) for s in scenes if len(s["objects"]) >= 2}
+
+
+OBJECT_TYPES = [dict(size=z, colour=c, shape=h) for z in RADIUS for c in COLOUR_NAMES for h in SHAPES]
+
+
+def binding_sets(seed, n, train, bind, bind_images, taken):
+    """The harder binding test: BindingSets of two-object scenes, three minimal pairs each
+    (minimal_pairs), n scenes each. Drawn from their own RNG stream, after the world's sets, so the
+    training and test data do not depend on them.
+
+    canonical: the binding set's scenes and images in style 0 (its attribute and relation swaps are
+               the binding set's).
+    styles:    new scenes, scene i in training style i % 5.
+    templates: new scenes, scene i in held-out template i % 5 (HELD_OUT_TEMPLATES).
+    combos:    new scenes of two objects that no training caption relates to each other
+               (related_pairs), scene i in style i % 4 (the styles that name sizes).
+    The new scenes' objects differ in colour AND shape, so the three swaps are three different
+    captions (and style 3's "the circle is left of the square" names each object once); no true
+    caption or distractor is in `taken` (the training hard negatives)."""
+    rng = np.random.default_rng((seed, 1))
+    seen = related_pairs(train)
+    novel = [(p, q) for i, p in enumerate(OBJECT_TYPES) for q in OBJECT_TYPES[i + 1:]
+             if p["colour"] != q["colour"] and p["shape"] != q["shape"] and frozenset([phrase(p), phrase(q)]) not in seen]
+
+    def draw(make, style):
+        scenes, rows = [], []
+        while len(scenes) < n:
+            s = make()
+            a, b = s["objects"]
+            true, dis = minimal_pairs(s, style(len(scenes)))
+            if a["colour"] != b["colour"] and a["shape"] != b["shape"] and not ({true, *dis.values()} & taken):
+                scenes.append(s)
+                rows.append((true, dis))
+        return render_all(scenes)[0], rows
+
+    def novel_pair():
+        p, q = novel[rng.integers(len(novel))]
+        return place(rng, [p, q] if rng.integers(2) else [q, p])
+
+    groups = {"canonical": (bind_images, [minimal_pairs(s, 0) for s in bind]),
+              "styles": draw(lambda: sample_scene(rng, 2), lambda i: i % 5),
+              "templates": draw(lambda: sample_scene(rng, 2), lambda i: f"h{i % len(HELD_OUT_TEMPLATES)}"),
+              "combos": draw(novel_pair, lambda i: i % 4)}
+    return {f"binding_{g}": BindingSet(images, [t for t, _ in rows], {k: [d[k] for _, d in rows] for k in rows[0][1]})
+            for g, (images, rows) in groups.items()}
+
+
 def binding_distractors(scene):
     """Minimal pairs of the canonical caption: colours of the first two objects swapped; relation reversed."""
     a, b = scene["objects"][:2]
@@ -168,12 +268,12 @@ def binding_distractors(scene):
 
 
 # ---------------------------------------------------------------------------
-# Composition-aware hard negatives (issue 14; NegCLIP, ARO, Yuksekgonul et al. 2023)
+# Composition-aware hard negatives (NegCLIP; "When and why vision-language models behave like
+# bags-of-words", Yuksekgonul et al., ICLR 2023)
 # ---------------------------------------------------------------------------
 # For each training caption, captions that use the same words but bind them
-# differently: attributes swapped between objects, relation reversed. The
-# Shapes world makes them from the scene (scene_swaps); real captions get a
-# word-swap rule (word_swaps) from the small word lists below.
+# differently. The Shapes world makes them from the scene (scene_swaps); any other
+# caption gets a rule over its noun phrases (word_swaps), with no list of nouns.
 def scene_swaps(scene, style):
     """Hard negatives of a scene's caption in paraphrase style `style` (0..4), from the scene itself.
 
@@ -192,63 +292,104 @@ def scene_swaps(scene, style):
     return [c for c in out if c != true]
 
 
-COLOUR_WORDS = ["red", "green", "blue", "yellow", "purple", "orange", "white", "black", "brown", "gray", "grey",
-                "pink", "silver", "gold"]
+# The closed word classes the rule reads (open classes, nouns and adjectives, are whatever they delimit).
+DETERMINERS = {"a", "an", "the", "this", "that", "these", "those", "its", "his", "her", "their", "my", "your",
+               "our", "some", "one", "two", "three", "four", "five", "several", "many", "another", "each"}
 # asymmetric relations only ("next to", "near", "with" read the same both ways); longest first
 RELATION_WORDS = ["to the left of", "to the right of", "on top of", "in front of", "left of", "right of", "above",
                   "below", "under", "underneath", "beneath", "behind", "inside", "on", "in"]
-NOUN_WORDS = SHAPES + [  # the Shapes nouns, COCO's single-word categories (not "orange": a colour here) and frequent caption nouns
-    "person", "man", "woman", "men", "women", "people", "boy", "girl", "child", "kid", "player", "bicycle", "bike",
-    "car", "motorcycle", "airplane", "plane", "bus", "train", "truck", "boat", "bench", "bird", "cat", "dog", "horse",
-    "sheep", "cow", "elephant", "bear", "zebra", "giraffe", "giraffes", "backpack", "umbrella", "handbag", "tie",
-    "suitcase", "frisbee", "skis", "snowboard", "ball", "kite", "skateboard", "surfboard", "racket", "bottle", "glass",
-    "cup", "fork", "knife", "spoon", "bowl", "banana", "apple", "sandwich", "broccoli", "carrot", "pizza",
-    "donut", "cake", "chair", "couch", "sofa", "plant", "bed", "table", "toilet", "tv", "laptop", "mouse", "remote",
-    "keyboard", "phone", "microwave", "oven", "toaster", "sink", "refrigerator", "book", "clock", "vase", "scissors",
-    "teddy", "shirt", "hat", "plate", "street", "road", "field", "grass", "water", "beach", "snow", "wall", "building",
-    "floor", "room", "kitchen", "window", "door", "sign", "tree", "trees", "sky", "ocean", "wave", "counter", "desk",
-    "box", "tray", "pole", "track", "hill", "park", "sidewalk", "shelf", "food", "top", "head", "hand"]
+BOUNDARY = {"and", "or", "but", "with", "of", "at", "by", "for", "from", "to", "into", "onto", "near", "next",
+            "beside", "over", "through", "down", "up", "across", "along", "around", "while", "as", "is", "are",
+            "was", "were", "be", "has", "have", "there", "that", "which", "who", "it", "them", "above", "below",
+            "under", "underneath", "beneath", "behind", "inside", "on", "in"}  # ends a noun phrase
+AUXILIARIES = {"is", "are", "was", "were", "sits", "sit", "stands", "stand", "lies", "lie", "being"}
 
 
 def _words(text):
     return re.findall(r"[\w']+|[^\w\s]", text)
 
 
-def _join(words):
-    return re.sub(r" ([.,!?;:])", r"\1", " ".join(words))
+def _join(words, spaced):
+    """The words as one caption: a space before each word, and before punctuation where the caption had one."""
+    return "".join((" " if k and (gap or w[:1].isalnum()) else "") + w for k, (w, gap) in enumerate(zip(words, spaced)))
+
+
+def _verb_form(word):
+    return len(word) > 4 and (word.endswith("ing") or word.endswith("ed"))
+
+
+def noun_phrases(words):
+    """Noun phrases as (start, end) spans of a word list, end exclusive: a determiner (or the caption's
+    first word), then modifiers and a noun, up to the first closed-class word, punctuation or verb form
+    (a word ending in -ing / -ed after the phrase's first word); the noun is the span's last word."""
+    low, spans, i = [w.lower() for w in words], [], 0
+    while i < len(low):
+        if low[i] in DETERMINERS or (i == 0 and low[i].isalpha() and low[i] not in BOUNDARY):
+            c = j = i + (low[i] in DETERMINERS)                        # c: the first modifier or noun
+            while j < len(low) and low[j].isalpha() and low[j] not in BOUNDARY and low[j] not in DETERMINERS \
+                    and not (j > c and _verb_form(low[j])):
+                j += 1
+            if j > c:
+                spans.append((i, j))
+                i = j
+                continue
+        i += 1
+    return spans
+
+
+def _articles(words):
+    """a / an agreeing with the next word (a swap can put "old" after "a")."""
+    def fix(x, n):
+        if x.lower() not in ("a", "an"):
+            return x
+        a = "an" if n[:1].lower() in "aeiou" else "a"
+        return a.capitalize() if x[:1].isupper() else a
+    return [fix(x, n) for x, n in zip(words, words[1:] + [""])]
 
 
 def word_swaps(text):
-    """Hard negatives of a real caption by a word-swap rule (documented in the README's binding section):
+    """Hard negatives of any caption by a rule over its noun phrases (noun_phrases, no list of nouns):
 
-    1. colour swap: the first two DIFFERENT colour words (COLOUR_WORDS) exchange places;
-    2. relation swap: at the first phrase of RELATION_WORDS (asymmetric relations, longer phrases
-       first) the caption holds, the nearest noun (NOUN_WORDS) before it and the nearest after it
-       exchange places when both exist and differ
-       ("a cat on a table" -> "a table on a cat").
+    1. attribute swap: the first two noun phrases with modifiers (words between the determiner and
+       the noun) exchange their modifiers nearest the noun that differ
+       ("a red bus next to a white car" -> "a white bus next to a red car");
+    2. object swap: at the first relation phrase (RELATION_WORDS, asymmetric, longest first) that has
+       a noun phrase right after it and one before it (at most two auxiliaries or verb forms between),
+       the two noun phrases exchange places ("a cat sitting on a table" -> "a table sitting on a cat").
     Returns the swaps that apply (0, 1 or 2 captions), each different from the text."""
     w = _words(text)
     low = [x.lower() for x in w]
-    out = []
-    cols = [i for i, x in enumerate(low) if x in COLOUR_WORDS]
-    pair = next(((i, j) for i in cols for j in cols if j > i and low[j] != low[i]), None)
-    if pair:
-        v = list(w)
-        v[pair[0]], v[pair[1]] = w[pair[1]], w[pair[0]]
-        out.append(_join(v))
-    for rel in RELATION_WORDS:
-        r, n = rel.split(), len(rel.split())
-        at = next((i for i in range(len(low) - n + 1) if low[i:i + n] == r), None)
-        if at is None:
+    spaced = [m.start() > 0 and text[m.start() - 1].isspace() for m in re.finditer(r"[\w']+|[^\w\s]", text)]
+    spans, perms = noun_phrases(w), []
+    det = lambda s: int(low[s[0]] in DETERMINERS)
+    mods = [s for s in spans if s[1] - s[0] - det(s) >= 2]            # determiner, >= 1 modifier, noun
+    if len(mods) >= 2:
+        (i0, j0), (i1, j1) = mods[:2]
+        m0, m1 = range(j0 - 2, i0 + det(mods[0]) - 1, -1), range(j1 - 2, i1 + det(mods[1]) - 1, -1)
+        pair = next(((p, q) for p, q in zip(m0, m1) if low[p] != low[q]), None)  # nearest the noun first
+        if pair:
+            perm = list(range(len(w)))
+            perm[pair[0]], perm[pair[1]] = pair[1], pair[0]
+            perms.append(perm)
+    starts = {s[0]: s for s in spans}
+    for at in range(len(low)):
+        rel = next((r.split() for r in RELATION_WORDS if low[at:at + len(r.split())] == r.split()), None)
+        if rel is None or at + len(rel) not in starts:
             continue
-        before = next((i for i in range(at - 1, -1, -1) if low[i] in NOUN_WORDS), None)
-        after = next((i for i in range(at + n, len(low)) if low[i] in NOUN_WORDS), None)
-        if before is not None and after is not None and low[before] != low[after]:
-            v = list(w)
-            v[before], v[after] = w[after], w[before]
-            out.append(_join(v))
-        break  # one relation phrase: the first of RELATION_WORDS the caption holds (longer phrases listed first)
-    return [c for c in out if c.lower() != text.lower()]
+        before = [s for s in spans if s[1] <= at and all(low[k] in AUXILIARIES or _verb_form(low[k])
+                                                          for k in range(s[1], at)) and at - s[1] <= 2]
+        if before:
+            (i0, j0), (i1, j1) = before[-1], starts[at + len(rel)]
+            k = list(range(len(w)))
+            perms.append(k[:i0] + k[i1:j1] + k[j0:i1] + k[i0:j0] + k[j1:])
+        break                                                         # the first relation phrase that starts one
+    out = []
+    for perm in perms:
+        v = [w[k] if k else low[0] if low[0] in DETERMINERS else w[0] for k in perm]  # the capital stays first
+        if w[0][:1].isupper():
+            v[0] = v[0][:1].upper() + v[0][1:]
+        out.append(_join(_articles(v), [spaced[k] for k in perm]))
+    return [c for c in dict.fromkeys(out) if c.lower() != text.lower()]  # once each (same-shape objects: one)
 
 
 def text_corpus(n, seed):
@@ -275,6 +416,8 @@ def shapes_world(seed=0, n_train=6000, n_test=500, n_cls=480, n_seg=300, n_bind=
     cls: LabelSet of single-object images over the 24 colour-shape classes.
     seg: MaskSet over the 4 shape classes (background ignored).
     binding: BindingSet of two-object scenes with distractor captions.
+    binding_canonical, binding_styles, binding_templates, binding_combos: the harder binding test
+        (binding_sets), three minimal pairs per scene, held-out phrasings and object pairs.
     """
     rng = np.random.default_rng(seed)
     n_obj = lambda: int(rng.integers(1, 4))
@@ -297,6 +440,7 @@ def shapes_world(seed=0, n_train=6000, n_test=500, n_cls=480, n_seg=300, n_bind=
     # decontamination: no binding caption (true or distractor) is ever a training hard negative
     held_out = {c for s, d in zip(bind, dis) for c in [caption(s, 0), *d.values()]}
     hard_negatives = [[c for c in scene_swaps(s, k) if c not in held_out] for s, k in zip(train, styles)]
+    harder = binding_sets(seed, n_bind, train, bind, bind_images, {c for negs in hard_negatives for c in negs})
     return {
         "train": PairSet(train_images, [caption(s, k) for s, k in zip(train, styles)], torch.arange(n_train),
                          hard_negatives),
@@ -307,6 +451,7 @@ def shapes_world(seed=0, n_train=6000, n_test=500, n_cls=480, n_seg=300, n_bind=
         "seg": MaskSet(seg_images, seg_masks, SHAPES, TEMPLATES),
         "binding": BindingSet(bind_images, [caption(s, 0) for s in bind],
                               {k: [d[k] for d in dis] for k in dis[0]}),
+        **harder,
     }
 
 

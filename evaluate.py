@@ -305,10 +305,12 @@ def binding(method, img, txt_true, distractors, batch_size=256, device="cpu"):
     """Binding accuracy: how often an image scores its true caption above a distractor.
 
     txt_true: Features (N,), image i's true caption. distractors: {kind: Features (N,)},
-    row i a corrupted version of caption i (e.g. "attribute": two attributes
-    swapped, "relation": the relation swapped). binding_<kind> = 100 * fraction of
-    images with score(i, true_i) > score(i, distractor_i), strictly (chance 50);
-    binding_acc = mean over kinds.
+    row i a corrupted version of caption i (the Shapes world's: "attribute_swap", the two
+    objects' colours exchanged; "relation_swap", the relation word reversed; "object_swap",
+    the two objects exchanged under the same relation words). binding_<kind> = 100 *
+    fraction of images with score(i, true_i) > score(i, distractor_i), strictly (chance 50);
+    binding_acc = mean over kinds. align.py runs it once per BindingSet (data.binding_sets:
+    canonical style, all styles, held-out templates, held-out object pairs), one metrics group each.
     """
     if not distractors:
         raise ValueError("binding needs at least one kind of distractor")

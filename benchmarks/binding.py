@@ -1,14 +1,16 @@
-"""The README's binding table (issue 14): methods x text encoder x hard negatives.
+"""The binding table: every method x the harder binding test, with retrieval alongside.
 
-    python benchmarks/binding.py --cache-dir .cache                  # pal, linear, pal_rel; seed 0
-    python benchmarks/binding.py --methods pal --seeds 0 1 2 --hard-negatives on --texts minilm
+    python benchmarks/binding.py --cache-dir .cache --texts shapes-text --hard-negatives off   # every method, seed 0
+    python benchmarks/binding.py --methods pal pal_rel --seeds 0 1 2 --texts shapes-text --hard-negatives off
     python benchmarks/binding.py --jobs 2                            # two runs at a time
 
 Runs align.py once per (method, text encoder, hard negatives, seed) in a subprocess
-(--threads 1, the budget below, the position-aware image encoder shapes-cnn-pos,
+(--threads 1, the budget below, the default image encoder shapes-cnn unless --image-encoder,
 features from the shared cache), skips a run whose metrics.json already exists (so an interrupted
-grid resumes), and prints a markdown table of the medians over seeds: attribute
-swap, relation swap (both %, chance 50), retrieval RSum, zero-shot top-1.
+grid resumes), and prints a markdown table of the medians over seeds: the harder binding test
+(data.binding_sets; each a %, chance 50) on {canonical style, all five training styles, held-out
+templates, held-out object pairs} x {attribute swap, relation-word swap, object-order swap}, then
+retrieval RSum and zero-shot top-1.
 Text encoders: "shapes-text" (the tiny masked-word transformer) and MiniLM
 (all-MiniLM-L6-v2; --minilm names it: "minilm", or its folder).
 
@@ -28,7 +30,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-COLUMNS = [("binding", "binding_attribute_swap", "attribute swap"), ("binding", "binding_relation_swap", "relation swap"),
+SPLITS = [("canonical", "canonical"), ("styles", "all styles"), ("templates", "held-out templates"),
+          ("combos", "held-out pairs")]
+SWAPS = [("attribute_swap", "attr"), ("relation_swap", "rel"), ("object_swap", "order")]
+COLUMNS = [(f"binding_{g}", f"binding_{k}", f"{name}: {short}") for g, name in SPLITS for k, short in SWAPS] + [
            ("retrieval", "rsum", "RSum"), ("classification", "cls", "zero-shot top-1"), ("train", "seconds", "train s")]
 
 
@@ -60,7 +65,7 @@ def run(method, text, minilm, hard, seed, args):
         claim.touch()
         cmd = [sys.executable, str(ROOT / "align.py"), "--method", method, "--seed", str(seed), "--out", str(out),
                "--cache-dir", str(args.cache_dir), "--threads", "1", "--no-figures", *budget(method, args.epochs),
-               "--image-encoder", "shapes-cnn-pos",
+               "--image-encoder", args.image_encoder, *args.extra.split(),
                "--text-encoder", minilm if text == "minilm" else "shapes-text", *(["--hard-negatives"] if hard else [])]
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         (Path(args.out) / f"{tag}.log").write_text(r.stdout + r.stderr)
@@ -159,6 +164,37 @@ def probes(args):
         print(f"| {name} | {a:.1f} |")
 
 
+# ---------------------------------------------------------------- --breakdown: which phrasing fails?
+def breakdown(args):
+    """Each trained run's harder binding test per caption form: the all-styles set by training style,
+    the held-out set by template (data.HELD_OUT_TEMPLATES), from the run's method.pt."""
+    import torch
+    import data
+    import encoders
+    import evaluate
+    from methods import METHODS
+    torch.set_num_threads(1)
+    world = data.shapes_world()
+    for run in args.breakdown:
+        config = json.loads((Path(run) / "config.json").read_text())
+        img_enc, txt_enc = encoders.load_encoders(config["image_encoder"], config["text_encoder"], args.cache_dir)
+        rows = []
+        for split, forms in (("binding_styles", [str(k) for k in range(5)]),
+                             ("binding_templates", [f"h{k}" for k in range(len(data.HELD_OUT_TEMPLATES))])):
+            s = world[split]
+            img = img_enc.encode(s.images)
+            txt = {k: txt_enc.encode(c) for k, c in [("true", s.captions), *s.distractors.items()]}
+            m = METHODS[config["method"]](img.pooled.shape[-1], txt["true"].pooled.shape[-1], **config["hp"])
+            m.load_state_dict(torch.load(Path(run) / "method.pt"))
+            for f, form in enumerate(forms):
+                idx = torch.arange(f, len(s.captions), len(forms))
+                r = evaluate.binding(m, img[idx], txt["true"][idx], {k: txt[k][idx] for k in s.distractors})
+                rows.append((form, s.captions[f], *(r[f"binding_{k}"] for k, _ in SWAPS)))
+        print(f"\n{run}\n| form | example | attribute | relation word | object order |\n|---|---|---|---|---|")
+        for form, example, *v in rows:
+            print(f"| {form} | {example} | " + " | ".join(f"{x:.1f}" for x in v) + " |")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", nargs="+", default=None, help="methods to run (default: all of methods.METHODS)")
@@ -166,6 +202,9 @@ def main():
     p.add_argument("--hard-negatives", nargs="+", default=["off", "on"], choices=["off", "on"])
     p.add_argument("--seeds", nargs="+", type=int, default=[0], help="seeds (the table shows the median)")
     p.add_argument("--epochs", type=int, default=5, help="training epochs of every epoch-trained run (see Budget)")
+    p.add_argument("--image-encoder", default="shapes-cnn", help="the --image-encoder of every run")
+    p.add_argument("--extra", default="", help='more align.py arguments for every run, one string '
+                   '(e.g. "--hp order=index"; give such a variant its own --out)')
     p.add_argument("--minilm", default="minilm", help="the MiniLM --text-encoder value (alias or folder)")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time (each uses one thread)")
     p.add_argument("--out", default="results/binding", help="where each run's folder goes")
@@ -173,7 +212,11 @@ def main():
     p.add_argument("--probes", action="store_true",
                    help="instead of the grid: linear probes of the relation on frozen tokens, pooled features and "
                         "the grid's trained PAL / PAL-Rel embeddings (reads <out>/<run>/method.pt)")
+    p.add_argument("--breakdown", nargs="+", default=None, metavar="RUN",
+                   help="instead of the grid: the binding test per caption form of trained runs (their folders)")
     args = p.parse_args()
+    if args.breakdown:
+        return breakdown(args)
     if args.probes:
         return probes(args)
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -1,11 +1,14 @@
-"""Issue 14, binding: hard negatives (data.py swaps, align.py --hard-negatives), the
-position-aware tiny CNN, and the relation-aware variant methods/pal_rel.py.
+"""Binding: hard negatives (data.py's scene swaps and noun-phrase rule, align.py --hard-negatives),
+the harder binding test (data.binding_sets), the position-aware tiny CNN, and the relation-aware
+variant methods/pal_rel.py.
 
 Each test checks against an independent reference: exact strings written by hand,
 naive loops over pairs / anchors / patches / words, and a linear probe.
 """
 import math
+import re
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -58,27 +61,151 @@ def test_binding_captions_and_distractors_are_never_training_hard_negatives():
     assert negatives and not (negatives & held_out)
 
 
+COCO_STYLE = {  # caption -> the swaps of the noun-phrase rule, written by hand
+    "A red bus parked next to a white car.": ["A white bus parked next to a red car."],
+    "A cat sitting on a table.": ["A table sitting on a cat."],
+    "A man in a black shirt riding a brown horse.": ["A man in a brown shirt riding a black horse.",
+                                                    "A black shirt in a man riding a brown horse."],
+    "Two dogs playing in the snow.": ["The snow playing in two dogs."],
+    "A dog lying under a wooden bench.": ["A wooden bench lying under a dog."],
+    "A plate of food with a fork and a knife.": [],               # no modifiers, no asymmetric relation
+    "A blue and yellow train at the station.": [],                # coordinated adjectives: not read
+    "People walking down a busy street.": [],
+    "A teddy bear on top of a bed.": ["A bed on top of a teddy bear."],
+    "A kitchen with a stove and a sink.": [],
+    "A koala sitting on a candy cane.": ["A candy cane sitting on a koala."],   # nouns in no list
+    "An old man is standing behind a large red truck.": ["A red man is standing behind a large old truck.",
+                                                         "A large red truck is standing behind an old man."],
+}
+
+
 def test_word_swap_rule_on_coco_style_captions():
-    cases = {  # caption -> the swaps of the rule, written by hand
-        "A red bus parked next to a white car.": ["A white bus parked next to a red car."],
-        "A cat sitting on a table.": ["A table sitting on a cat."],
-        "A man in a black shirt riding a brown horse.": ["A man in a brown shirt riding a black horse.",
-                                                        "A shirt in a black man riding a brown horse."],
-        "Two dogs playing in the snow.": [],          # "dogs" is not in the noun list
-        "A dog lying under a wooden bench.": ["A bench lying under a wooden dog."],
-        "A plate of food with a fork and a knife.": [],
-        "A blue and yellow train at the station.": ["A yellow and blue train at the station."],
-        "People walking down a busy street.": [],
-        "A teddy bear on top of a bed.": ["A teddy bed on top of a bear."],
-        "A kitchen with a stove and a sink.": [],
-    }
-    for caption, expected in cases.items():
+    for caption, expected in COCO_STYLE.items():
         assert data.word_swaps(caption) == expected, caption
-    applies = sum(bool(data.word_swaps(c)) for c in cases) / len(cases)
-    assert applies == 0.6                         # the README's "6 of 10 COCO-style captions"
+    applies = sum(bool(data.word_swaps(c)) for c in COCO_STYLE) / len(COCO_STYLE)
+    assert applies == 8 / 12
     shapes = data.shapes_world()["train"].captions
     frac = sum(bool(data.word_swaps(c)) for c in shapes) / len(shapes)
-    assert abs(frac - 0.6545) < 1e-4             # the README's figure for the Shapes training captions
+    assert abs(frac - 0.6558) < 1e-4             # 3935 of 6000: the captions that name two or three objects
+
+
+def test_word_swaps_on_every_shapes_form_never_give_a_true_caption():
+    """On fresh two-object scenes in the 5 training styles and the 5 held-out templates: no swap is a
+    true caption of the scene in any form; in styles 0, 1, 2, 4 the rule finds exactly the attribute
+    and object-order minimal pairs; the fraction of captions it applies to, per kind."""
+    rng = np.random.default_rng(7)
+    forms = list(range(5)) + [f"h{k}" for k in range(5)]
+    counts = {f: [0, 0] for f in forms}
+    n = 0
+    while n < 200:
+        s = data.sample_scene(rng, 2)
+        a, b = s["objects"]
+        if a["colour"] == b["colour"] or a["shape"] == b["shape"]:
+            continue
+        n += 1
+        rows = {f: data.minimal_pairs(s, f) for f in forms}
+        true = {t for t, _ in rows.values()}
+        for f, (t, dis) in rows.items():
+            swaps = data.word_swaps(t)
+            assert t not in swaps and not (set(swaps) & true), (t, swaps)
+            counts[f][0] += dis["attribute_swap"] in swaps
+            counts[f][1] += len(set(swaps) - {dis["attribute_swap"]}) > 0
+            if f in (0, 1, 2, 4):
+                assert swaps == [dis["attribute_swap"], dis["object_swap"]]
+    assert counts == {0: [200, 200], 1: [200, 200], 2: [200, 200], 3: [200, 200], 4: [200, 200],
+                      "h0": [200, 0], "h1": [200, 0], "h2": [200, 103], "h3": [200, 103], "h4": [200, 0]}
+    # h0 and h4 have no noun phrase on one side of the relation ("to the left of X is Y", "... of it"),
+    # h1 no relation phrase of the list; h2 and h3 swap at "on" ("on its left", "on the left"), never "above it"
+
+
+# ---------------------------------------------------------------- the harder binding test (data.binding_sets)
+def replay_world(seed, n_train, n_test, n_cls, n_seg, n_bind):
+    """The world's scenes drawn again exactly as shapes_world draws them, from its one stream."""
+    rng = np.random.default_rng(seed)
+    n_obj = lambda: int(rng.integers(1, 4))
+    train = [data.sample_scene(rng, n_obj()) for _ in range(n_train)]
+    test = [data.sample_scene(rng, n_obj()) for _ in range(n_test)]
+    [data.sample_scene(rng, 1) for _ in range(n_cls)] + [data.sample_scene(rng, n_obj()) for _ in range(n_seg)]
+    bind = []
+    while len(bind) < n_bind:
+        s = data.sample_scene(rng, 2)
+        if s["objects"][0]["colour"] != s["objects"][1]["colour"]:
+            bind.append(s)
+    styles = [int(rng.integers(5)) for _ in train]
+    return train, test, bind, styles
+
+
+def test_harder_sets_leave_every_other_set_as_it_was():
+    size = dict(n_train=40, n_test=6, n_cls=5, n_seg=5, n_bind=12)
+    w = data.shapes_world(3, **size)
+    train, test, bind, styles = replay_world(3, **size)
+    assert w["train"].captions == [data.caption(s, k) for s, k in zip(train, styles)]
+    assert torch.equal(w["train"].images, data.render_all(train)[0])
+    assert w["test"].captions == [data.caption(s, k) for s in test for k in range(5)]
+    assert w["binding"].captions == [data.caption(s, 0) for s in bind]
+    c = w["binding_canonical"]                                    # the binding set plus its object-order swaps
+    assert torch.equal(c.images, w["binding"].images) and c.captions == w["binding"].captions
+    for kind in ("attribute_swap", "relation_swap"):
+        assert c.distractors[kind] == w["binding"].distractors[kind]
+    for name in ("binding_canonical", "binding_styles", "binding_templates", "binding_combos"):
+        assert len(w[name].images) == len(w[name].captions) == 12 and list(w[name].distractors) == [
+            "attribute_swap", "relation_swap", "object_swap"]
+
+
+def test_minimal_pairs_written_by_hand():
+    s = two_object_scene()                                       # a small red circle left of a large blue square
+    assert data.minimal_pairs(s, 0) == ("a small red circle to the left of a large blue square", {
+        "attribute_swap": "a small blue circle to the left of a large red square",
+        "relation_swap": "a small red circle to the right of a large blue square",
+        "object_swap": "a large blue square to the left of a small red circle"})
+    assert data.minimal_pairs(s, 3)[1]["object_swap"] == \
+        "a picture of a small red circle and a large blue square , the square is to the left of the circle"
+    got = {f: data.minimal_pairs(s, f) for f in ("h0", "h1", "h2", "h3", "h4")}
+    assert [t for t, _ in got.values()] == [
+        "to the left of a large blue square is a small red circle",
+        "a large blue square is to the right and a small red circle is to the left",
+        "a large blue square has a small red circle on its left",
+        "a large blue square is flanked on the left by a small red circle",
+        "a large blue square , with a small red circle to the left of it"]
+    assert got["h2"][1] == {"attribute_swap": "a large red square has a small blue circle on its left",
+                            "relation_swap": "a large blue square has a small red circle on its right",
+                            "object_swap": "a small red circle has a large blue square on its left"}
+
+
+PHRASE = r"an? (?:(?:small|large) )?(?:" + "|".join(data.COLOUR_NAMES) + ") (?:" + "|".join(data.SHAPES) + ")"
+
+
+def skeleton(caption):
+    """The caption's wording with every object phrase and shape word replaced: its template."""
+    return re.sub(r"\b(" + "|".join(data.SHAPES) + r")\b", "S", re.sub(PHRASE, "X", caption))
+
+
+def test_held_out_templates_are_in_no_training_caption_and_pairs_in_no_training_relation():
+    world = data.shapes_world()
+    seen = {skeleton(c) for split in ("train", "test") for c in world[split].captions}
+    assert len(seen) == 3 * 4 * 2 + 4   # 3 wordings (styles 0, 1, 4 share one) x 4 relations x 2 or 3 objects; 1 object
+    assert not seen & {skeleton(c) for c in world["binding_templates"].captions}
+    assert len({skeleton(c) for c in world["binding_templates"].captions}) == 5 * 4  # every template, relation
+    train, _, _, _ = replay_world(0, 6000, 500, 480, 300, 300)
+    related = data.related_pairs(train)
+    phrases = lambda c: frozenset(re.findall(PHRASE, c)[:2])
+    assert related == {phrases(data.caption(s, 0)) for s in train if len(s["objects"]) >= 2}
+    combos = world["binding_combos"]
+    assert all(len(phrases(c)) == 2 and phrases(c) not in related for c in combos.captions)
+    assert len({phrases(c) for c in combos.captions}) == 25          # the 25 such pairs (colour and shape differ)
+    styles = world["binding_styles"]
+    assert sum(phrases(c) not in related for c in styles.captions if re.search("small|large", c)) == 10  # of 240
+
+
+def test_harder_sets_swaps_are_three_different_false_captions():
+    world = data.shapes_world()
+    negatives = {c for negs in world["train"].hard_negatives for c in negs}
+    for name in ("binding_styles", "binding_templates", "binding_combos"):
+        s = world[name]
+        for i, true in enumerate(s.captions):
+            dis = [s.distractors[k][i] for k in ("attribute_swap", "relation_swap", "object_swap")]
+            assert len({true, *dis}) == 4 and not ({true, *dis} & negatives)
+            assert sorted(true.split()) == sorted(dis[0].split()) == sorted(dis[2].split())  # same words
 
 
 # ---------------------------------------------------------------- align.py's hard-negative term
@@ -156,7 +283,12 @@ def test_align_runs_with_hard_negatives_and_refuses_non_contrastive_methods(cach
                     "--batch-size", "64", "--eval-images", "20", "--cache-dir", str(cache_dir), "--out", str(tmp_path),
                     "--no-figures", "--threads", "1"])
     assert math.isfinite(m["train"]["final_loss"]) and "binding_relation_swap" in m["binding"]
-    assert "[hard negatives] " in capsys.readouterr().out
+    for split in ("canonical", "styles", "templates", "combos"):          # the harder test, in every run
+        assert set(m[f"binding_{split}"]) == {"binding_acc", "binding_attribute_swap", "binding_relation_swap",
+                                              "binding_object_swap"}
+    assert m["binding_canonical"]["binding_attribute_swap"] == m["binding"]["binding_attribute_swap"]
+    out = capsys.readouterr().out
+    assert "[hard negatives] " in out and "binding_templates" in out
     with pytest.raises(SystemExit, match="contrastive"):
         align.main(["--method", "mlp", "--hard-negatives", "--cache-dir", str(cache_dir), "--out", str(tmp_path)])
 
@@ -185,21 +317,32 @@ def naive_pal_rel_score(m, img, txt):
             Rl = torch.stack([torch.stack([F.cosine_similarity(Y[w], m.A_l[k], dim=0) for k in range(m.K)])
                               for w in range(L)])                                        # (L, K)
             p_l = torch.stack([(Rl[:, k] / m.tau_p).softmax(0) @ Rl[:, k] for k in range(m.K)])
-            G = (norm(txt.pooled[j]) @ m.V).reshape(2, m.P)                              # (R2) G(t)
-            q = [torch.tensor([math.sin(w / 10000 ** (2 * i / m.P)) for i in range(m.P // 2)] +
-                              [math.cos(w / 10000 ** (2 * i / m.P)) for i in range(m.P // 2)]) for w in range(L)]
+            code = lambda x: torch.tensor([math.sin(x / 10000 ** (2 * i / m.P)) for i in range(m.P // 2)] +
+                                          [math.cos(x / 10000 ** (2 * i / m.P)) for i in range(m.P // 2)])
+            if m.order == "local":                                                       # (R2) word j places w
+                rho = torch.stack([norm(Y[v]) @ m.u for v in range(L)]).softmax(0)
+                o = [norm(Y[w]) @ m.U + sum(rho[v] * (norm(Y[v]) @ m.V).reshape(2, m.C)[:, w - v + m.W]
+                                            for v in range(L) if abs(w - v) <= m.W) for w in range(L)]
+            else:
+                G = (norm(txt.pooled[j]) @ m.V).reshape(2, m.P)                          # (R2) G(t)
+                r = 0.0
+                if m.order == "relation":
+                    rho = torch.stack([norm(Y[v]) @ m.u for v in range(L)]).softmax(0)
+                    r = sum(rho[v] * v for v in range(L))
+                o = [norm(Y[w]) @ m.U + G @ code(w - r) for w in range(L)]
             rel = 0.0
             for k in range(m.K):
                 alpha = (Rl[:, k] / m.tau_p).softmax(0)
-                d = sum(alpha[w] * (norm(Y[w]) @ m.U + G @ q[w]) for w in range(L))
+                d = sum(alpha[w] * o[w] for w in range(L))
                 rel = rel + (c[k] - c_bar) @ d
             S[i, j] = norm(p_v) @ norm(p_l) + rel / m.K
     return S
 
 
-def test_pal_rel_matches_a_loop_and_starts_as_pal():
+@pytest.mark.parametrize("order", ["local", "relation", "index"])
+def test_pal_rel_matches_a_loop_and_starts_as_pal(order):
     torch.manual_seed(0)
-    m = PALRel(8, 6, K=4, tau_p=0.5, P=8)
+    m = PALRel(8, 6, K=4, tau_p=0.5, P=8, order=order, W=2)
     img = random_features(3, 1 + 6, 8, grid=(2, 3), seed=1)
     txt = random_features(4, 5, 6, lengths=[5, 2, 3, 4], seed=2)
     pal = PAL(8, 6, K=4, tau_p=0.5)
@@ -212,6 +355,8 @@ def test_pal_rel_matches_a_loop_and_starts_as_pal():
         assert torch.allclose(got, naive_pal_rel_score(m, img, txt), atol=1e-5)
         assert not torch.allclose(got, at_init, atol=1e-3)
         m.V.normal_()                                                      # the word-order term of (R2) too
+        if m.u is not None:
+            m.u.normal_()                                                  # rho not uniform
         both = m.score(m.embed_image(img), m.embed_text(txt))
         assert torch.allclose(both, naive_pal_rel_score(m, img, txt), atol=1e-5)
         assert not torch.allclose(both, got, atol=1e-3)
@@ -224,7 +369,7 @@ def test_pal_rel_tells_left_from_right_where_pal_cannot():
     the object token r = -1 ("A right of B" flips both). U reads r as an x offset. PAL's part scores
     both captions the same; PAL-Rel scores the true one higher."""
     from features import Features
-    m = PALRel(4, 3, K=2, tau_p=0.05)
+    m = PALRel(4, 3, K=2, tau_p=0.05, order="index")
     with torch.no_grad():
         m.A_v.copy_(torch.eye(4)[:2])
         m.A_l.copy_(torch.eye(3)[:2])
@@ -251,7 +396,7 @@ def test_pal_rel_reads_the_relation_from_word_order_and_the_pooled_text():
     G(t) q_0 = (-r, 0) (the first phrase goes to dir(relation)) and G(t) q_1 = (r, 0).
     "A left of B" (r = 1) and its paraphrase "B right of A" score the same and above the swap "A right of B"."""
     from features import Features
-    m = PALRel(4, 3, K=2, tau_p=0.05, P=2)
+    m = PALRel(4, 3, K=2, tau_p=0.05, P=2, order="index")
     q0, q1 = torch.tensor([0.0, 1.0]), torch.tensor([math.sin(1.0), math.cos(1.0)])    # the P = 2 code of w = 0, 1
     g = torch.linalg.solve(torch.stack([q0, q1]), torch.tensor([-1.0, 1.0]))          # G's x row for r = 1
     assert torch.allclose(word_positions_code(2, 2), torch.stack([q0, q1]), atol=1e-6)
@@ -273,6 +418,36 @@ def test_pal_rel_reads_the_relation_from_word_order_and_the_pooled_text():
                                      for c in (caption(0, 1, 1.0), caption(1, 0, -1.0), caption(0, 1, -1.0)))
     assert abs(true - paraphrase) < 1e-6
     assert true > swapped + 0.1 / m.K
+
+
+def test_pal_rel_local_order_reads_offsets_from_the_relation_word_not_indices():
+    """Planted: words is_A, is_B, LEFT, filler (one-hot, no context). rho picks LEFT; M(LEFT) puts the
+    word just before it left (x -1), the word just after it right (x +1), W = 1. "A LEFT B" scores the
+    image (A left of B) above "B LEFT A", and so do the same captions after a 2-word prefix and with B
+    moved out of the window ("B filler A LEFT": only A is placed), where an index code would move."""
+    from features import Features
+    m = PALRel(4, 4, K=2, tau_p=0.05, order="local", W=1)
+    with torch.no_grad():
+        m.A_v.copy_(torch.eye(4)[:2])
+        m.A_l.copy_(torch.eye(4)[:2])
+        m.u.copy_(torch.tensor([0.0, 0, 20, 0]))                      # rho: LEFT
+        m.V.zero_()
+        m.V[2].copy_(torch.tensor([-1.0, 0, 1, 0, 0, 0]))             # M(LEFT): x offsets for w - j = -1, 0, +1
+    tok = torch.zeros(1, 5, 4)
+    tok[0, 1, 0] = tok[0, 4, 1] = 1.0                                # A in patch 0 (left), B in patch 3 (right)
+    tok[0, 0, 2:] = tok[0, 2, 2:] = tok[0, 3, 2:] = 1.0
+    img = Features(tok, torch.ones(1, 5, dtype=torch.bool), tok[:, 0], grid=(1, 4))
+    A, B, LEFT, X = torch.eye(4)
+
+    def score(*words):
+        y = torch.stack(words)[None]
+        with torch.no_grad():
+            return m.score(m.embed_image(img), m.embed_text(Features(y, torch.ones(1, len(words), dtype=torch.bool),
+                                                                       y.mean(1)))).item()
+    for prefix in ([], [X, X]):
+        assert score(*prefix, A, LEFT, B) > score(*prefix, B, LEFT, A) + 0.1 / m.K
+        assert score(*prefix, A, LEFT, B) == pytest.approx(score(A, LEFT, B), abs=1e-6)  # the prefix moves nothing
+    assert score(B, X, A, LEFT) > score(A, X, B, LEFT) + 0.05 / m.K        # B is out of the window
 
 
 # ---------------------------------------------------------------- the position-aware tiny CNN

@@ -103,7 +103,7 @@ def test_pal_rel_matches_its_naive_form_values_and_gradients(fast):
     img = random_features(5, 1 + 6, 5, grid=(2, 3))
     txt = random_features(5, 6, 4, lengths=[6, 3, 1, 4, 2], seed=1)
     torch.manual_seed(0)
-    m = PALRel(5, 4, K=7, fast=fast)
+    m = PALRel(5, 4, K=7, fast=fast, order="index")                       # the naive form above: the index code
     with torch.no_grad():
         m.U.normal_()                                                          # the relation part live
         m.V.normal_()
