@@ -5,9 +5,9 @@
 PyTorch's own engine, nothing home-made: torchrun starts the processes (ranks) and sets
 RANK / WORLD_SIZE / LOCAL_RANK; torch.distributed connects them (NCCL on GPUs, gloo on
 CPUs); DistributedDataParallel (DDP) averages the gradients. Without torchrun every function
-here is a no-op and align.py runs exactly as before.
+here is a no-op and align.py runs as one process.
 
-What each stage does under N ranks (README "Scaling out"):
+What each stage does under N ranks (docs/scaling.md):
 1. Extraction (features.extract): the ranks write disjoint cache shards (shard s by rank
    s mod N); a set small enough for one file is extracted by rank 0 while the others wait.
 2. Training (Training below): every rank draws the same seeded permutation, so the global
