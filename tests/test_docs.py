@@ -138,7 +138,7 @@ def test_the_process_talk_patterns_catch_what_they_should_and_nothing_else():
 # docs/ figures reproduced by their command
 # ---------------------------------------------------------------------------
 def markdown_tables(text):
-    """[(heading line before the table, header cells, rows of cells)] of every pipe table in text."""
+    """[(the 8 lines above the table, header cells, rows of cells)] of every pipe table in text."""
     tables, lines = [], text.splitlines()
     i = 0
     while i < len(lines):
@@ -148,7 +148,7 @@ def markdown_tables(text):
             while j < len(lines) and lines[j].startswith("|"):
                 rows.append([c.strip() for c in lines[j].strip().strip("|").split("|")])
                 j += 1
-            before = next((lines[k] for k in range(i - 1, -1, -1) if lines[k].strip()), "")
+            before = " ".join(lines[max(0, i - 8):i])             # the text just above the table
             tables.append((before, header, rows))
             i = j
         else:
@@ -163,7 +163,7 @@ def test_the_step_benchmark_flop_columns_are_the_formulas():
     for before, header, rows in markdown_tables((DOCS / "benchmarks.md").read_text()):
         if "step GF" not in header:
             continue
-        size = re.search(r"--sizes (\w+)", before).group(1)      # the line above names the size
+        size = re.findall(r"--sizes (\w+)", before)[-1]          # the text above names the size
         col = {h: k for k, h in enumerate(header)}
         for row in rows:
             name, B = row[col["method"]], int(row[col["batch"]].rstrip("*"))
