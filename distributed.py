@@ -7,7 +7,7 @@ RANK / WORLD_SIZE / LOCAL_RANK; torch.distributed connects them (NCCL on GPUs, g
 CPUs); DistributedDataParallel (DDP) averages the gradients. Without torchrun every function
 here is a no-op and align.py runs as one process.
 
-What each stage does under N ranks (README "Scaling out"):
+What each stage does under N ranks (docs/scaling.md):
 1. Extraction (cache.extract): the ranks write disjoint cache shards (shard s by rank
    s mod N); a set small enough for one file is extracted by rank 0 while the others wait.
 2. Training (Training below): every rank draws the same seeded permutation, so the global

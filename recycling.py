@@ -1,8 +1,8 @@
 """Supervised classification heads as semantic prototypes: data + analyses.
 
 Read next to "Supervised Classification Heads as Semantic Prototypes: Unlocking
-Vision-Language Alignment via Weight Recycling" (papers/weight_recycling.txt).
-A supervised image encoder f_I was trained with a linear head W f_I(x) + b
+Vision-Language Alignment via Weight Recycling" (§3-§4, Appendices H and I).
+A supervised image encoder f_I is trained with a linear head W f_I(x) + b
 (Eq. 1); this module recycles the head rows w_i as alignment data and
 reproduces the paper's analyses of them:
 
@@ -39,19 +39,12 @@ Deviations / choices (where the paper is silent):
    the paper's 200 fine-tuning epochs at batch 512. As App. H and its code, it
    fine-tunes on one pair per class (the normalised mean of the class's shots)
    against the class text "A photo of a {class}" (FEW_SHOT_TEMPLATE); the head
-   rows themselves are aligned to the bare class names (§4.1).
-   Measured on the Shapes world (`python align.py --analyses`, 5 runs), 1/2/4-shot
-   top-1 of the MLP: one pair per class with "A photo of a {class}" 98.4/99.0/99.0,
-   every shot as a pair 98.4/99.0/99.1; with the bare class name 98.2/98.8/99.0 and
-   98.1/98.8/99.0: within 0.3 points (near the ceiling), so the paper's setting is kept.
+   rows themselves are aligned to the bare class names (§4.1). On the Shapes world
+   every shot as a pair, or the bare class name, moves 1/2/4-shot top-1 by at most
+   0.3 points (near the ceiling), so the paper's setting is kept.
 
-Measured on the Shapes world (tiny CNN head, 24 colour-shape classes, object-patch
-features, class names through the masked-word text encoder, mean-pooled), the
-paper's findings hold: Table 1 linear 99.2 / cosine 99.0 / no bias 99.2; Fig. 1
-m_NN (k = 5) head 0.65 vs class means 0.52-0.54 for every n; App. I gap 1.16 vs
-null 0.28, p = 0.001, separability 100; Table 2 (1/2/4 shots) NCC 88.8/94.6/96.6,
-KNN 88.8/93.5/96.0, weight-aligned MLP fine-tuned on the shots 95.4/97.7/98.3
-(numbers of an earlier Shapes encoder; README.md has the current run's).
+The analyses on the Shapes world, next to the paper's numbers: docs/results.md
+("Weight recycling"), from `python align.py --analyses`.
 """
 import copy
 

@@ -3,7 +3,7 @@
 A 4-layer CNN trained as a supervised per-patch classifier on labelled Shapes
 images (its head rows are what weight recycling reuses) and a 2-layer word
 transformer trained by masked-word prediction on captions alone: no image-text
-pair is seen before alignment (the post-hoc setting, DESIGN.md). Both are
+pair is seen before alignment (the post-hoc setting). Both are
 pretrained on first use and cached; load_shapes_encoders returns them frozen, as
 encoders with the same interface as the real ones in encoders.py.
 """
@@ -83,18 +83,18 @@ def sincos_2d(D, H, W):
 
 
 class TinyImageEncoder(nn.Module):
-    """A 4-layer CNN, stride 8: its 8x8 output grid is the patch tokens (DESIGN.md trial).
+    """A 4-layer CNN, stride 8: its 8x8 output grid is the patch tokens.
 
     Pretrained as a supervised classifier: the head (a 1x1 conv = a linear layer per
     patch) predicts the colour-shape class of each patch, plus background. Its rows
     W (C, D) are what the weight-recycling paper recycles.
 
-    pos=True ("shapes-cnn-pos", issue 14): a fixed 2D sin-cos position code (sincos_2d)
+    pos=True ("shapes-cnn-pos"): a fixed 2D sin-cos position code (sincos_2d)
     is added to the feature map before the last block, the way a ViT adds its position
     embedding before its blocks, so the tokens carry where they are. pos=False (the
     default "shapes-cnn"): only zero padding at the border tells a token where it is.
-    Not the default: with PAL (10 epochs, seed 0) retrieval RSum fell 507.9 -> 503.5
-    and binding did not move (README, Binding).
+    Not the default: with PAL (10 epochs, seed 0) retrieval RSum is 503.5 with it
+    against 507.9 without, and binding is the same (docs/binding.md).
     """
 
     def __init__(self, n_classes, D=96, pos=False):
@@ -163,7 +163,7 @@ def pretrain_image_encoder(seed=0, max_steps=1500, target_acc=0.95, log=print, p
     """Supervised per-patch classification on labelled Shapes images (no text).
 
     Per-patch soft cross-entropy over the 24 colour-shape classes + background, object
-    patches weighted 5x (DESIGN.md trial). Shape is learned after a sudden jump whose
+    patches weighted 5x. Shape is learned after a sudden jump whose
     timing varies, so training stops on a held-out per-object shape accuracy, not a step count.
     """
     import data
@@ -226,7 +226,7 @@ class ShapesImageEncoder:
 
     def __init__(self, model, layer=-1):
         self.model, self.layer = model.eval(), layer
-        # the feature cache key holds the name: the position-aware CNN (issue 14) gets its own
+        # the feature cache key holds the name: the position-aware CNN gets its own
         self.name = SHAPES_CNN_VERSION if model.pos else "shapes-cnn"
         self.preprocess = "uint8/255, mean 0.5, std 0.25"
         self.fingerprint = state_fingerprint(model.state_dict())
@@ -306,7 +306,7 @@ class ShapesTextEncoder:
 # ALIGN_PRETRAIN_PROCESSES=1: pretrain the two tiny encoders one after the other in this process
 PRETRAIN_PROCESSES = int(os.environ.get("ALIGN_PRETRAIN_PROCESSES", "2"))
 
-SHAPES_CNN_VERSION = "shapes-cnn-pos1"  # the position-aware tiny CNN (issue 14): its checkpoint and feature keys
+SHAPES_CNN_VERSION = "shapes-cnn-pos1"  # the position-aware tiny CNN: its checkpoint and feature keys
 
 
 def load_shapes_encoders(cache_dir, seed=0, image_layer=-1, text_layer=-1, log=print, image_pos=False):

@@ -1,5 +1,5 @@
 """Sharded extraction time on 1 vs N ranks: the Shapes world's training images and captions
-(6000 + 6000 rows), every set sharded (README "Scaling out").
+(6000 + 6000 rows), every set sharded (docs/scaling.md).
 
     python benchmarks/bench_distributed.py --cache-dir /tmp/bench-cache                  # 1 rank
     torchrun --standalone --nproc_per_node 2 benchmarks/bench_distributed.py --cache-dir /tmp/bench-cache2

@@ -1,4 +1,4 @@
-"""Time of one training step and one evaluation pass of every method, against its matmul bound (issue 15).
+"""Time of one training step and one evaluation pass of every method, against its matmul bound.
 
 For each method of methods.METHODS, on random Features of two sizes:
 - step: loss + backward + optimizer step (the method's own optimizer and lr, align.py's rule), trained methods only;

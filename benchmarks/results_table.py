@@ -1,4 +1,4 @@
-"""Every method on the Shapes world, the median of 3 seeds: the README's results table.
+"""Every method on the Shapes world, the median of 3 seeds: the results table of docs/results.md.
 
     python benchmarks/results_table.py                 # all methods, seeds 0 1 2 (about 40 min on 2 CPU cores)
     python benchmarks/results_table.py --methods pal linear --seeds 0
@@ -6,7 +6,7 @@
 Runs align.py once per (method, seed) in a subprocess (the encoders and features
 come from the shared cache), then prints a markdown table of the medians:
 retrieval R@1 both ways and RSum, zero-shot top-1, segmentation mIoU-fg, binding.
-Per-method extra flags (EXTRA) are the ones the README states next to the table.
+Per-method extra flags (EXTRA) are the ones docs/results.md states next to the table.
 """
 import argparse
 import json

@@ -1,37 +1,35 @@
 """ASIF: training-free relative representations over a set of anchor pairs.
 
-Norelli et al., "ASIF: Coupled Data Turns Unimodal Models to Multimodal Without
-Training" (NeurIPS 2023), as a baseline of the weight-recycling paper (§4: g maps an
-image to its similarities with the image side of D_imgtxt, g_bar likewise for text).
+Norelli et al., "ASIF: Coupled Data Turns Unimodal Models to Multimodal Without Training"
+(NeurIPS 2023), §3; a baseline of "Supervised Classification Heads as Semantic Prototypes:
+Unlocking Vision-Language Alignment via Weight Recycling" (§4: g maps an image to its
+similarities with the image side of the pairs, g_bar likewise for text).
 
-Anchors: N_a training pairs (a_v,j, a_l,j). A sample is represented by its cosine
-similarities to the anchors of its own modality; since anchor j is the same pair on
-both sides, the two representations share coordinates:
+Anchor j is one training pair (a_v,j, a_l,j), so the two modalities' relative
+representations share coordinates (ASIF §3 writes the steps in prose; numbered here):
 
-    r_v(x) = [cos(x, a_v,j)]_j,  r_l(y) = [cos(y, a_l,j)]_j    (B, N_a)
-    keep the k largest entries of each row, set the rest to 0   (sparsify)
-    r <- r^p, then L2-normalise                                 (sharpen)
-    s(x, y) = r_v(x) . r_l(y)
+    (1) r_v(x) = [cos(x, a_v,j)]_j,   r_l(y) = [cos(y, a_l,j)]_j         (B, N_a)
+    (2) keep the k largest entries of each row, set the rest to 0        sparsify
+    (3) r <- r^p, then L2-normalise                                      sharpen
+    (4) s(x, y) = r_v(x) . r_l(y)
 
-Symbols -> variables: a_v, a_l -> self.anchors_v, self.anchors_l; k -> self.k;
-p -> self.p; N_a -> n_anchors (cap).
+Symbols -> variables:
+    a_v, a_l -> self.anchors_v, self.anchors_l      k -> self.k      p -> self.p
+    N_a -> the number of anchors (n_anchors caps it)
 
 Deviations / choices:
-1. Negative similarities are clamped to 0 before the power: with an even p a
-   strongly dissimilar anchor would otherwise count as a strong match (it matters
-   only when k approaches the anchor count, e.g. small anchor sets).
-2. n_anchors=None keeps every training pair; an int keeps a fixed random subset
-   (seed 0), to bound the (B, N_a) embeddings on large sets.
+1. Negative cosines are clamped to 0 before (3): with an even p a dissimilar anchor would count
+   as a strong match (it matters once k nears N_a).
+2. n_anchors=None keeps every training pair; an int keeps a fixed random subset (seed 0), to
+   bound the (B, N_a) embeddings on large sets.
 3. Embeddings are dense (B, N_a) tensors with at most k non-zeros per row.
-4. The anchors are buffers created by fit(), so a saved state_dict holds them; load
-   it into a method fitted on the same number of anchors.
-5. dense_image represents every patch token against the (pooled) image anchors (the
-   MaskCLIP trick).
-6. One input normalisation, the same at fit and at test (as CSA's choice 2): anchors
-   and queries are L2-normalised rows (the cosines of the ASIF paper), so unit head
-   rows and raw image features (BEiT pooled: norm ~28) share one space.
-7. top-k unsorted: scatter() puts each value back at its anchor, so the order is not needed, and
-   torch.topk (800 of 1024 per row, 256 rows, 1 thread) took 2.9 ms unsorted against 16.5 ms sorted.
+4. The anchors are buffers set by fit(), so a saved state_dict holds them.
+5. dense_image represents every patch token against the pooled image anchors (the MaskCLIP
+   trick, Zhou et al., ECCV 2022).
+6. Anchors and queries are L2-normalised rows at fit and at test, so unit head rows and raw
+   image features (BEiT pooled: norm ~28) share one space.
+7. top-k unsorted (scatter() puts each value back at its anchor): 2.9 ms against 16.5 ms sorted
+   (torch.topk, 800 of 1,024 per row, 256 rows, 1 thread).
 """
 import torch
 import torch.nn as nn

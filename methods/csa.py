@@ -1,66 +1,44 @@
 """CSA: canonical correlation analysis of the two frozen feature spaces (closed form).
 
-Li et al., "CSA: Data-efficient mapping of unimodal features to multimodal
-features" (ICLR 2025), as used as a baseline in "Supervised Classification Heads
-as Semantic Prototypes: Unlocking Vision-Language Alignment via Weight Recycling"
-(its Eq. (2): g(f_I(x)) ~ g_bar(f_T(t)) with g, g_bar linear, found by CCA).
+Li et al., "CSA: Data-efficient Mapping of Unimodal Features to Multimodal Features"
+(ICLR 2025), as a baseline of "Supervised Classification Heads as Semantic Prototypes:
+Unlocking Vision-Language Alignment via Weight Recycling" (its Eq. (2):
+g(f_I(x)) ~ g_bar(f_T(t)) with g, g_bar linear, found by CCA).
 
 CCA finds A (D_v, d), B (D_l, d) maximising corr(A_i^T x, B_i^T y) per dimension,
 with the projected dimensions uncorrelated within each view. Solved here as
 
-    x <- x / ||x||,  y <- y / ||y||                           one input normalisation
-    S_xx, S_yy, S_xy   covariances of the mean-centred views (+ ridge r I)
-    S_xx = L_x L_x^T,  S_yy = L_y L_y^T                      Cholesky
-    T = L_x^{-1} S_xy L_y^{-T} = U diag(rho) V^T              SVD (whitened cross-covariance)
-    A = L_x^{-T} U[:, :d],  B = L_y^{-T} V[:, :d]             canonical directions
-    emb_v = normalise(A^T (x - mu_x)),  emb_l = normalise(B^T (y - mu_y))
-    s(x, y) = sum_{i<=d} rho_i emb_v,i emb_l,i                CSA's weighted similarity
+    (1) x <- x / ||x||,  y <- y / ||y||                           one input normalisation
+    (2) S_xx, S_yy, S_xy  covariances of the mean-centred views (+ ridge r I)
+    (3) S_xx = L_x L_x^T,  S_yy = L_y L_y^T                      Cholesky
+    (4) T = L_x^{-1} S_xy L_y^{-T} = U diag(rho) V^T              SVD (whitened cross-covariance)
+    (5) A = L_x^{-T} U[:, :d],  B = L_y^{-T} V[:, :d]             canonical directions
+    (6) emb_v = normalise(A^T (x - mu_x)),  emb_l = normalise(B^T (y - mu_y))
+    (7) s(x, y) = sum_{i<=d} rho_i emb_v,i emb_l,i                CSA's weighted similarity
 
 Symbols -> variables: mu_x, mu_y -> self.mu_v, self.mu_l; A, B -> self.A, self.B;
 rho -> self.rho; d -> self.d; r -> ridge * trace(S) / D (per view).
 
 Deviations / choices:
-1. CCA is solved with torch.linalg in float64 (Cholesky whitening + SVD), not with
-   the CSA authors' cca_zoo call; covariances are accumulated in chunks of rows,
-   so an 80K x 1024 set needs only D x D memory beyond the features, on the
-   features' device.
-2. One input normalisation, the same at fit and at test: every input row (pooled
-   image / text vector, classifier-head row, patch token in dense_image) is
-   L2-normalised before the centring (hp normalize=True). CSA's code centres its
-   encoders' raw outputs; here head rows (unit vectors by weight recycling §4.1) and
-   image features (BEiT pooled: norm ~28) must share one space, both in D_aug and
-   when a weights-only fit is applied to test images. Measured on the Shapes world
-   (`python align.py --method csa --threads 1 [--hp normalize=False]`, 6,000 pairs,
-   ridge chosen as in 3): unit rows RSum 388.6, top-1 97.1, seg mIoU-fg 50.0; raw
-   rows 382.2, 96.9, 66.7 (the raw patch tokens transfer better to segmentation).
-3. Ridge r = ridge * trace(S) / D per view, i.e. relative to the mean variance, so
-   it follows the data's scale. ridge="auto" (default) picks it from RIDGES on a
-   split of the training pairs: fit on 80% (fixed seed), score each candidate by
-   how well its CSA matches the other 20% (at most 2,000 pairs) to each other
-   (mean reciprocal rank of the true partner under s(x, y), both ways), refit on
-   all pairs with the best.
-   The CSA authors use essentially none (1e-6). Measured on the Shapes world: the
-   rank criterion picks 1e-2, RSum 388.6; ridge 1e-4 (about the authors' setting,
-   and what the summed held-out canonical correlation, tried first, picks) 350.0;
-   unit rows at the old fixed 1e-3 366.4; the old default (raw rows, 1e-3) 361.5.
-   With a real text encoder (all-MiniLM-L6-v2 on the Shapes captions, 384-d,
-   `--text-encoder <path>`) it also picks 1e-2: RSum 424.4, against 409.7 at 1e-3
-   and 366.2 at 1.0. On a planted anisotropic structure (covariance condition
-   number ~2000, 20K pairs) it picks 1e-4 and recovers the planted rho within 2.6%
-   (plain CCA: 2.1%), where the old fixed 1e-3 shrank them by up to 10%; with 400
-   pairs in ~200 dimensions it picks a large ridge and the unseen pairs correlate
-   as planted, where 1e-3 over-fits (tests/test_csa.py). Below MIN_SELECT pairs
-   there is too little to hold out and ridge = 1.0 is used (weights-only on
-   Shapes' 24 head rows: RSum 54.1, top-1 34.4; raw rows at 1e-3 gave 8.5 and
-   5.6). A float fixes the ridge (ridge=0.0 is plain CCA; needs N > D).
-4. rho are the singular values of the regularised T (the canonical correlations
-   at ridge 0, as CSA's diag(Z1^T Z2) / N). The correlations of the projected
-   training views, tried instead, scored lower on Shapes (RSum 374.5 vs 388.6).
-5. d = min(d, D_v, D_l, N - 1); buffers are sized min(d, D_v, D_l) at construction
-   (so state_dict shapes never depend on the data) and unused columns stay 0
-   (rho_i = 0: they add nothing to the score).
-6. dense_image projects every (unit) patch token with the pooled-feature mean and A
-   (the MaskCLIP trick); patch tokens are not what CCA was fitted on.
+1. CCA by torch.linalg in float64 (Cholesky whitening + SVD), not the authors' cca_zoo call;
+   covariances accumulate in chunks of rows, so an 80K x 1024 set needs only D x D more memory.
+2. Every input row (pooled vector, head row, patch token) is L2-normalised before centring
+   (normalize=True), so unit head rows and raw image features (BEiT pooled: norm ~28) share one
+   space; on the Shapes world unit rows give RSum 388.6 against 382.2 raw.
+3. Ridge r = ridge * trace(S) / D per view; ridge="auto" picks it from RIDGES by the mean
+   reciprocal rank of the true partner on a 20% held-out split (at most 2,000 pairs), then refits
+   on all pairs; the authors' near-zero ridge (about 1e-4 here) gives Shapes RSum 350.0 against
+   388.6 at the picked 1e-2.
+4. Below MIN_SELECT pairs there is too little to hold out and ridge = 1.0 is used (24 head rows:
+   plain CCA finds 23 perfectly correlated directions that mean nothing). A float fixes the
+   ridge (0.0 is plain CCA; needs N > D).
+5. rho are the singular values of the regularised T (the canonical correlations at ridge 0, as
+   CSA's diag(Z1^T Z2) / N); the projected training views' correlations scored lower (RSum
+   374.5 against 388.6 on Shapes).
+6. d = min(d, D_v, D_l, N - 1); buffers are sized min(d, D_v, D_l) at construction, so
+   state_dict shapes never depend on the data; unused columns stay 0 (rho_i = 0).
+7. dense_image projects every unit patch token with the pooled-feature mean and A (the MaskCLIP
+   trick); patch tokens are not what CCA was fitted on.
 """
 import torch
 import torch.nn as nn

@@ -20,37 +20,23 @@ G -> self.G (TextHead); x_t -> img.tokens[:, t]; y_t, m_t -> txt.tokens, txt.mas
 z_v, z_l -> z_v, z_l; h -> h_v, h_l; tau -> self.tau; K -> K.
 
 Deviations / choices:
-1. K = 512 (the code's config uses embed_dim 1024). With K = 512 and D_v = D_l = 1024
-   the four blocks hold 4,469,249 parameters (tau included): PAL Table 1's "4.5M" for
-   DINOv2-L + RoBERTa-L, so PAL's FA used K = 512 (tests/test_fa.py checks the count).
-2. The text head G maps K -> K: in the code it is built with input width D_l but fed
-   the K-dim pooled local projection, which only works because D_l = K = 1024 there.
-3. Text has no CLS projector: with text_pooling = "mean" the code never reads the
-   pooler output. The mean (4) runs over the word tokens, the one rule of encoders.py's
-   token contract for every token-level method; the code's mean also counts CLS / SEP.
-   (PAL's "CLS projector + local token projector" describes the image side.)
-4. The image mean (3) runs over the patches (img.patches()): the code's
-   image_embeds[:, 1:], which for its DINOv2 (no registers) are the same tokens.
-5. tau is the temperature itself (not a log scale), init 0.07, clamped in place to
-   [0.001, 0.5] before each loss, as in the code. align.py's AdamW decays every
-   parameter, tau included (lr 1e-3 x wd 0.02: negligible).
-6. Dropout 0.1 inside every projector, as in the code: active in training only
-   (evaluate.py calls method.eval()).
+1. K = 512 (the code's config: 1024): with D_v = D_l = 1024 the blocks hold 4,469,249 parameters,
+   PAL Table 1's "4.5M" for DINOv2-L + RoBERTa-L (tests/test_fa.py checks the count).
+2. The text head G maps K -> K: the code builds it with input width D_l but feeds it the K-dim
+   pooled projection, which works there only because D_l = K = 1024.
+3. Text has no CLS projector (text_pooling = "mean" never reads the pooler output); the mean (4)
+   runs over the word tokens (the token contract), where the code's mean also counts CLS / SEP.
+4. The image mean (3) runs over the patches, the code's image_embeds[:, 1:] (DINOv2, no registers).
+5. tau is the temperature itself, init 0.07, clamped in place to [0.001, 0.5] before each loss,
+   as the code; AdamW decays it too (lr 1e-3 x wd 0.02: negligible).
+6. Dropout 0.1 inside every projector, as the code, active in training only.
 7. dense_image, dense="local" (default): P_loc per patch, L2-normalised, as the code's
-   zero_shot_segmentation.py (spatial_tokens = local projections of tokens 1:). The
-   code min-max scales each class map instead of normalising each patch; per-patch
-   argmax over classes is unchanged by a positive per-patch scale. dense="sum" adds the
-   image's P_cls(x_0) to every patch, so the mean of the dense vectors is z_v (3).
-   Shapes world mIoU-fg, "local" vs "sum" on the same trained model: 89.7 vs 77.4
-   (defaults, 20 epochs), 95.8 vs 96.7 (20 epochs, batch 256).
-8. Optimiser (config): AdamW, lr 1e-3, weight decay 0.02, 15 epochs, batch 1800.
-   Those 15 epochs are over ~17M pairs (config dataset_size; PAL calls it "FA (20M)"),
-   so on small pair sets raise --epochs. 1800 is the per-GPU batch ("1800*8" in the
-   config): the model's forward computes InfoNCE on its own batch (its concat_all_gather
-   is never called), so 1800 is the contrastive batch; 8 GPUs -> 14,400 pairs per step.
-   The config's 10 warm-up epochs are not reproduced (align.py: plain cosine).
-   Shapes world (6000 pairs, 20 epochs): batch 1800 gives 60 steps, RSum 459; with
-   --batch-size 256 (460 steps) RSum 511, classification 99.8 vs 94.4.
+   zero-shot segmentation (its min-max scaling of each class map leaves the per-patch argmax
+   as is); dense="sum" adds P_cls(x_0); Shapes mIoU-fg 89.7 against 77.4 at the defaults
+   (95.8 against 96.7 at batch 256).
+8. AdamW, lr 1e-3, weight decay 0.02, 15 epochs, batch 1800 (the config's per-GPU batch, its
+   contrastive batch; 10 warm-up epochs not reproduced); its 15 epochs are over ~17M pairs, so
+   raise --epochs on small sets (Shapes, 20 epochs: RSum 459 at batch 1800, 511 at 256).
 """
 import torch
 import torch.nn as nn

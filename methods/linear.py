@@ -1,8 +1,8 @@
 """Linear projection per modality with symmetric InfoNCE (the CLIP-style head).
 
-The simplest post-hoc aligner and the pipeline's first method: two linear maps
-g_v(x) = P_v x, g_l(y) = P_l y on the frozen POOLED features, trained with the
-symmetric InfoNCE of CLIP (Radford et al., 2021):
+The simplest post-hoc aligner: two linear maps g_v(x) = P_v x, g_l(y) = P_l y on the
+frozen POOLED features, trained with the symmetric InfoNCE of CLIP (Radford et al.,
+"Learning Transferable Visual Models From Natural Language Supervision", ICML 2021, §2.3):
 
     L = 1/(2B) sum_i [ -log softmax_j(h_v,i . h_l,j / tau)_i - log softmax_j(h_l,i . h_v,j / tau)_i ]
 

@@ -12,45 +12,18 @@ Symbols -> variables: f_I(x) -> img.pooled, f_T(t) -> txt.pooled, g_bar -> self.
 W_1 (d_t -> 4 d_i), W_2 (4 d_i -> d_i) -> self.g_bar[0], self.g_bar[3].
 
 Deviations / choices:
-1. Text input scaling: text_input="raw" (default) feeds f_T(t) as the encoder gives
-   it, in training and at inference, as the paper writes D_weights = {(w_i, f_T(t_i))}
-   (§4.1, App. E: no normalisation of the text side; only the image features x are
-   assumed unit, in the neural-collapse argument).
-   The authors' code L2-normalises the text in training (get_text_embeddings) but
-   feeds raw text at inference (MLPAlignedTextModel), a mismatch we do not copy;
-   text_input="l2" normalises at both. Measured (seed 0, 1 thread, 500 epochs for
-   weights, 20 for pairs; `python align.py --method mlp [--align-data weights]
-   --hp text_input=T`, RSum / zero-shot top-1):
-     Shapes, tiny text (norm 6.4):   weights raw 70.1 / 62.9, l2 56.6 / 62.9,
-                                     authors' mix 51.6 / 53.3; pairs raw 364.1 / 80.4,
-                                     l2 360.3 / 77.3
-     Shapes, all-MiniLM-L6-v2 (masked-mean, norm 5.5; --text-encoder <its folder>):
-                                     weights raw 116.8 / 65.8, l2 121.6 / 66.0,
-                                     authors' mix 125.2 / 64.6; pairs raw 379.7 / 85.6,
-                                     l2 371.0 / 85.0, authors' mix 320.3 / 82.5
-     real features (issue 11: a 1280-d ImageNet CNN + MiniLM, 1,000 ImageNet head rows,
-     seen / novel objects): raw 134.2 / 128.1 (zero-shot 25.8 / 45.1), l2 64.2 / 73.2
-     (16.0 / 38.5); an independent implementation of the paper gets the raw figures.
-   raw is never worse than l2 by more than 5 RSum here and twice as good on real
-   features, hence the default.
-2. Image embeddings are the L2-normalised frozen features; since the loss is a
-   cosine, normalising the target does not change training.
-3. Optimiser: the reference code's Adam, lr 5e-3, no weight decay, batch 512
-   (App. E says AdamW); cosine annealing to 0 over the run. Its random input-feature
-   dropout (an undocumented extra) is left out.
-4. Budget: 400 optimizer steps whatever the data size (defaults["steps"]; align.py
-   runs ceil(400 / steps per epoch) epochs), where the paper fixes 500 epochs. An
-   epoch is one step on 1,000 head rows (batch 512, last partial batch dropped) but 5
-   on 3,000 pairs, so a fixed epoch count was either long (500 epochs on the head
-   rows, ~40 min on a CPU in issue 11; here one step of the 1280-d aligner took
-   ~7 s under load 20 on 2 cores) or short (20 epochs on 3,000 real pairs: RSum 428
-   against 544 at 80 epochs = 400 steps, issue 11). Measured, RSum / zero-shot:
-     Shapes pairs (6,000, 11 steps per epoch), tiny text: 20 ep 364.1, 40 ep 376.2,
-     80 ep 384.3; MiniLM: 379.7, 394.0, 402.2 (400 steps = 37 epochs);
-     Shapes head rows (24, 1 step per epoch), tiny text: 50 / 100 / 200 / 500 ep
-     56.1 / 62.6 / 66.3 / 70.1 (zero-shot 52.9 / 62.5 / 65.4 / 62.9); MiniLM:
-     153.3 / 147.4 / 129.1 / 116.8 (zero-shot 70.4 / 72.1 / 67.1 / 65.8).
-   --epochs still overrides. The dropout 0.5 is what keeps it from over-fitting.
+1. text_input="raw" (default) feeds f_T(t) as the encoder gives it, in training and at
+   inference, as §4.1 writes D_weights = {(w_i, f_T(t_i))}; the authors' code normalises the text
+   in training only, a mismatch not copied; text_input="l2" normalises at both. On real features
+   (a 1280-d ImageNet CNN + MiniLM, 1,000 head rows) raw gives RSum 134.2 against 64.2 for l2.
+2. Image embeddings are the L2-normalised frozen features; the loss is a cosine, so normalising
+   the target does not change training.
+3. The reference code's Adam, lr 5e-3, no weight decay, batch 512 (App. E says AdamW), cosine
+   annealing to 0; its random input-feature dropout (undocumented in the paper) is left out.
+4. A budget of 400 optimizer steps whatever the data size (defaults["steps"]; align.py runs
+   ceil(400 / steps per epoch) epochs) in place of the paper's 500 epochs, which are one step
+   each on 1,000 head rows but 5 on 3,000 pairs (real pairs: RSum 428 at 20 epochs, 544 at 400
+   steps). --epochs still overrides; the dropout 0.5 keeps it from over-fitting.
 5. dense_image returns the normalised patch tokens (the image side is identity).
 """
 import torch.nn as nn

@@ -7,45 +7,27 @@ a head on its frozen pooled feature:
     g(x) = W_g (ReLU6(W_1 x_n) * W_2 x_n),   x_n = LayerNorm(x)         (star MLP, * elementwise)
     h_v = normalise(g_v(x)),  h_l = normalise(g_l(y))                    (B, K)
     logits_ij = t h_v,i . h_l,j + b,   z_ij = +1 if i = j else -1
-    L = -1/B sum_ij log sigmoid(z_ij logits_ij)                          (SigLIP, Zhai et al. 2023)
+    L = -1/B sum_ij log sigmoid(z_ij logits_ij)   (SigLIP: Zhai et al., "Sigmoid Loss for
+                                                   Language Image Pre-Training", ICCV 2023, Eq. 1)
 
 Symbols -> variables: W_1, W_2, W_g -> .f1, .f2, .g of each StarMLP; t -> log_t.exp();
 b -> self.b; K -> K; width -> hidden = width * D_in.
 
 Deviations / choices:
-1. "width x8" is read as hidden = 8 x the INPUT dimension of each side (as in a
-   public star-MLP head); the output dimension is K = 512 on both sides.
-2. The scale t is learned through log t (init log 20 -> t = 20) so it stays
-   positive; the bias b starts at -10 (REFERENCE). Neither is clipped.
-3. Optimiser settings (AdamW, wd 1e-4, 100 epochs, batch 256) are our choice for
-   small pair sets; SAIL's own recipe (Lion, lr 1e-5, batch 32768, 10% warm-up) is
-   not reproduced.
-   The learning rate is lr = 0.1 / max(d_image, d_text), set per instance in
-   self.defaults (--lr overrides it). Why: Adam moves every weight by about lr per
-   step, so a unit of f1 / f2 moves by about lr x d_in per step, and the star
-   product and g (fan-in width x d_in) compound it. The old fixed lr 1e-3 suited
-   the Shapes world's 96-d features (lr x d = 0.1) but not a real encoder's: on
-   planted 1280-d image (norm 25) / 384-d text features (tests/test_real_scale.py's
-   world; width 2, K 512, B 128) the image head's output changed 11.5x in 3 steps at
-   lr 1e-3 against 0.22x at d_in = 96; at width 8 the loss went 10.0 -> 22.5 ->
-   39.3 -> 16.5 over 16 steps (chance 5.85) at lr 1e-3, and 10.0 -> 4.3 -> 0.89 ->
-   0.64 at lr 1e-4 (issue 11: real 1280-d CNN + MiniLM features, 3,000 pairs, stayed
-   at chance, RSum 18, at lr 1e-3 and reached RSum 562 at 1e-4). The rule gives
-   1.04e-3 on the Shapes world (96 / 96), so its results stay as they were: RSum
-   481.8 at lr 1e-3 vs 467.1 at a fixed 1e-4 (20 epochs, seed 0,
-   `python align.py --method sail --epochs 20 --lr L --threads 1`); 2.6e-4 with
-   all-MiniLM-L6-v2 text (384-d; same command + --text-encoder <its folder>): RSum
-   493.8 (zero-shot 97.9) against 479.0 (98.1) at lr 1e-3; 7.8e-5 for 1280-d inputs. The width (x8) is not the cause:
-   width 2 diverges the same way at lr 1e-3. Nor are t / b and the LayerNorm: from
-   the same init both lrs start at loss 10.0 (LayerNorm keeps the features' common
-   direction, so every cosine starts near 1 and every negative pair sits at logit
-   t + b = +10), and lr 1e-4 trains from there.
-   Still differing from SAIL's code (not measured here): its Lion optimiser, xavier
-   init (ours: PyTorch's default), warm-up, and its loss averaged over the B x B
-   pairs where ours divides the sum by B (SigLIP's form; Adam is nearly invariant
-   to that factor).
-4. score() is the cosine h_v . h_l: t and b are monotone, so rankings are the same.
-5. dense_image applies the image head to every patch token (the MaskCLIP trick).
+1. "width x8" is read as hidden = 8 x the INPUT dimension of each side (as in a public star-MLP
+   head); the output dimension is K = 512 on both sides.
+2. The scale t is learned through log t (init log 20 -> t = 20) so it stays positive; the bias b
+   starts at -10, SigLIP's init. Neither is clipped.
+3. AdamW, wd 1e-4, 100 epochs, batch 256: our choice for small pair sets; SAIL's own recipe
+   (Lion, lr 1e-5, batch 32768, 10% warm-up, xavier init) is not reproduced.
+4. lr = 0.1 / max(d_image, d_text), set per instance in self.defaults (--lr overrides): Adam
+   moves each weight by about lr a step, and the star product compounds it with the fan-in, so a
+   fixed lr 1e-3 that suits 96-d features leaves real 1280-d features at chance (RSum 18, where
+   1e-4 reaches 562).
+5. The loss divides the sum over the B x B pairs by B (SigLIP's form); Adam is nearly invariant
+   to that factor.
+6. score() is the cosine h_v . h_l: t and b are monotone, so rankings are the same.
+7. dense_image applies the image head to every patch token (the MaskCLIP trick).
 """
 import math
 

@@ -31,7 +31,7 @@ Deviations / choices:
 5. The step counter t is a buffer advanced by every loss() call in training mode
    (one call per optimiser step), so lambda_t resumes correctly from a checkpoint.
 6. betas=(0.9, 0.95) and grad_clip=1.0 are in `defaults` for the training loop;
-   epochs and batch_size are not given by REFERENCE: our choice (100, 256).
+   epochs and batch_size, which the paper leaves to its data, are our choice (100, 256).
 7. dense_image applies the image head to every patch token (the MaskCLIP trick).
 """
 import torch

@@ -1,14 +1,14 @@
 """Text-guided patch aggregation (the LAPS / SPARC family), the baseline CoV-Align
 argues against, as a post-hoc head on FROZEN encoders.
 
-SPARC (Bica et al., 2024, "Improving fine-grained understanding in image-text
-pre-training") groups patches per word: each word attends over the image patches
-and gets its own word-specific visual feature; LAPS (Fu et al., CVPR 2024) does
-likewise after patch selection. The aggregation depends on the caption, so in
-retrieval it is redone for EVERY (image, caption) pair: this is what makes it slow
-(CoV-Align's regions are computed once per image).
+SPARC (Bica et al., "Improving fine-grained understanding in image-text pre-training",
+ICML 2024) groups patches per word: each word attends over the image patches and gets
+its own word-specific visual feature; LAPS (Fu et al., CVPR 2024) does likewise after
+patch selection. The aggregation depends on the caption, so in retrieval it is redone
+for EVERY (image, caption) pair: this is what makes it slow (CoV-Align's regions are
+computed once per image).
 
-Equations implemented (per pair I, T):
+Equations implemented (per pair I, T; numbered here):
   (1) a_jp  = softmax_p( cos(w_j, v_p) / tau_a )            word j attends over patches
   (2) vhat_j = sum_p a_jp v_p                               word-specific visual feature
   (3) S(I,T) = 1/L sum_j cos(w_j, vhat_j)                   over the real words only
@@ -20,24 +20,21 @@ tau_a -> self.tau_a, tau -> self.tau.
 
 Deviations / choices:
 1. Encoders frozen; two linear projections to K = 512 train (as CoV here).
-2. Score: the word-aggregated variant (3) rather than REFERENCE.md's patch-word
-   max-sum: with a max the "aggregation" is a plain max over patches (that is FILIP,
-   methods/filip.py); (3) is the text-guided aggregation proper. SPARC's sparsified
+2. Score: the word-aggregated form (3), not a patch-word max-sum (with a max the aggregation
+   is a plain max over patches, which is FILIP, methods/filip.py); SPARC's sparsified
    similarity (min-max + threshold) is replaced by a softmax with tau_a = 0.1.
-3. embed_image returns the projected patches (B, H*W, K); score() does the per-pair
-   aggregation, in chunks of at most score_chunk elements of the (I, N, T*L) per-pair
-   tensors, treating all-zero rows as padding on both sides (GPU: 2^28, few large kernels). score_chunk 2^20 (4 MB): scoring 256
-   images x 256 captions (Shapes size, 1 thread, CPU time) took 2.65 s against 3.25 s at 2^24.
+3. embed_image returns the projected patches (B, H*W, K); score() aggregates per pair in chunks
+   of at most score_chunk elements of the (I, N, T*L) tensors, all-zero rows being padding;
+   score_chunk 2^20 on a CPU (256 x 256 pairs scored in 2.65 s against 3.25 s at 2^24, 1 thread),
+   2^28 on a GPU (few large kernels).
 4. Fixed InfoNCE temperature tau = 0.05 (S lies in [-1, 1]).
 5. dense_image: each patch alone as a one-patch image, (B, H*W, 1, K).
-6. The words w_j are the caption's word tokens (encoders.py's token contract drops
-   CLS / SEP / BOS / EOS for every method), so 1/L in Eq. (3) counts words only.
-7. Speed (issue 15): Eqs. (2)-(3) without forming v_hat (I, T, L, K): w_j . v_hat_j = sum_p a_jp s_jp and
-   ||v_hat_j||^2 = a_j^T G a_j with the patch Gram matrix G = v v^T (N, N), so every pair costs
-   L N (K + N) multiply-adds instead of 2 L N K, and no (I, T, L, K) tensor is made; the pairs are laid
-   out (I, N, T*L) so both products are plain matmuls. One training step (batch 128, Shapes size,
-   1 thread) went from 12.6 s to 2.0 s (CPU time); tests/test_fast_forms.py checks values and gradients
-   against v_hat formed (the form written above).
+6. The words w_j exclude CLS / SEP / BOS / EOS (the token contract), so 1/L in Eq. (3) counts
+   words only.
+7. Fast form of Eqs. (2)-(3) without v_hat (I, T, L, K): w_j . vhat_j = sum_p a_jp s_jp and
+   ||vhat_j||^2 = a_j^T G a_j with the patch Gram matrix G = v v^T (N, N), so a pair costs
+   L N (K + N) multiply-adds instead of 2 L N K (a training step at batch 128: 2.0 s against
+   12.6 s); tests/test_fast_forms.py checks it against v_hat formed, values and gradients.
 """
 import torch
 import torch.nn as nn
