@@ -6,7 +6,7 @@ Each protocol has two halves: an embedding step that calls the method, and a pur
 metric helper on plain tensors (a score matrix, predicted masks) that tests can
 feed with known inputs.
 
-Protocols (REFERENCE.md, "Evaluation protocols"):
+Protocols (PAL §5.1; weight recycling App. D):
 - retrieval: R@{1,5,10} both ways and RSum (LAPS / CLIP style), plus the
   weight-recycling paper's i2t mAP, i2t P@1, i2t P@5 and t2i P@1 (its appendix).
 - classification: zero-shot top-1 with C x n_templates class prompts.
@@ -24,7 +24,7 @@ Choices where the papers are silent:
    (i2t_map, i2t_p1, i2t_p5, t2i_p1) are fractions in [0, 1], as that paper
    reports them (e.g. Flickr i2t P@1 0.537).
 3. Prompt templates: global text embeddings (C*n, K) are normalised, averaged
-   over the n templates and normalised again (REFERENCE, multi-template
+   over the n templates and normalised again (CLIP-style multi-template
    averaging); token-level text embeddings (C*n, L, K) cannot be averaged, so
    the SCORES of a class's templates are averaged instead.
 4. Evaluation runs with the method in eval mode (dropout off) and no autograd;

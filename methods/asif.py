@@ -40,7 +40,7 @@ class ASIF(nn.Module):
     defaults = dict(epochs=0)  # training-free: fit() only stores the anchors
     ranges = dict(k="[1, inf)", p="(0, inf)", n_anchors="[1, inf)")  # valid --hp values (align.py)
 
-    def __init__(self, d_image, d_text, k=800, p=8, n_anchors=None):  # k, p: ASIF §3 (as in REFERENCE)
+    def __init__(self, d_image, d_text, k=800, p=8, n_anchors=None):  # k, p: ASIF §3
         super().__init__()
         self.k, self.p, self.n_anchors = k, p, n_anchors
         self.register_buffer("anchors_v", torch.zeros(0, d_image))

@@ -68,7 +68,7 @@ class SAIL(nn.Module):
     def contrastive_scale(self):  # its logit scale (--hard-negatives): SigLIP's learned t
         return self.log_t.exp()
 
-    def __init__(self, d_image, d_text, K=512, width=8, t_init=20.0, b_init=-10.0):  # REFERENCE (SAIL)
+    def __init__(self, d_image, d_text, K=512, width=8, t_init=20.0, b_init=-10.0):  # SAIL (Zhang et al., CVPR 2025)
         super().__init__()
         self.defaults = dict(SAIL.defaults, lr=0.1 / max(d_image, d_text))  # choice 3: lr x d_in = 0.1
         self.g_v = StarMLP(d_image, K, width)

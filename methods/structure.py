@@ -129,7 +129,7 @@ class MLPRS(LinearRS):
     """Linear_RS with the residual low-rank head on each side; everything else is Linear_RS's."""
     ranges = dict(LinearRS.ranges, rank="[1, inf)", dropout="[0, 1)", alpha_init="(-inf, inf)")  # valid --hp
 
-    def __init__(self, d_image, d_text, K=512, rank=64, dropout=0.1, alpha_init=-4.0,  # rank: REFERENCE;
+    def __init__(self, d_image, d_text, K=512, rank=64, dropout=0.1, alpha_init=-4.0,  # rank: STRUCTURE;
                  tau=0.05, lam=10.0, warmup=1000):           # dropout: STRUCTURE code; alpha_init: ours
         super().__init__(d_image, d_text, K, tau, lam, warmup)
         self.g_v = ResidualLowRankHead(d_image, K, rank, dropout, alpha_init)
