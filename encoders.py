@@ -250,7 +250,8 @@ def check_folder(folder, flag, text=False):
     again = "download the whole folder again (hf download <name> --local-dir <folder>)"
     if not (folder / "config.json").is_file():
         raise SystemExit(f"error: {flag} {folder}: no config.json, so not a Hugging Face model folder; {again}")
-    read_json(folder / "config.json", flag, folder)
+    if "auto_map" in read_json(folder / "config.json", flag, folder):
+        raise remote_code_refused(folder, flag, ValueError("trust_remote_code"))
     if not any((folder / f).is_file() for f in WEIGHT_FILES):
         raise SystemExit(f"error: {flag} {folder}: no weights file ({' / '.join(WEIGHT_FILES[::2])}); {again}")
     if text and not any((folder / f).is_file() for f in TOKENIZER_FILES):
