@@ -12,7 +12,6 @@ the interface in methods/__init__.py.
 import argparse
 import ast
 import contextlib
-import hashlib
 import inspect
 import json
 import os
@@ -329,18 +328,10 @@ def extract_features(args, F, device):
 
 
 def data_identity(args, sets):
-    """What the training data is, cheaply: the resolved --data-root and a hash of the training
-    captions, their image links and the images (file names, sizes and times, or the pixels)."""
-    train, h = sets["train"], hashlib.sha1()
-    h.update(json.dumps(list(train.captions)).encode() + train.txt_to_img.numpy().tobytes())
-    images = train.images
-    if isinstance(images, torch.Tensor):
-        h.update(images.contiguous().numpy().tobytes())
-    for key in getattr(images, "keys", None) or [len(images)]:          # data.LazyImages: files
-        st = os.stat(key) if isinstance(key, (str, Path)) and os.path.exists(key) else None
-        h.update(f"{key} {st.st_size} {st.st_mtime_ns}".encode() if st else repr(key).encode())
+    """What the training data is: the resolved --data-root and data.identity of the training set
+    (its files by path, size and time, its captions, their image links)."""
     root = None if args.data == "shapes" else str(Path(args.data_root).resolve())
-    return dict(data_root=root, data_hash=h.hexdigest()[:16])
+    return dict(data_root=root, data_hash=data.identity(sets["train"]))
 
 
 def alignment_data(args, F):

@@ -19,8 +19,12 @@ test, and minimal-pair distractors for a binding test (with held-out wordings
 and object pairs, docs/binding.md).
 """
 import functools
+import hashlib
+import json
+import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -503,12 +507,6 @@ def pretrain_images(n, seed):
 #    cache key and the training checkpoint: image files by path, size and
 #    modification time (one stat each, where a content hash of COCO's images
 #    would read 19 GB on every run), texts and in-memory images by content.
-import hashlib
-import json
-import os
-import re
-from pathlib import Path
-
 SEG_SIZE = 224  # side of the stored segmentation masks (the usual ViT input side)
 
 

@@ -13,7 +13,6 @@ Deviations / choices:
 2. Output dim K = 512, as Linear_RS in STRUCTURE.
 3. dense_image applies P_v to every patch token (the MaskCLIP trick).
 """
-import torch
 import torch.nn as nn
 import torch.nn.functional as F
 

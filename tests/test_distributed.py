@@ -196,7 +196,16 @@ def extraction(cache, script, ranks, **kw):
 
 
 def files(cache):
-    return {str(p.relative_to(cache)): p.read_bytes() for p in sorted((cache / "features").rglob("*")) if p.is_file()}
+    """Every cache file's content: the bytes, except for a shard's metadata (.pt next to its
+    .tokens.npy), whose record of its tokens file holds the file's modification time."""
+    def content(p):
+        if p.suffix == ".pt" and p.with_name(p.stem + ".tokens.npy").exists():
+            meta = torch.load(p, weights_only=True)
+            meta.pop("checksum", None)
+            meta["tokens_file"].pop("mtime_ns")
+            return repr({k: v.tolist() if torch.is_tensor(v) else v for k, v in sorted(meta.items())})
+        return p.read_bytes()
+    return {str(p.relative_to(cache)): content(p) for p in sorted((cache / "features").rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")

@@ -447,9 +447,9 @@ def test_a_planted_pickle_in_a_checkpoint_is_refused_and_never_run(shared, tmp_p
 
 
 def test_the_readme_table_and_this_module_name_the_same_tests():
-    """Every row of README.md's "What happens when..." table names tests of this module, and every test
-    of this module is named there."""
-    section = (ROOT / "README.md").read_text().split("## What happens when...")[1].split("\n## ")[0]
+    """Every row of docs/faults.md's "Flags, runs and the cache" table names tests of this module, and
+    every test of this module is named there."""
+    section = (ROOT / "docs" / "faults.md").read_text().split("## Flags, runs and the cache")[1].split("\n## ")[0]
     rows = [l for l in section.splitlines() if l.startswith("| ") and not l.startswith("| When")]
     named = {t for row in rows for t in re.findall(r"`(test_\w+)`", row.rsplit("|", 2)[1])}
     assert len(rows) == 13 and all(re.findall(r"`test_\w+`", row) for row in rows)

@@ -179,7 +179,7 @@ def build_text(family, path):
             config = tf.BertConfig(vocab_size=len(vocab), max_position_embeddings=40, **TEXT)
         else:
             vocab = {w: i for i, w in enumerate(["<s>", "<pad>", "</s>", "<unk>", "<mask>"] + wp[5:])}
-            tok = tf.MPNetTokenizer(vocab=vocab, model_max_length=32)
+            tok = tf.MPNetTokenizer(vocab=vocab, model_max_length=32, unk_token="<unk>")  # unk inside the table
             config = tf.MPNetConfig(vocab_size=len(vocab), max_position_embeddings=40, **TEXT)
     elif family == "roberta":
         vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3, "<mask>": 4}
