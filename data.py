@@ -278,12 +278,14 @@ def binding_distractors(scene):
 # For each training caption, captions that use the same words but bind them
 # differently. The Shapes world makes them from the scene (scene_swaps); any other
 # caption gets a rule over its noun phrases (word_swaps), with no list of nouns.
-def scene_swaps(scene, style):
+def scene_swaps(scene, style, object_order=True):
     """Hard negatives of a scene's caption in paraphrase style `style` (0..4), from the scene itself.
 
     attribute swap: the colours of the first two objects exchanged (if they differ);
-    relation swap: their relation reversed (if their phrases differ, else it stays true).
-    A one-object scene has none. Every swap differs from the true caption."""
+    relation swap: their relation reversed (if their phrases differ, else it stays true);
+    object-order swap: the two objects exchanged under the same relation words (ARO's VG-Relation swap).
+    A one-object scene has none. Every swap differs from the true caption and from the others
+    (two objects that differ only in colour have one attribute and object-order swap)."""
     if len(scene["objects"]) < 2:
         return []
     a, b = scene["objects"][:2]
@@ -293,7 +295,9 @@ def scene_swaps(scene, style):
         out.append(caption(scene, style, objects=swapped))
     if phrase(a, style != 4) != phrase(b, style != 4):
         out.append(caption(scene, style, rel_override=OPPOSITE[relation(a, b)]))
-    return [c for c in out if c != true]
+        if object_order:
+            out.append(caption(scene, style, rel_override=relation(a, b), objects=[b, a] + scene["objects"][2:]))
+    return [c for c in dict.fromkeys(out) if c != true]
 
 
 # The closed word classes the rule reads (open classes, nouns and adjectives, are whatever they delimit).
@@ -443,8 +447,11 @@ def shapes_world(seed=0, n_train=6000, n_test=500, n_cls=480, n_seg=300, n_bind=
     styles = [int(rng.integers(5)) for _ in train]   # the paraphrase style of each training caption
     # decontamination: no binding caption (true or distractor) is ever a training hard negative
     held_out = {c for s, d in zip(bind, dis) for c in [caption(s, 0), *d.values()]}
+    swaps = [[c for c in scene_swaps(s, k, object_order=False) if c not in held_out] for s, k in zip(train, styles)]
+    harder = binding_sets(seed, n_bind, train, bind, bind_images, {c for negs in swaps for c in negs})
+    # the harder sets are drawn against the attribute and relation swaps; the object-order swaps are kept out of them
+    held_out |= {c for b in harder.values() for c in [*b.captions, *(d for v in b.distractors.values() for d in v)]}
     hard_negatives = [[c for c in scene_swaps(s, k) if c not in held_out] for s, k in zip(train, styles)]
-    harder = binding_sets(seed, n_bind, train, bind, bind_images, {c for negs in hard_negatives for c in negs})
     return {
         "train": PairSet(train_images, [caption(s, k) for s, k in zip(train, styles)], torch.arange(n_train),
                          hard_negatives),
