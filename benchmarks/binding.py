@@ -3,6 +3,7 @@
     python benchmarks/binding.py --cache-dir .cache --texts shapes-text --hard-negatives off   # every method, seed 0
     python benchmarks/binding.py --methods pal pal_rel --seeds 0 1 2 --texts shapes-text --hard-negatives off
     python benchmarks/binding.py --jobs 2                            # two runs at a time
+    python benchmarks/binding.py --paraphrases                       # the text encoders alone
 
 Runs align.py once per (method, text encoder, hard negatives, seed) in a subprocess
 (--threads 1, the budget below, the default image encoder shapes-cnn unless --image-encoder,
@@ -164,6 +165,39 @@ def probes(args):
         print(f"| {name} | {a:.1f} |")
 
 
+# ---------------------------------------------------------------- --paraphrases: does the text encoder know?
+def paraphrases(args):
+    """The frozen text encoders alone, no image and no training: on 200 fresh two-object scenes per
+    caption form, the % whose caption's pooled vector has a higher cosine with the canonical
+    (style 0) caption of the same scene than with the canonical caption of each minimal pair
+    (chance 50). A form the encoder itself reads as its swap gives an aligner nothing to read."""
+    import numpy as np
+    import torch
+    import data
+    import encoders
+    torch.set_num_threads(1)
+    forms = list(range(1, 5)) + [f"h{k}" for k in range(len(data.HELD_OUT_TEMPLATES))]
+    rng = np.random.default_rng(4243)
+    scenes = []
+    while len(scenes) < 200:
+        s = data.sample_scene(rng, 2)
+        a, b = s["objects"]
+        if a["colour"] != b["colour"] and a["shape"] != b["shape"]:
+            scenes.append(s)
+    print("\n| text encoder | form | example | attribute | relation word | object order |\n|---|---|---|---|---|---|")
+    for text in args.texts:
+        _, enc = encoders.load_encoders("shapes-cnn", args.minilm if text == "minilm" else "shapes-text", args.cache_dir)
+        vec = lambda captions: torch.nn.functional.normalize(enc.encode(captions).pooled.float(), dim=-1)
+        canonical = [data.minimal_pairs(s, 0) for s in scenes]
+        true0 = vec([t for t, _ in canonical])
+        swaps0 = {k: vec([d[k] for _, d in canonical]) for k, _ in SWAPS}
+        for form in forms:
+            captions = [data.minimal_pairs(s, form)[0] for s in scenes]
+            v = vec(captions)
+            near = [100 * ((v * true0).sum(-1) > (v * swaps0[k]).sum(-1)).float().mean().item() for k, _ in SWAPS]
+            print(f"| {text} | {form} | {captions[0]} | " + " | ".join(f"{x:.1f}" for x in near) + " |")
+
+
 # ---------------------------------------------------------------- --breakdown: which phrasing fails?
 def breakdown(args):
     """Each trained run's harder binding test per caption form: the all-styles set by training style,
@@ -214,7 +248,12 @@ def main():
                         "the grid's trained PAL / PAL-Rel embeddings (reads <out>/<run>/method.pt)")
     p.add_argument("--breakdown", nargs="+", default=None, metavar="RUN",
                    help="instead of the grid: the binding test per caption form of trained runs (their folders)")
+    p.add_argument("--paraphrases", action="store_true",
+                   help="instead of the grid: does each --texts encoder alone put a caption nearer the canonical "
+                        "caption of its facts than that of its swaps?")
     args = p.parse_args()
+    if args.paraphrases:
+        return paraphrases(args)
     if args.breakdown:
         return breakdown(args)
     if args.probes:
