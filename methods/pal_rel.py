@@ -49,7 +49,7 @@ Deviations / choices:
    order="relation": o_w = U^T y_w + G(t) q(w - r), q a sin-cos code (P dims), r = sum_j rho_j j, G(t) = reshape(V^T t, (2, P)), t the pooled text: 53.7 / 33.7 / 54.3 and 98.3 / 100.0 / 98.3.
    order="index": the same with q(w), the word's index in the caption: 26.3 / 12.3 / 27.0 and 86.7 / 88.3 / 88.7.
 9. W = 8: W = 5 misses style 3's object phrases, 8-16 words before its relation word (style 3 attribute swap 51.7 against 100.0); W = 16 reaches the far object of "B has A on its left" (held-out templates 80.7 / 84.7 / 79.3).
-10. The passive held-out template ("B is flanked on the left by A") stays below chance (relation swap 26.7; the other four templates 90.0-100.0 on every swap): no training caption names the subject after the relation, and the tiny text encoder reads "flanked" and "by" as [UNK].
+10. The passive held-out template ("B is flanked on the left by A") stays below chance (relation swap 26.7; the other four templates 90.0-100.0 on every swap): no training caption names the subject after the relation, the tiny text encoder reads "flanked" and "by" as [UNK], and MiniLM's own pooled vector puts it nearer its object-order swap than its meaning 91% of the time (benchmarks/binding.py --paraphrases). Object-order hard negatives do not move it (--hard-negatives: 86.0 / 81.3 / 82.7 on the held-out templates).
 """
 import torch
 import torch.nn as nn
