@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import encoders
 import cache  # noqa: E402
 from cache import StoredFeatures  # noqa: E402
 from features import Features  # noqa: E402

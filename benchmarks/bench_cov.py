@@ -153,7 +153,7 @@ def main():
         mem, step = json.loads(child.stdout.strip().splitlines()[-1])
         rows[name] = (seconds, scaled, mem, step)
 
-    print(f"\n| method | eval time (s) | us / pair | train-step peak mem (MB) | train step (s) |")
+    print("\n| method | eval time (s) | us / pair | train-step peak mem (MB) | train step (s) |")
     print("|---|---|---|---|---|")
     pairs = args.images * args.captions
     for name, (seconds, scaled, mem, step) in rows.items():

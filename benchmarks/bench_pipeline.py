@@ -238,7 +238,6 @@ def bench_layers(z, work, device, repeats, sync):
     X, Y = {a: v.to(device) for a, v in X.items()}, {b: v.to(device) for b, v in Y.items()}
     scoring, _ = timed(lambda: similarity.mutual_knn_table(X, Y, k), repeats, sync)
     quiet = lambda s: None
-    runs = iter(range(10**6))
     now_t, now_min = timed(lambda: encoders.select_layers(img, txt, pairs, "mknn", n=n, device=device, log=quiet,
                                                           cache_dir=work / "layers_now"), 1, sync)
     again, _ = timed(lambda: encoders.select_layers(img, txt, pairs, "mknn", n=n, device=device, log=quiet,

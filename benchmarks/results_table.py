@@ -62,7 +62,7 @@ def main():
         med = [statistics.median(cell(r, g, k) for r in runs) for g, k, _ in COLUMNS]
         rows.append((method, med))
         print(f"{method:12s} " + "  ".join(f"{v:7.1f}" for v in med), flush=True)
-    print(f"\n| method | " + " | ".join(c for _, _, c in COLUMNS) + " |")
+    print("\n| method | " + " | ".join(c for _, _, c in COLUMNS) + " |")
     print("|---" * (len(COLUMNS) + 1) + "|")
     for method, med in rows:
         print(f"| {method} | " + " | ".join(f"{v:.1f}" for v in med) + " |")

@@ -98,7 +98,7 @@ class TextGuided(nn.Module):
         return self.embed_image(img)[:, :, None]                  # (B, H*W, 1, K)
 
     def score(self, img_emb, txt_emb):
-        (I, N, K), (T, L, _) = img_emb.shape, txt_emb.shape
+        (I, N, _), (T, L, _) = img_emb.shape, txt_emb.shape
         per_pair = L * N                                          # (N, L) entries per pair
         limit = self.score_chunk or (2 ** 20 if img_emb.device.type == "cpu" else 2 ** 28)  # GPU: few large kernels
         ct = max(1, min(T, limit // per_pair))                    # texts per chunk

@@ -15,7 +15,6 @@ import torch
 
 import align
 import cache
-import encoders
 from conftest import random_features
 from methods.linear import Linear
 

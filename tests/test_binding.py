@@ -15,7 +15,6 @@ import torch.nn.functional as F
 
 import align
 import data
-import encoders
 import shapes_encoders
 from conftest import random_features
 from methods.cov import CoV

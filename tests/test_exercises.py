@@ -151,7 +151,7 @@ def test_reference_passes_every_graded_test_and_grades_all_passed():
     assert sorted(lines) == sorted(EXERCISES), out
     for n, line in lines.items():
         k = sum(1 for _ in EXERCISES[n]["tests"])
-        assert "  passed  " in line and re.search(rf"\((\d+) of \1 checks pass\)", line), line   # every graded test
+        assert "  passed  " in line and re.search(r"\((\d+) of \1 checks pass\)", line), line   # every graded test
         assert int(re.search(r"\((\d+) of", line)[1]) >= k, line
 
 

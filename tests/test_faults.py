@@ -290,7 +290,7 @@ def test_a_run_waits_for_the_run_writing_the_same_cache_file_then_reads_it(tmp_p
     """Another run holds the lock of a cache entry: extract() waits, encodes nothing, reads that run's file."""
     import threading
     enc, texts = CountingEncoder(), ["x"] * 6
-    key, got, logs = cache.feature_key(enc, texts, dataset="d", split="s", modality="text"), [], []
+    key, got = cache.feature_key(enc, texts, dataset="d", split="s", modality="text"), []
     theirs = random_features(6, 3, 4, seed=99)
     with cache.file_lock(tmp_path / "locks" / f"{key}.lock"):          # the other run, mid-write
         t = threading.Thread(target=lambda: got.append(cache.extract(enc, texts, tmp_path, dataset="d",
@@ -333,7 +333,6 @@ def test_interrupted_writes_leave_no_file_and_resume_restores_dropout_and_the_la
     assert list(tmp_path.iterdir()) == []
     monkeypatch.undo()
     # training with dropout, stopped in epoch 3 and resumed, ends where a straight run ends
-    g = torch.Generator().manual_seed(0)
     img, txt = random_features(64, 2, 8, seed=1), random_features(64, 2, 6, seed=2)
     loop = lambda **kw: Namespace(**{**dict(epochs=3, batch_size=16, lr=1e-2, weight_decay=None, seed=0,
                                             resume=False), **kw})

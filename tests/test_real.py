@@ -352,7 +352,6 @@ def test_layer_selection_scores_match_the_encoders_layers(models):
     li, lt, table = encoders.select_layers(img_enc, txt_enc, pairs, "cka", n=10, batch_size=4, log=lines.append)
     assert set(table) == {(1, 1), (1, 2), (2, 1), (2, 2)} and table[li, lt] == max(table.values())
     assert (img_enc.layer, txt_enc.layer) == (li, lt) and any("best" in l for l in lines)
-    import recycling
     pick = torch.randperm(12, generator=torch.Generator().manual_seed(0))[:10].sort().values.tolist()
     X = encoders.load_hf_image(str(models / "dinov2"), layer=1).encode([pairs.images[i] for i in pick]).pooled
     Y = encoders.load_hf_text(str(models / "bert"), layer=2).encode([pairs.captions[i] for i in pick]).pooled

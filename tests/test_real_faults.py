@@ -3,7 +3,6 @@ layouts (COCO + Karpathy JSON, VOC masks, Hugging Face folders saved with save_p
 fault planted by hand. Every user fault must end in ONE `error:` line naming the file and what to
 do, before any long work; every cache fault must be rebuilt, never read as valid; features of one
 data folder must never be read for another. docs/faults.md lists each row with its test."""
-import errno
 import json
 import os
 import struct
@@ -25,7 +24,7 @@ import cache
 import data
 import encoders
 from features import Features
-from test_real import images, write_image, write_karpathy, write_models, write_voc
+from test_real import write_karpathy, write_models, write_voc
 
 ROOT = Path(__file__).resolve().parents[1]
 

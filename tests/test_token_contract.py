@@ -12,7 +12,6 @@ the family's own pooling over the whole sequence. Then the rule as the methods s
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from PIL import Image
 
 import encoders
