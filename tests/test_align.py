@@ -126,10 +126,20 @@ def run_align(cache_dir, out, *extra):
 
 
 def test_align_runs_end_to_end_and_reruns_identically(cache_dir, tmp_path):
+    """Two runs side by side on one (here cold) cache: one pretrains and extracts, the other waits and reads."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "align.py"), "--cache-dir", str(cache_dir), "--out",
+                               str(tmp_path / f"run{i}"), "--threads", "1", "--no-figures", "--method", "linear",
+                               "--epochs", "3"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=900) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
     runs = []
-    for i in range(2):
-        r = run_align(cache_dir, tmp_path / f"run{i}", "--method", "linear", "--epochs", "3")
-        assert r.returncode == 0, r.stderr[-3000:]
+    for i, (p, (_, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, err[-3000:]
         runs.append(json.loads((tmp_path / f"run{i}" / "metrics.json").read_text()))
     m = runs[0]
     assert set(m["retrieval"]) >= {"i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10", "rsum",

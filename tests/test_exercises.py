@@ -254,36 +254,48 @@ def test_classic_mistakes_fail_with_the_hint_that_names_them(tmp_path):
 
 
 def run_align(root, out, cache_dir, *extra):
-    r = subprocess.run([sys.executable, "align.py", *TINY_RUN, "--cache-dir", str(cache_dir), "--out", str(out),
-                        *extra], cwd=root, capture_output=True, text=True, timeout=900,
-                       env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "[done]" in r.stdout
-    metrics = json.loads((out / "metrics.json").read_text())
-    metrics["train"].pop("seconds")
-    return metrics, r.stdout
+    """Start a tiny align.py run in root; returns a function that waits for it -> (metrics, stdout)."""
+    p = subprocess.Popen([sys.executable, "align.py", *TINY_RUN, "--cache-dir", str(cache_dir), "--out", str(out),
+                          *extra], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, HF_HUB_OFFLINE="1"))
+
+    def finish():
+        stdout, stderr = p.communicate(timeout=900)
+        assert p.returncode == 0, stderr[-3000:]
+        assert "[done]" in stdout
+        metrics = json.loads((out / "metrics.json").read_text())
+        metrics["train"].pop("seconds")
+        return metrics, stdout
+    finish.process = p
+    return finish
 
 
 def test_pasted_back_copy_passes_and_trains_the_paper_form_to_the_last_digit(student_copy, tmp_path, cache_dir):
     """The copy (no fast_cap.py) trains PAL through relative + cap: the reference's metrics with --hp fast=False;
     a cap that forgets the padding mask fails its grade there and changes the retrieval."""
-    copy = tmp_path / "solved"
+    copy, no_mask = tmp_path / "solved", tmp_path / "no-mask"
     shutil.copytree(student_copy, copy)
     msc.paste_back(copy, ROOT)
     for rel in msc.project_files(copy):
         assert (copy / rel).read_bytes() == (ROOT / rel).read_bytes(), rel
-    code, lines, out = grade(copy)
-    assert code == 0 and len(lines) == len(EXERCISES), out
-    got, log = run_align(copy, tmp_path / "copy-run", cache_dir)
+    shutil.copytree(copy, no_mask)
+    rel, right, wrong = NO_MASK
+    text = (no_mask / rel).read_text()
+    assert text.count(right) == 1
+    (no_mask / rel).write_text(text.replace(right, wrong))
+    runs = [run_align(copy, tmp_path / "copy-run", cache_dir),        # the three runs side by side
+            run_align(ROOT, tmp_path / "ref-run", cache_dir, "--hp", "fast=False"),
+            run_align(no_mask, tmp_path / "no-mask-run", cache_dir)]
+    try:
+        code, lines, out = grade(copy)
+        assert code == 0 and len(lines) == len(EXERCISES), out
+        code, lines, out = grade(no_mask, 3)
+        assert code == 1 and "  FAILED  " in lines[3] and "padded" in lines[3], out
+        (got, log), (want, _), (wrong_run, _) = [finish() for finish in runs]
+    finally:
+        for finish in runs:
+            finish.process.kill()
     assert "[pal] CAP trains in the paper form, cap(relative(Z, A), mask, tau_p) (methods/fast_cap.py is not in " \
            "this copy)" in log.splitlines()
-    want, ref_log = run_align(ROOT, tmp_path / "ref-run", cache_dir, "--hp", "fast=False")
     assert got == want
-    rel, right, wrong = NO_MASK
-    text = (copy / rel).read_text()
-    assert text.count(right) == 1
-    (copy / rel).write_text(text.replace(right, wrong))
-    code, lines, out = grade(copy, 3)
-    assert code == 1 and "  FAILED  " in lines[3] and "padded" in lines[3], out
-    wrong_run, _ = run_align(copy, tmp_path / "no-mask-run", cache_dir)
     assert wrong_run["retrieval"]["rsum"] != want["retrieval"]["rsum"], (wrong_run["retrieval"], want["retrieval"])
