@@ -357,6 +357,25 @@ def analysis_features(s, img):
     return img.patches().float()[is_obj], labels[is_obj], even[is_obj]
 
 
+def weight_aligned_mlp(W, names_txt, steps=None, lr=None):
+    """§4.1: methods/mlp.py aligned on D_weights alone (head rows W (C, D), names_txt: Features of the C class
+    names), full batch (one step is one epoch of the C rows), with MLP.defaults' optimiser and App. E's cosine
+    annealing of the lr to 0 over the steps (steps, lr: MLP.defaults). Returns the MLP in eval mode."""
+    from methods.mlp import MLP
+    steps, lr = steps or MLP.defaults["steps"], lr or MLP.defaults["lr"]
+    mlp = MLP(W.shape[1], names_txt.tokens.shape[-1])
+    opt = torch.optim.Adam(mlp.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)  # App. E: cosine, no restarts
+    w_img, w_txt = weight_pairs(W, names_txt)
+    for _ in range(steps):
+        loss, _ = mlp.loss(w_img, w_txt)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+    return mlp.eval()
+
+
 def recycling_analyses(F, args, device):
     """The weight-recycling paper's analyses of the image encoder's head (Table 1, Fig. 1, App. I,
     Table 2) on every classification set of --data (Shapes: "cls"; real data: the torchvision
@@ -367,7 +386,6 @@ def recycling_analyses(F, args, device):
     on frozen features vs methods/mlp.py aligned on the head rows alone, then fine-tuned
     on one pair per class (App. H) against "A photo of a {class}".
     """
-    from methods.mlp import MLP
     try:
         W, b, names = F["image_encoder"].head()
     except SystemExit as e:
@@ -379,15 +397,7 @@ def recycling_analyses(F, args, device):
               f"{', '.join(data.TORCHVISION_SETS)} in torchvision's layout under {args.data_root}/<name>)")
         return {}
     names_txt = class_name_features(F, names, args)
-    mlp = MLP(W.shape[1], names_txt.tokens.shape[-1])
-    opt = torch.optim.Adam(mlp.parameters(), lr=MLP.defaults["lr"])
-    w_img, w_txt = weight_pairs(W, names_txt)
-    for _ in range(MLP.defaults["steps"]):                                # full batch: one step per epoch
-        loss, _ = mlp.loss(w_img, w_txt)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    mlp.eval()
+    mlp = weight_aligned_mlp(W, names_txt)
     results = {}
     for name in label_sets:
         s, out = F["sets"][name], {}
