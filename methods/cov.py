@@ -6,7 +6,8 @@ the text (once per image, cacheable), then align regions with words. Here the
 encoders stay FROZEN (post-hoc setting): only the projections, the region queries
 and the CVSFE / assign-attention layers train.
 
-Equations, numbered in the order of the paper's method (CVSFE, CDFO, sparse alignment):
+Equations, numbered here in the order of the paper's method (CVSFE, CDFO, sparse alignment;
+the summary this file follows gives them no numbers):
   (1) deformable attention   z_q' = sum_m W_m [ sum_k A_mqk F(p_q + dp_mqk) ]
   (2) consistent assign      Attn = softmax_patches( (z W)(F W)^T / tau )
   (3) threshold mask         barAttn = hatAttn * [hatAttn >= eps],  r_q = barAttn V F
@@ -34,7 +35,8 @@ Deviations / choices (the paper leaves these open):
    the offsets depend on z only, the image enters through the sampled values (deformable=False
    skips Eq. (1)).
 3. Heads M = 4, points K = 4 (Deformable DETR's 8 x 4 halved, Zhu et al., ICLR 2021), its init:
-   offset weights 0, bias = per-head direction times (k+1) patches, uniform point weights.
+   offset weights 0, bias = per-head direction (cos, sin) / max(|cos|, |sin|) times (k+1) patches,
+   uniform point weights.
 4. Reference points p_q: a FIXED grid of cell centres (e.g. 2 x 4 for 8 regions) in [0, 1]
    image coordinates (x, y); the offsets learn the rest.
 5. Assign attention on cosines of zW and FW, so tau = 0.1 does not depend on the feature scale.
@@ -148,6 +150,7 @@ class DeformableAttention(nn.Module):
         nn.init.zeros_(self.offsets.weight)
         theta = torch.arange(n_heads) * 2 * math.pi / n_heads
         direction = torch.stack([theta.cos(), theta.sin()], -1)                    # (M, 2)
+        direction = direction / direction.abs().amax(-1, keepdim=True)            # on the unit square, as theirs
         bias = direction[:, None] * torch.arange(1, n_points + 1)[None, :, None]    # (M, K, 2)
         with torch.no_grad():
             self.offsets.bias.copy_(bias.flatten())

@@ -21,6 +21,8 @@ Deviations / choices:
 5. score() runs in chunks of at most score_chunk elements of the (I, T, N, L) tensor and treats
    all-zero rows (padding added by batch concatenation) as padding.
 6. dense_image: each patch alone as a one-patch image, (B, H*W, 1, K).
+7. Optimiser as CoV here (Adam, lr 3e-3, weight decay 1e-4, 30 epochs, batch 128): FILIP pre-trains
+   from scratch and gives no post-hoc schedule.
 """
 import torch
 import torch.nn as nn

@@ -12,6 +12,8 @@ Deviations / choices:
 1. Fixed temperature tau = 0.05 (STRUCTURE's value), not learned: fewer moving parts.
 2. Output dim K = 512, as Linear_RS in STRUCTURE.
 3. dense_image applies P_v to every patch token (the MaskCLIP trick).
+4. AdamW, lr 1e-3, weight decay 1e-4 (STRUCTURE's, without its betas and clipping), 20 epochs,
+   batch 256: ours (CLIP trains from scratch and gives no post-hoc schedule).
 """
 import torch.nn as nn
 import torch.nn.functional as F

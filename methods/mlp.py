@@ -25,6 +25,8 @@ Deviations / choices:
    each on 1,000 head rows but 5 on 3,000 pairs (real pairs: RSum 428 at 20 epochs, 544 at 400
    steps). --epochs still overrides; the dropout 0.5 keeps it from over-fitting.
 5. dense_image returns the normalised patch tokens (the image side is identity).
+6. Hidden width 4 d_i, dropout 0.5 and the closing LayerNorm are the reference code's; App. E
+   says "4 times the input dimension" (4 d_t) and names only the two layers and the GELU.
 """
 import torch.nn as nn
 import torch.nn.functional as F
@@ -38,7 +40,7 @@ class MLP(nn.Module):
 
     split_loss = True  # its loss reads the batch only through embed_image / embed_text (distributed.py)
 
-    def __init__(self, d_image, d_text, hidden_mult=4, dropout=0.5,  # App. E: hidden 4 d_i; ref. code: dropout 0.5
+    def __init__(self, d_image, d_text, hidden_mult=4, dropout=0.5,  # ref. code: hidden 4 d_i, dropout 0.5 (choice 6)
                  text_input="raw"):  # choice 1: "raw" f_T(t) (§4.1) or "l2" (y / ||y||), same in training and inference
         super().__init__()
         assert text_input in ("raw", "l2"), text_input

@@ -59,7 +59,7 @@ def siglip_loss(h_v, h_l, t, b):
 
 
 class SAIL(nn.Module):
-    # our choice (choice 3); lr is set per instance from the input dimensions
+    # our choice (choice 3); lr is set per instance from the input dimensions (choice 4)
     defaults = dict(lr="0.1 / max(d_image, d_text)", epochs=100, batch_size=256, weight_decay=1e-4, optimizer="adamw")
     ranges = dict(K="[1, inf)", width="[1, inf)", t_init="(0, inf)", b_init="(-inf, inf)")  # valid --hp
 
@@ -70,7 +70,7 @@ class SAIL(nn.Module):
 
     def __init__(self, d_image, d_text, K=512, width=8, t_init=20.0, b_init=-10.0):  # SAIL (Zhang et al., CVPR 2025)
         super().__init__()
-        self.defaults = dict(SAIL.defaults, lr=0.1 / max(d_image, d_text))  # choice 3: lr x d_in = 0.1
+        self.defaults = dict(SAIL.defaults, lr=0.1 / max(d_image, d_text))  # choice 4: lr x d_in = 0.1
         self.g_v = StarMLP(d_image, K, width)
         self.g_l = StarMLP(d_text, K, width)
         self.log_t = nn.Parameter(torch.tensor(math.log(t_init)))

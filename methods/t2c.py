@@ -17,7 +17,8 @@ Deviations / choices:
 2. Moayeri et al. map IMAGE features into CLIP's space; following the
    weight-recycling paper we map TEXT into the image space instead.
 3. Optimiser as MLP-alignment (reference code: Adam lr 5e-3, no weight decay,
-   500 epochs, batch 512); cosine annealing is up to the training loop.
+   500 epochs, batch 512; App. E says AdamW); cosine annealing is up to the training loop.
+   The reference code's random input-feature dropout is left out, as in methods/mlp.py.
 4. The text embedding is W y_hat re-normalised: retrieval compares cosines.
 """
 import torch.nn as nn

@@ -29,6 +29,7 @@ Deviations / choices:
    2^28 on a GPU (few large kernels).
 4. Fixed InfoNCE temperature tau = 0.05 (S lies in [-1, 1]).
 5. dense_image: each patch alone as a one-patch image, (B, H*W, 1, K).
+   Optimiser as CoV here (Adam, lr 3e-3, weight decay 1e-4, 30 epochs, batch 128).
 6. The words w_j exclude CLS / SEP / BOS / EOS (the token contract), so 1/L in Eq. (3) counts
    words only.
 7. Fast form of Eqs. (2)-(3) without v_hat (I, T, L, K): w_j . vhat_j = sum_p a_jp s_jp and

@@ -118,10 +118,12 @@ def test_deformable_sample_pixel_centre_reads_the_patch():
         f"not that patch's value {value[0, 0, 0, i, j].item():g}")
 
 
-def test_deformable_attention_init_is_deformable_detr():
-    """At init: uniform point weights, head m at direction theta_m, point k at distance k+1 patches."""
+@pytest.mark.parametrize("M", [4, 8])
+def test_deformable_attention_init_is_deformable_detr(M):
+    """At init: uniform point weights, head m along (cos, sin)(theta_m) scaled to max(|cos|, |sin|) = 1 (Deformable
+    DETR's grid_init: at M = 8 the diagonal heads reach the square's corners), point k at k+1 times that."""
     torch.manual_seed(0)
-    D, M, K, H, W = 8, 4, 2, 3, 4
+    D, K, H, W = 8, 2, 3, 4
     att = DeformableAttention(D, M, K)
     z, F_img = torch.randn(1, 2, D), torch.randn(1, H * W, D)
     ref = torch.tensor([[0.3, 0.4], [0.6, 0.7]])
@@ -131,9 +133,11 @@ def test_deformable_attention_init_is_deformable_detr():
     for q in range(2):
         for m in range(M):
             th = 2 * math.pi * m / M
+            c, s = math.cos(th), math.sin(th)
+            c, s = c / max(abs(c), abs(s)), s / max(abs(c), abs(s))
             for k in range(K):
-                x = ref[q, 0].item() + (k + 1) * math.cos(th) / W
-                y = ref[q, 1].item() + (k + 1) * math.sin(th) / H
+                x = ref[q, 0].item() + (k + 1) * c / W
+                y = ref[q, 1].item() + (k + 1) * s / H
                 expect[0, q, m] += bilinear_naive(value[0, m].detach(), x, y) / K
     assert_same(out, att.out_proj(expect.float().flatten(2)), "DeformableAttention at init against the loop over "
                 "heads and points", atol=1e-5, rtol=1e-5)
