@@ -18,6 +18,7 @@ of a large blue square"), five paraphrases per test image like COCO's Karpathy
 test, and minimal-pair distractors for a binding test (with held-out wordings
 and object pairs, docs/binding.md).
 """
+import collections
 import functools
 import hashlib
 import json
@@ -683,13 +684,16 @@ def read_split_file(path):
     if not isinstance(entries, list):
         raise SystemExit(f"error: {path} has no \"images\" list: it is not {SPLIT_FILE}")
     for i, e in enumerate(entries):
-        where = f"{path}: images[{i}]" + (f" ({e['filename']})" if isinstance(e, dict) and "filename" in e else "")
+        where = f"{path}: images[{i}]" + (f" ({e['filename']})" if isinstance(e, dict) and e.get("filename") else "")
         if not isinstance(e, dict):
             raise SystemExit(f"error: {where} is not an object: it is not {SPLIT_FILE}")
         for field_, kind in (("filename", str), ("split", str), ("sentences", list)):
-            if not isinstance(e.get(field_), kind):
+            if not isinstance(e.get(field_), kind) or (field_ == "filename" and not e[field_]):
                 raise SystemExit(f"error: {where} has no {field_!r} ({kind.__name__}); fix or remove that entry, "
                                  f"or {again}")
+        if not isinstance(e.get("filepath", ""), str):
+            raise SystemExit(f"error: {where}: its 'filepath' is not a folder name (str); fix or remove that entry, "
+                             f"or {again}")
         for k, s in enumerate(e["sentences"]):
             if not isinstance(s, dict) or not isinstance(s.get("raw"), str):
                 raise SystemExit(f"error: {where}: sentences[{k}] has no 'raw' text; fix or remove that sentence, "
@@ -697,12 +701,33 @@ def read_split_file(path):
     return entries
 
 
+def entry_path(image_dir, e):
+    """The image file of a Karpathy-split entry: <image_dir>/<filepath>/<filename> (COCO has a filepath)."""
+    return Path(image_dir) / e.get("filepath", "") / e["filename"]
+
+
+def check_listed_once(entries, image_dir, path, splits=("train", "test")):
+    """Every image of the splits used listed once: a test image listed twice has two right answers
+    (its duplicate ties with it), a test image also in train is a training pair scored as a test one."""
+    seen = {}
+    for i, e in enumerate(entries):
+        if e["split"] not in splits:
+            continue
+        f = os.path.normpath(os.path.abspath(entry_path(image_dir, e)))
+        j = seen.setdefault(f, i)
+        if j != i:
+            why = "a test image that is also a training image inflates the test numbers" \
+                if e["split"] != entries[j]["split"] else "each image is listed once, with all its captions"
+            raise SystemExit(f"error: {path}: images[{j}] ({entries[j]['split']}) and images[{i}] ({e['split']}) are "
+                             f"the same image {f} ({why}); remove one of the two entries")
+
+
 def karpathy_pairs(entries, image_dir, n_captions, listed_in=None):
     """PairSet of Karpathy-split entries: the first n_captions captions of each image (images without one left out)."""
     kept = [e for e in entries if e["sentences"]]
     paths, captions, txt_to_img = [], [], []
     for i, e in enumerate(kept):
-        paths.append(Path(image_dir) / e.get("filepath", "") / e["filename"])
+        paths.append(entry_path(image_dir, e))
         for s in e["sentences"][:n_captions]:
             captions.append(s["raw"].strip())
             txt_to_img.append(i)
@@ -716,11 +741,15 @@ def karpathy_dataset(root, sub, split_file, image_dir, layout, url, name):
     if not (base / split_file).exists():
         missing(f"{name} Karpathy split file {split_file}", base / split_file, layout, url)
     entries = read_split_file(base / split_file)
+    check_listed_once(entries, base / image_dir, base / split_file)
     sets = {}
     for split, n_captions in (("train", 1), ("test", 5)):
         chosen = [e for e in entries if e["split"] == split]
         if not chosen:
-            raise SystemExit(f"error: {base / split_file} has no images in split {split!r}")
+            found = ", ".join(f"{k} {v}" for k, v in collections.Counter(e["split"] for e in entries).items())
+            raise SystemExit(f"error: {base / split_file} has no images in split {split!r} (its splits: "
+                             f"{found or 'none'}); this loader trains on Karpathy's 'train' and tests on 'test': "
+                             f"name the splits so, or unpack it again from caption_datasets.zip")
         sets[split], dropped = karpathy_pairs(chosen, base / image_dir, n_captions, base / split_file)
         if dropped:
             print(f"[data] {name} {split}: {dropped} image(s) without captions left out")

@@ -369,7 +369,34 @@ def sentence_without_raw(root):
     rewrite(root, split)
 
 
+def entry(root, split, i, **fields):
+    """Set fields of the i-th entry of a split."""
+    split_file = entries_of(root)
+    [e for e in split_file["images"] if e["split"] == split][i].update(fields)
+    rewrite(root, split_file)
+
+
+def listed_twice(root):
+    entry(root, "test", 1, filename="test_0.jpg")                          # two right answers for its captions
+
+
+def also_in_train(root):
+    entry(root, "test", 2, filepath="train2014", filename="train_5.jpg")   # a training pair scored as a test one
+
+
+def only_restval(root):
+    split_file = entries_of(root)
+    for e in split_file["images"]:
+        e["split"] = "restval" if e["split"] == "train" else e["split"]
+    rewrite(root, split_file)
+
+
 @pytest.mark.parametrize("fault, says", [
+    (listed_twice, "images[6] (test) and images[7] (test) are the same image"),
+    (also_in_train, "images[5] (train) and images[8] (test) are the same image"),
+    (only_restval, "no images in split 'train' (its splits: restval 6, test 3, val 1)"),
+    (lambda root: entry(root, "train", 2, filepath=None), "images[2] (train_2.jpg): its 'filepath' is not"),
+    (lambda root: entry(root, "train", 1, filename=""), "images[1] has no 'filename'"),
     (truncated_json, "is not valid JSON"), (non_utf8_byte, "byte 0xe9 at offset"),
     (no_images_key, 'has no "images" list'), (entry_without_split, "images[3] (train_3.jpg) has no 'split'"),
     (sentence_without_raw, "images[7] (test_1.jpg): sentences[2] has no 'raw'")])
