@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -534,6 +535,9 @@ def file_scan(paths):
         try:
             st = os.stat(p)
         except OSError:
+            missing.append(Path(p))
+            continue
+        if not stat.S_ISREG(st.st_mode):                                 # a folder where an image should be
             missing.append(Path(p))
             continue
         if st.st_size == 0:

@@ -411,11 +411,14 @@ def test_annotation_faults_are_one_line_naming_the_file(tmp_path, fault, says):
 # ----------------------------------------------------------------------------- image and mask faults
 @pytest.mark.parametrize("split, name, fault, says", [
     ("val2014", "test_2.jpg", "missing", "1 of 3 COCO test images are missing"),
-    ("train2014", "train_4.jpg", "empty", "1 of 6 COCO train images are empty (0 bytes)")])
+    ("train2014", "train_4.jpg", "empty", "1 of 6 COCO train images are empty (0 bytes)"),
+    ("val2014", "test_1.jpg", "a folder", "1 of 3 COCO test images are missing")])
 def test_a_missing_or_empty_image_anywhere_is_one_line_before_any_encoder_runs(tmp_path, split, name, fault, says):
     write_karpathy(tmp_path / "coco")
     f = tmp_path / "coco" / split / name
-    f.unlink() if fault == "missing" else f.write_bytes(b"")
+    f.unlink() if fault != "empty" else f.write_bytes(b"")
+    if fault == "a folder":
+        f.mkdir()
     with pytest.raises(SystemExit) as e:
         data.coco(tmp_path)
     assert says in one_line(e) and str(f) in str(e.value) and "dataset_coco.json" in str(e.value)
