@@ -543,3 +543,17 @@ def test_a_mistyped_local_path_is_neither_a_folder_nor_a_hub_model(tmp_path, mod
     with pytest.raises(SystemExit) as e:
         encoders.load_hf_image("models/dinov2-larg")
     assert "neither a folder nor a downloaded hub model (did you mean models/dinov2-large?)" in one_line(e)
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda c: dict(c, num_hidden_layers=c["num_hidden_layers"] + 2), "32 of its weights are not in the file"),
+    (lambda c: dict(c, num_hidden_layers=1), "the file holds 16 weights it has no place for"),
+    (lambda c: dict(c, hidden_size=2 * c["hidden_size"]), "tensors of other shapes")])
+def test_a_config_that_does_not_describe_the_weights_is_refused(tmp_path, models, change, says):
+    """config.json of another model: more layers than were saved (transformers would leave them at
+    random and run), fewer (it would drop the rest), another width (its size-mismatch report)."""
+    folder = copy_folder(models / "bert", tmp_path / "bert")
+    (folder / "config.json").write_text(json.dumps(change(json.loads((folder / "config.json").read_text()))))
+    with pytest.raises(SystemExit) as e:
+        encoders.load_hf_text(str(folder))
+    assert says in one_line(e) and "its config.json does not describe its weights" in str(e.value)
