@@ -119,7 +119,8 @@ def word_tokens(h, real, special):
 # 6. fp16 / bf16 autocast on CUDA, under torch.no_grad; batches come from extract().
 # 7. A model folder is checked before anything runs: a readable config.json, a
 #    weights file, a text encoder's tokenizer files (without them every word is
-#    [UNK]), a tokenizer no larger than the embedding table, a readable
+#    [UNK]), a tokenizer that encodes and pads a caption (an empty vocabulary,
+#    no pad token), a tokenizer no larger than the embedding table, a readable
 #    preprocessor_config.json when there is one, and a crop the model takes
 #    (DINOv2 interpolates its position embeddings; ViT, DeiT, BEiT and CLIP need
 #    crop = image_size), a config.json that describes the weights file (no weight
@@ -632,6 +633,12 @@ def load_hf_text(name, layer=-1):
         p.requires_grad_(False)
     name = str(Path(name).resolve()) if Path(name).is_dir() else name  # the cache key names the checkpoint itself
     enc = HFTextEncoder(name, model, tokenizer, layer)
+    try:                          # two lengths, so padding too: a broken tokenizer fails here, not mid-extraction
+        enc.tokenize(["a photo", "a photo of a dog ."])
+    except Exception as e:        # the tokenizers library raises bare Exceptions ("WordPiece error: ...")
+        raise SystemExit(f"error: --text-encoder {name}: its tokenizer cannot encode a caption ({type(e).__name__}: "
+                         f"{first_line(e)}); its tokenizer files (vocab, tokenizer_config.json) are broken or belong "
+                         f"to another model: copy them again from the model's download") from None
     enc.fingerprint = hf_fingerprint(source, model)
     return enc
 

@@ -557,3 +557,25 @@ def test_a_config_that_does_not_describe_the_weights_is_refused(tmp_path, models
     with pytest.raises(SystemExit) as e:
         encoders.load_hf_text(str(folder))
     assert says in one_line(e) and "its config.json does not describe its weights" in str(e.value)
+
+
+def no_pad_token(folder):
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(dict(config, pad_token=None)))
+
+
+def empty_vocab(folder):
+    (folder / "vocab.txt").write_text("")
+    (folder / "tokenizer.json").unlink()
+
+
+@pytest.mark.parametrize("fault, says", [(no_pad_token, "Asking to pad but the tokenizer does not have a padding token"),
+                                         (empty_vocab, "Missing [UNK] token from the vocabulary")])
+def test_a_tokenizer_that_cannot_encode_a_caption_is_refused_when_it_loads(tmp_path, models, fault, says):
+    """A tokenizer that loads but cannot pad (no pad token) or tokenize (an empty vocab.txt) failed
+    with a traceback mid-extraction; it is now one line when the encoder loads."""
+    folder = copy_folder(models / "bert", tmp_path / "bert")
+    fault(folder)
+    with pytest.raises(SystemExit) as e:
+        encoders.load_hf_text(str(folder))
+    assert "its tokenizer cannot encode a caption" in one_line(e) and says in str(e.value)
