@@ -222,7 +222,13 @@ def hf_preprocess(source, config, flag="--image-encoder"):
     crop = p.crop_size if getattr(p, "do_center_crop", False) else p.size
     crop = crop["height"] if crop.get("height") else crop["shortest_edge"]
     resize = p.size["shortest_edge"] if p.size.get("shortest_edge") else None  # None: fixed height x width
-    return ImagePreprocess(resize, crop, tuple(p.image_mean), tuple(p.image_std), int(getattr(p, "resample", 3) or 3))
+    per_channel = lambda v: (float(v),) * 3 if isinstance(v, (int, float)) else tuple(v)  # one number: every channel
+    mean, std = per_channel(p.image_mean), per_channel(p.image_std)
+    if len(mean) != 3 or len(std) != 3:
+        raise SystemExit(f"error: {flag} {source}: its preprocessor_config.json gives {len(mean)} image_mean and "
+                         f"{len(std)} image_std values, but images are read as RGB (3 channels): give 3 of each, "
+                         f"or one number for all")
+    return ImagePreprocess(resize, crop, mean, std, int(getattr(p, "resample", 3) or 3))
 
 
 def first_line(e):
@@ -570,6 +576,10 @@ def load_hf_image(name, layer=-1):
     for p in model.parameters():
         p.requires_grad_(False)
     name = str(Path(name).resolve()) if Path(name).is_dir() else name  # the cache key names the checkpoint itself
+    channels = getattr(model.config, "num_channels", 3)
+    if channels != 3:
+        raise SystemExit(f"error: --image-encoder {name}: its config.json says num_channels {channels}, but images are "
+                         f"read as RGB (3 channels) here; use a model that takes RGB images")
     transform = hf_preprocess(source, model.config)
     size = getattr(model.config, "image_size", transform.crop)
     if transform.crop != size and not config.model_type.startswith("dinov2"):   # DINOv2 interpolates its positions

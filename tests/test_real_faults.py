@@ -579,3 +579,26 @@ def test_a_tokenizer_that_cannot_encode_a_caption_is_refused_when_it_loads(tmp_p
     with pytest.raises(SystemExit) as e:
         encoders.load_hf_text(str(folder))
     assert "its tokenizer cannot encode a caption" in one_line(e) and says in str(e.value)
+
+
+def test_an_image_model_that_is_not_rgb_is_refused_and_a_one_number_mean_applies_to_every_channel(tmp_path, models):
+    """A 1-channel model and a 1-value image_mean list were tracebacks (a view of (3, 1, 1));
+    image_mean / image_std as one number (transformers' own meaning: every channel) loaded as a TypeError."""
+    from transformers import AutoModel, Dinov2Config
+    from test_real import VISION
+    grey = tmp_path / "grey"
+    AutoModel.from_config(Dinov2Config(**VISION, num_channels=1)).save_pretrained(grey)
+    with pytest.raises(SystemExit) as e:
+        encoders.load_hf_image(str(grey))
+    assert "num_channels 1, but images are read as RGB" in one_line(e)
+    for mean, says in ((0.5, None), ([0.5], "gives 1 image_mean and 1 image_std values")):
+        folder = copy_folder(models / "dinov2", tmp_path / f"dinov2-{len(str(mean))}")
+        config = json.loads((folder / "preprocessor_config.json").read_text())
+        (folder / "preprocessor_config.json").write_text(json.dumps(dict(config, image_mean=mean, image_std=mean)))
+        if says is None:
+            t = encoders.load_hf_image(str(folder)).transform
+            assert t.mean.flatten().tolist() == [0.5] * 3 and t.std.flatten().tolist() == [0.5] * 3
+            continue
+        with pytest.raises(SystemExit) as e:
+            encoders.load_hf_image(str(folder))
+        assert says in one_line(e)
