@@ -602,3 +602,26 @@ def test_an_image_model_that_is_not_rgb_is_refused_and_a_one_number_mean_applies
         with pytest.raises(SystemExit) as e:
             encoders.load_hf_image(str(folder))
         assert says in one_line(e)
+
+
+def test_a_run_on_other_data_never_overwrites_the_results_in_its_out(tmp_path, models, capsys):
+    """Two runs with one --out (the default names the method, the set and the seed, not the folder):
+    the second, on another --data-root, stops before any work and the first one's results stay."""
+    for name in ("a", "b"):
+        write_karpathy(tmp_path / name / "coco")
+    out = tmp_path / "out"
+    run = lambda root, *extra: align.main([
+        "--data", "coco", "--data-root", str(root), "--cache-dir", str(tmp_path / "cache"), "--out", str(out),
+        "--threads", "1", "--epochs", "1", "--method", "linear", "--no-figures", "--image-encoder",
+        str(models / "dinov2"), "--text-encoder", str(models / "bert"), *extra])
+    run(tmp_path / "a")
+    first = (out / "metrics.json").read_bytes()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        run(tmp_path / "b")
+    assert f"--out {out} holds the results of a run on other data (coco in {tmp_path / 'a'}; this run: coco in " \
+           f"{tmp_path / 'b'})" in one_line(e)
+    assert (out / "metrics.json").read_bytes() == first and "[data]" not in capsys.readouterr().out
+    args = align.parse_args(["--data", "coco", "--data-root", str(tmp_path / "a")])
+    align.check_out_data(args, out)                                    # the same data: a rerun replaces them
+    align.check_out_data(align.parse_args(["--data", "coco", "--data-root", str(tmp_path / "b"), "--resume"]), out)
