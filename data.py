@@ -509,7 +509,7 @@ def pretrain_images(n, seed):
 #    mask file is checked to exist and be non-empty, each fault one `error:`
 #    line naming the file. A file that exists but cannot be decoded (truncated,
 #    a decompression bomb) is one line naming it when it is read; there are no
-#    worker processes.
+#    worker processes. A mask must have its image's size (their crops cover the same pixels).
 # 5. 16-bit grey images (PIL modes I;16, I) are scaled to 8 bits (/ 257), not
 #    clipped at 255; 16-bit colour PNGs PIL already reads as 8-bit RGB.
 # 6. identity(): what features of a set are computed from, for the feature
@@ -844,11 +844,22 @@ SEGMENTATION_URLS = {
 }
 
 
-def read_mask(path, lut):
-    """A label PNG -> uint8 (SEG_SIZE, SEG_SIZE): centre square, nearest resize, labels mapped by lut."""
+def read_mask(path, lut, image=None):
+    """A label PNG -> uint8 (SEG_SIZE, SEG_SIZE): centre square, nearest resize, labels mapped by lut.
+    image: its image file, which must have the mask's size (else the crops would cover other pixels)."""
     from PIL import Image
     try:
-        m = centre_square(Image.open(path)).resize((SEG_SIZE, SEG_SIZE), Image.NEAREST)
+        size = Image.open(image).size if image is not None else None              # its header only
+    except Exception as e:
+        raise SystemExit(f"error: cannot read image {image} ({type(e).__name__}: {e}); replace it (extract it "
+                         f"again from its archive)") from None
+    try:
+        m = Image.open(path)
+        if size not in (None, m.size):
+            raise SystemExit(f"error: mask {path} is {m.size[0]} x {m.size[1]} pixels but its image {image} is "
+                             f"{size[0]} x {size[1]}: one of them belongs to another image; extract both again "
+                             f"from their archive")
+        m = centre_square(m).resize((SEG_SIZE, SEG_SIZE), Image.NEAREST)
         return torch.from_numpy(lut[np.asarray(m, dtype=np.uint8)])
     except Exception as e:
         raise SystemExit(f"error: cannot read mask {path} ({type(e).__name__}: {e}); replace it (extract it again "
@@ -874,7 +885,8 @@ def segmentation_set(name, root):
     LazyImages([root / mask_pattern.format(i) for i in ids], listed_in=listed_in).check(f"{name} masks")
     lut = np.full(256, IGNORE, dtype=np.uint8)                       # background, unlabelled -> IGNORE
     lut[first_label:first_label + len(names)] = np.arange(len(names))  # label k + first_label -> class k
-    masks = torch.stack([read_mask(root / mask_pattern.format(i), lut) for i in ids])  # (N, S, S) uint8
+    masks = torch.stack([read_mask(root / mask_pattern.format(i), lut, root / image_pattern.format(i))
+                         for i in ids])                       # (N, S, S) uint8
     return MaskSet(images, masks, names)
 
 

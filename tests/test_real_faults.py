@@ -453,6 +453,17 @@ def test_align_reports_an_unreadable_test_image_in_one_line_without_a_traceback(
     assert r.stderr.strip().splitlines()[-1].startswith(f"error: cannot read image {f}")
 
 
+def test_a_voc_mask_of_another_size_than_its_image_is_one_line(tmp_path):
+    """The image and its mask are centre-cropped apart: of other sizes, the mask's labels would
+    fall on other pixels (a mask of another image), with no error."""
+    write_voc(tmp_path)
+    image = tmp_path / "VOCdevkit" / "VOC2012" / "JPEGImages" / "2007_000002.jpg"
+    Image.new("RGB", (36, 36)).save(image)                                      # its mask is 36 x 28
+    with pytest.raises(SystemExit) as e:
+        data.segmentation_set("voc20", tmp_path)
+    assert "2007_000002.png is 36 x 28 pixels but its image" in one_line(e) and str(image) in str(e.value)
+
+
 def test_a_missing_voc_mask_is_one_line_before_any_encoder_runs(tmp_path):
     write_voc(tmp_path)
     mask = tmp_path / "VOCdevkit" / "VOC2012" / "SegmentationClass" / "2007_000002.png"
