@@ -212,7 +212,28 @@ def check_places(args, out):
     encoders.check_path(args.text_encoder, "--text-encoder")
     cache.check_writable(args.cache_dir, "--cache-dir")
     cache.check_writable(out, "--out")
+    check_out_data(args, out)
     return device
+
+
+def check_out_data(args, out):
+    """A finished run in --out on other data (another --data or --data-root) is never overwritten by
+    this one: one line naming both (the default --out names the method, the set and the seed, not
+    the folder). A rerun on the same data replaces it; --resume checks its checkpoint instead."""
+    if args.resume or not (out / "config.json").is_file():
+        return
+    try:
+        old = json.loads((out / "config.json").read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(old, dict) or "data" not in old:
+        return                                      # not a config of this program: nothing to compare
+    where = lambda name, root: name if name == "shapes" else f"{name} in {Path(root).resolve()}"
+    then = where(old["data"], old.get("data_root") or "data")
+    now = where(args.data, args.data_root)
+    if then != now:
+        raise RunError(f"--out {out} holds the results of a run on other data ({then}; this run: {now}); "
+                       f"pass another --out, or delete {out} to replace them")
 
 
 def memory_bytes(device):

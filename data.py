@@ -18,11 +18,13 @@ of a large blue square"), five paraphrases per test image like COCO's Karpathy
 test, and minimal-pair distractors for a binding test (with held-out wordings
 and object pairs, docs/binding.md).
 """
+import collections
 import functools
 import hashlib
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -507,7 +509,7 @@ def pretrain_images(n, seed):
 #    mask file is checked to exist and be non-empty, each fault one `error:`
 #    line naming the file. A file that exists but cannot be decoded (truncated,
 #    a decompression bomb) is one line naming it when it is read; there are no
-#    worker processes.
+#    worker processes. A mask must have its image's size (their crops cover the same pixels).
 # 5. 16-bit grey images (PIL modes I;16, I) are scaled to 8 bits (/ 257), not
 #    clipped at 255; 16-bit colour PNGs PIL already reads as 8-bit RGB.
 # 6. identity(): what features of a set are computed from, for the feature
@@ -533,6 +535,9 @@ def file_scan(paths):
         try:
             st = os.stat(p)
         except OSError:
+            missing.append(Path(p))
+            continue
+        if not stat.S_ISREG(st.st_mode):                                 # a folder where an image should be
             missing.append(Path(p))
             continue
         if st.st_size == 0:
@@ -683,13 +688,16 @@ def read_split_file(path):
     if not isinstance(entries, list):
         raise SystemExit(f"error: {path} has no \"images\" list: it is not {SPLIT_FILE}")
     for i, e in enumerate(entries):
-        where = f"{path}: images[{i}]" + (f" ({e['filename']})" if isinstance(e, dict) and "filename" in e else "")
+        where = f"{path}: images[{i}]" + (f" ({e['filename']})" if isinstance(e, dict) and e.get("filename") else "")
         if not isinstance(e, dict):
             raise SystemExit(f"error: {where} is not an object: it is not {SPLIT_FILE}")
         for field_, kind in (("filename", str), ("split", str), ("sentences", list)):
-            if not isinstance(e.get(field_), kind):
+            if not isinstance(e.get(field_), kind) or (field_ == "filename" and not e[field_]):
                 raise SystemExit(f"error: {where} has no {field_!r} ({kind.__name__}); fix or remove that entry, "
                                  f"or {again}")
+        if not isinstance(e.get("filepath", ""), str):
+            raise SystemExit(f"error: {where}: its 'filepath' is not a folder name (str); fix or remove that entry, "
+                             f"or {again}")
         for k, s in enumerate(e["sentences"]):
             if not isinstance(s, dict) or not isinstance(s.get("raw"), str):
                 raise SystemExit(f"error: {where}: sentences[{k}] has no 'raw' text; fix or remove that sentence, "
@@ -697,12 +705,33 @@ def read_split_file(path):
     return entries
 
 
+def entry_path(image_dir, e):
+    """The image file of a Karpathy-split entry: <image_dir>/<filepath>/<filename> (COCO has a filepath)."""
+    return Path(image_dir) / e.get("filepath", "") / e["filename"]
+
+
+def check_listed_once(entries, image_dir, path, splits=("train", "test")):
+    """Every image of the splits used listed once: a test image listed twice has two right answers
+    (its duplicate ties with it), a test image also in train is a training pair scored as a test one."""
+    seen = {}
+    for i, e in enumerate(entries):
+        if e["split"] not in splits:
+            continue
+        f = os.path.normpath(os.path.abspath(entry_path(image_dir, e)))
+        j = seen.setdefault(f, i)
+        if j != i:
+            why = "a test image that is also a training image inflates the test numbers" \
+                if e["split"] != entries[j]["split"] else "each image is listed once, with all its captions"
+            raise SystemExit(f"error: {path}: images[{j}] ({entries[j]['split']}) and images[{i}] ({e['split']}) are "
+                             f"the same image {f} ({why}); remove one of the two entries")
+
+
 def karpathy_pairs(entries, image_dir, n_captions, listed_in=None):
     """PairSet of Karpathy-split entries: the first n_captions captions of each image (images without one left out)."""
     kept = [e for e in entries if e["sentences"]]
     paths, captions, txt_to_img = [], [], []
     for i, e in enumerate(kept):
-        paths.append(Path(image_dir) / e.get("filepath", "") / e["filename"])
+        paths.append(entry_path(image_dir, e))
         for s in e["sentences"][:n_captions]:
             captions.append(s["raw"].strip())
             txt_to_img.append(i)
@@ -716,11 +745,15 @@ def karpathy_dataset(root, sub, split_file, image_dir, layout, url, name):
     if not (base / split_file).exists():
         missing(f"{name} Karpathy split file {split_file}", base / split_file, layout, url)
     entries = read_split_file(base / split_file)
+    check_listed_once(entries, base / image_dir, base / split_file)
     sets = {}
     for split, n_captions in (("train", 1), ("test", 5)):
         chosen = [e for e in entries if e["split"] == split]
         if not chosen:
-            raise SystemExit(f"error: {base / split_file} has no images in split {split!r}")
+            found = ", ".join(f"{k} {v}" for k, v in collections.Counter(e["split"] for e in entries).items())
+            raise SystemExit(f"error: {base / split_file} has no images in split {split!r} (its splits: "
+                             f"{found or 'none'}); this loader trains on Karpathy's 'train' and tests on 'test': "
+                             f"name the splits so, or unpack it again from caption_datasets.zip")
         sets[split], dropped = karpathy_pairs(chosen, base / image_dir, n_captions, base / split_file)
         if dropped:
             print(f"[data] {name} {split}: {dropped} image(s) without captions left out")
@@ -811,11 +844,22 @@ SEGMENTATION_URLS = {
 }
 
 
-def read_mask(path, lut):
-    """A label PNG -> uint8 (SEG_SIZE, SEG_SIZE): centre square, nearest resize, labels mapped by lut."""
+def read_mask(path, lut, image=None):
+    """A label PNG -> uint8 (SEG_SIZE, SEG_SIZE): centre square, nearest resize, labels mapped by lut.
+    image: its image file, which must have the mask's size (else the crops would cover other pixels)."""
     from PIL import Image
     try:
-        m = centre_square(Image.open(path)).resize((SEG_SIZE, SEG_SIZE), Image.NEAREST)
+        size = Image.open(image).size if image is not None else None              # its header only
+    except Exception as e:
+        raise SystemExit(f"error: cannot read image {image} ({type(e).__name__}: {e}); replace it (extract it "
+                         f"again from its archive)") from None
+    try:
+        m = Image.open(path)
+        if size not in (None, m.size):
+            raise SystemExit(f"error: mask {path} is {m.size[0]} x {m.size[1]} pixels but its image {image} is "
+                             f"{size[0]} x {size[1]}: one of them belongs to another image; extract both again "
+                             f"from their archive")
+        m = centre_square(m).resize((SEG_SIZE, SEG_SIZE), Image.NEAREST)
         return torch.from_numpy(lut[np.asarray(m, dtype=np.uint8)])
     except Exception as e:
         raise SystemExit(f"error: cannot read mask {path} ({type(e).__name__}: {e}); replace it (extract it again "
@@ -841,7 +885,8 @@ def segmentation_set(name, root):
     LazyImages([root / mask_pattern.format(i) for i in ids], listed_in=listed_in).check(f"{name} masks")
     lut = np.full(256, IGNORE, dtype=np.uint8)                       # background, unlabelled -> IGNORE
     lut[first_label:first_label + len(names)] = np.arange(len(names))  # label k + first_label -> class k
-    masks = torch.stack([read_mask(root / mask_pattern.format(i), lut) for i in ids])  # (N, S, S) uint8
+    masks = torch.stack([read_mask(root / mask_pattern.format(i), lut, root / image_pattern.format(i))
+                         for i in ids])                       # (N, S, S) uint8
     return MaskSet(images, masks, names)
 
 

@@ -119,11 +119,13 @@ def word_tokens(h, real, special):
 # 6. fp16 / bf16 autocast on CUDA, under torch.no_grad; batches come from extract().
 # 7. A model folder is checked before anything runs: a readable config.json, a
 #    weights file, a text encoder's tokenizer files (without them every word is
-#    [UNK]), a tokenizer no larger than the embedding table, a readable
+#    [UNK]), a tokenizer that encodes and pads a caption (an empty vocabulary,
+#    no pad token), a tokenizer no larger than the embedding table, a readable
 #    preprocessor_config.json when there is one, and a crop the model takes
 #    (DINOv2 interpolates its position embeddings; ViT, DeiT, BEiT and CLIP need
-#    crop = image_size). Each fault is one error line; a pytorch_model.bin that
-#    needs code to unpickle is refused, never loaded.
+#    crop = image_size), a config.json that describes the weights file (no weight
+#    left at random, none ignored: load_weights). Each fault is one error line; a
+#    pytorch_model.bin that needs code to unpickle is refused, never loaded.
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 TEXT_POOLING = {"clip": "eos", "clip_text_model": "eos"}  # model_type -> pooling; default masked mean
@@ -220,7 +222,13 @@ def hf_preprocess(source, config, flag="--image-encoder"):
     crop = p.crop_size if getattr(p, "do_center_crop", False) else p.size
     crop = crop["height"] if crop.get("height") else crop["shortest_edge"]
     resize = p.size["shortest_edge"] if p.size.get("shortest_edge") else None  # None: fixed height x width
-    return ImagePreprocess(resize, crop, tuple(p.image_mean), tuple(p.image_std), int(getattr(p, "resample", 3) or 3))
+    per_channel = lambda v: (float(v),) * 3 if isinstance(v, (int, float)) else tuple(v)  # one number: every channel
+    mean, std = per_channel(p.image_mean), per_channel(p.image_std)
+    if len(mean) != 3 or len(std) != 3:
+        raise SystemExit(f"error: {flag} {source}: its preprocessor_config.json gives {len(mean)} image_mean and "
+                         f"{len(std)} image_std values, but images are read as RGB (3 channels): give 3 of each, "
+                         f"or one number for all")
+    return ImagePreprocess(resize, crop, mean, std, int(getattr(p, "resample", 3) or 3))
 
 
 def first_line(e):
@@ -265,6 +273,10 @@ def load_failed(source, flag, e):
         return SystemExit(f"error: refusing to load the weights of {flag} {source}: pytorch_model.bin holds pickled "
                           f"Python objects besides tensors, and unpickling them could run code. Use the model's "
                           f"model.safetensors instead (hf download <name> model.safetensors).")
+    if "ignore_mismatched_sizes" in str(e):                      # transformers' size-mismatch report
+        return SystemExit(f"error: {flag} {source}: its config.json does not describe its weights: tensors of other "
+                          f"shapes (the report above); config.json belongs to another model (hidden_size?): copy it "
+                          f"again from the model's download")
     return SystemExit(f"error: {flag} {source}: its weights cannot be read ({type(e).__name__}: {first_line(e)}); "
                       f"truncated or corrupt? download the folder again")
 
@@ -348,6 +360,25 @@ def _load_faults():
 
 LOAD_FAULTS = _load_faults()
 HF_SAFE = dict(trust_remote_code=False)  # never run a checkpoint's own Python code; weights: safetensors first
+
+
+def load_weights(cls, source, flag, reads_pooler=False):
+    """cls.from_pretrained(source), refused when config.json does not describe the weights file: weights
+    the model has but the file lacks (transformers would initialise them at random, e.g. config.json
+    asking for more layers than were saved), or weights of the model's own modules the config has no
+    place for (fewer layers). A missing pooler is allowed where its output is never read (RoBERTa and
+    DeiT checkpoints ship without one); a checkpoint's other heads (BERT's cls, CLIP's other tower) are not ours."""
+    model, info = cls.from_pretrained(source, output_loading_info=True, **HF_SAFE)
+    ours = {name for name, _ in model.named_children()}
+    missing = sorted(k for k in info["missing_keys"] if reads_pooler or not k.startswith("pooler."))
+    extra = sorted(k for k in info["unexpected_keys"] if k.split(".")[0] in ours)
+    if missing or extra:
+        what = f"{len(missing)} of its weights are not in the file (e.g. {missing[0]}; they would be random)" \
+            if missing else f"the file holds {len(extra)} weights it has no place for (e.g. {extra[0]})"
+        raise SystemExit(f"error: {flag} {source}: its config.json does not describe its weights: {what}; "
+                         f"config.json belongs to another model (num_hidden_layers?): copy it again from the "
+                         f"model's download (to read an earlier block, keep the config and pass the layer flag)")
+    return model
 
 
 def remote_code_refused(name, flag, e):
@@ -529,13 +560,13 @@ def load_hf_image(name, layer=-1):
             raise SystemExit(f"error: {name} is a {config.model_type!r} model; image encoders: {sorted(IMAGE_FAMILIES)}")
         classifier, names = None, None
         if config.model_type in ("clip", "clip_vision_model"):
-            model = CLIPVisionModel.from_pretrained(source, **HF_SAFE)
+            model = load_weights(CLIPVisionModel, source, "--image-encoder")
         elif any(a.endswith("ForImageClassification") for a in (config.architectures or [])):
-            full = AutoModelForImageClassification.from_pretrained(source, **HF_SAFE)   # keep the head (e.g. ImageNet-21K)
+            full = load_weights(AutoModelForImageClassification, source, "--image-encoder")  # keep the head (ImageNet-21K)
             model, classifier = full.base_model, full.classifier
             names = [full.config.id2label[i] for i in range(len(full.config.id2label))]
         else:
-            model = AutoModel.from_pretrained(source, **HF_SAFE)
+            model = load_weights(AutoModel, source, "--image-encoder", reads_pooler=config.model_type == "beit")
     except LOAD_FAULTS as e:
         if local:
             raise load_failed(source, "--image-encoder", e) from None
@@ -545,6 +576,10 @@ def load_hf_image(name, layer=-1):
     for p in model.parameters():
         p.requires_grad_(False)
     name = str(Path(name).resolve()) if Path(name).is_dir() else name  # the cache key names the checkpoint itself
+    channels = getattr(model.config, "num_channels", 3)
+    if channels != 3:
+        raise SystemExit(f"error: --image-encoder {name}: its config.json says num_channels {channels}, but images are "
+                         f"read as RGB (3 channels) here; use a model that takes RGB images")
     transform = hf_preprocess(source, model.config)
     size = getattr(model.config, "image_size", transform.crop)
     if transform.crop != size and not config.model_type.startswith("dinov2"):   # DINOv2 interpolates its positions
@@ -591,7 +626,7 @@ def load_hf_text(name, layer=-1):
         if config.model_type not in TEXT_FAMILIES:
             raise SystemExit(f"error: {name} is a {config.model_type!r} model; text encoders: {sorted(TEXT_FAMILIES)}")
         clip = config.model_type in ("clip", "clip_text_model")
-        model = (CLIPTextModel if clip else AutoModel).from_pretrained(source, **HF_SAFE)
+        model = load_weights(CLIPTextModel if clip else AutoModel, source, "--text-encoder")
         tokenizer = AutoTokenizer.from_pretrained(source, **HF_SAFE)
     except LOAD_FAULTS as e:
         if local:
@@ -608,6 +643,12 @@ def load_hf_text(name, layer=-1):
         p.requires_grad_(False)
     name = str(Path(name).resolve()) if Path(name).is_dir() else name  # the cache key names the checkpoint itself
     enc = HFTextEncoder(name, model, tokenizer, layer)
+    try:                          # two lengths, so padding too: a broken tokenizer fails here, not mid-extraction
+        enc.tokenize(["a photo", "a photo of a dog ."])
+    except Exception as e:        # the tokenizers library raises bare Exceptions ("WordPiece error: ...")
+        raise SystemExit(f"error: --text-encoder {name}: its tokenizer cannot encode a caption ({type(e).__name__}: "
+                         f"{first_line(e)}); its tokenizer files (vocab, tokenizer_config.json) are broken or belong "
+                         f"to another model: copy them again from the model's download") from None
     enc.fingerprint = hf_fingerprint(source, model)
     return enc
 

@@ -369,7 +369,34 @@ def sentence_without_raw(root):
     rewrite(root, split)
 
 
+def entry(root, split, i, **fields):
+    """Set fields of the i-th entry of a split."""
+    split_file = entries_of(root)
+    [e for e in split_file["images"] if e["split"] == split][i].update(fields)
+    rewrite(root, split_file)
+
+
+def listed_twice(root):
+    entry(root, "test", 1, filename="test_0.jpg")                          # two right answers for its captions
+
+
+def also_in_train(root):
+    entry(root, "test", 2, filepath="train2014", filename="train_5.jpg")   # a training pair scored as a test one
+
+
+def only_restval(root):
+    split_file = entries_of(root)
+    for e in split_file["images"]:
+        e["split"] = "restval" if e["split"] == "train" else e["split"]
+    rewrite(root, split_file)
+
+
 @pytest.mark.parametrize("fault, says", [
+    (listed_twice, "images[6] (test) and images[7] (test) are the same image"),
+    (also_in_train, "images[5] (train) and images[8] (test) are the same image"),
+    (only_restval, "no images in split 'train' (its splits: restval 6, test 3, val 1)"),
+    (lambda root: entry(root, "train", 2, filepath=None), "images[2] (train_2.jpg): its 'filepath' is not"),
+    (lambda root: entry(root, "train", 1, filename=""), "images[1] has no 'filename'"),
     (truncated_json, "is not valid JSON"), (non_utf8_byte, "byte 0xe9 at offset"),
     (no_images_key, 'has no "images" list'), (entry_without_split, "images[3] (train_3.jpg) has no 'split'"),
     (sentence_without_raw, "images[7] (test_1.jpg): sentences[2] has no 'raw'")])
@@ -384,11 +411,14 @@ def test_annotation_faults_are_one_line_naming_the_file(tmp_path, fault, says):
 # ----------------------------------------------------------------------------- image and mask faults
 @pytest.mark.parametrize("split, name, fault, says", [
     ("val2014", "test_2.jpg", "missing", "1 of 3 COCO test images are missing"),
-    ("train2014", "train_4.jpg", "empty", "1 of 6 COCO train images are empty (0 bytes)")])
+    ("train2014", "train_4.jpg", "empty", "1 of 6 COCO train images are empty (0 bytes)"),
+    ("val2014", "test_1.jpg", "a folder", "1 of 3 COCO test images are missing")])
 def test_a_missing_or_empty_image_anywhere_is_one_line_before_any_encoder_runs(tmp_path, split, name, fault, says):
     write_karpathy(tmp_path / "coco")
     f = tmp_path / "coco" / split / name
-    f.unlink() if fault == "missing" else f.write_bytes(b"")
+    f.unlink() if fault != "empty" else f.write_bytes(b"")
+    if fault == "a folder":
+        f.mkdir()
     with pytest.raises(SystemExit) as e:
         data.coco(tmp_path)
     assert says in one_line(e) and str(f) in str(e.value) and "dataset_coco.json" in str(e.value)
@@ -421,6 +451,17 @@ def test_align_reports_an_unreadable_test_image_in_one_line_without_a_traceback(
     r = run_align(tmp_path, tmp_path, tmp_path / "cache", "out", models, check=False)
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert r.stderr.strip().splitlines()[-1].startswith(f"error: cannot read image {f}")
+
+
+def test_a_voc_mask_of_another_size_than_its_image_is_one_line(tmp_path):
+    """The image and its mask are centre-cropped apart: of other sizes, the mask's labels would
+    fall on other pixels (a mask of another image), with no error."""
+    write_voc(tmp_path)
+    image = tmp_path / "VOCdevkit" / "VOC2012" / "JPEGImages" / "2007_000002.jpg"
+    Image.new("RGB", (36, 36)).save(image)                                      # its mask is 36 x 28
+    with pytest.raises(SystemExit) as e:
+        data.segmentation_set("voc20", tmp_path)
+    assert "2007_000002.png is 36 x 28 pixels but its image" in one_line(e) and str(image) in str(e.value)
 
 
 def test_a_missing_voc_mask_is_one_line_before_any_encoder_runs(tmp_path):
@@ -513,3 +554,85 @@ def test_a_mistyped_local_path_is_neither_a_folder_nor_a_hub_model(tmp_path, mod
     with pytest.raises(SystemExit) as e:
         encoders.load_hf_image("models/dinov2-larg")
     assert "neither a folder nor a downloaded hub model (did you mean models/dinov2-large?)" in one_line(e)
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda c: dict(c, num_hidden_layers=c["num_hidden_layers"] + 2), "32 of its weights are not in the file"),
+    (lambda c: dict(c, num_hidden_layers=1), "the file holds 16 weights it has no place for"),
+    (lambda c: dict(c, hidden_size=2 * c["hidden_size"]), "tensors of other shapes")])
+def test_a_config_that_does_not_describe_the_weights_is_refused(tmp_path, models, change, says):
+    """config.json of another model: more layers than were saved (transformers would leave them at
+    random and run), fewer (it would drop the rest), another width (its size-mismatch report)."""
+    folder = copy_folder(models / "bert", tmp_path / "bert")
+    (folder / "config.json").write_text(json.dumps(change(json.loads((folder / "config.json").read_text()))))
+    with pytest.raises(SystemExit) as e:
+        encoders.load_hf_text(str(folder))
+    assert says in one_line(e) and "its config.json does not describe its weights" in str(e.value)
+
+
+def no_pad_token(folder):
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(dict(config, pad_token=None)))
+
+
+def empty_vocab(folder):
+    (folder / "vocab.txt").write_text("")
+    (folder / "tokenizer.json").unlink()
+
+
+@pytest.mark.parametrize("fault, says", [(no_pad_token, "Asking to pad but the tokenizer does not have a padding token"),
+                                         (empty_vocab, "Missing [UNK] token from the vocabulary")])
+def test_a_tokenizer_that_cannot_encode_a_caption_is_refused_when_it_loads(tmp_path, models, fault, says):
+    """A tokenizer that loads but cannot pad (no pad token) or tokenize (an empty vocab.txt) failed
+    with a traceback mid-extraction; it is now one line when the encoder loads."""
+    folder = copy_folder(models / "bert", tmp_path / "bert")
+    fault(folder)
+    with pytest.raises(SystemExit) as e:
+        encoders.load_hf_text(str(folder))
+    assert "its tokenizer cannot encode a caption" in one_line(e) and says in str(e.value)
+
+
+def test_an_image_model_that_is_not_rgb_is_refused_and_a_one_number_mean_applies_to_every_channel(tmp_path, models):
+    """A 1-channel model and a 1-value image_mean list were tracebacks (a view of (3, 1, 1));
+    image_mean / image_std as one number (transformers' own meaning: every channel) loaded as a TypeError."""
+    from transformers import AutoModel, Dinov2Config
+    from test_real import VISION
+    grey = tmp_path / "grey"
+    AutoModel.from_config(Dinov2Config(**VISION, num_channels=1)).save_pretrained(grey)
+    with pytest.raises(SystemExit) as e:
+        encoders.load_hf_image(str(grey))
+    assert "num_channels 1, but images are read as RGB" in one_line(e)
+    for mean, says in ((0.5, None), ([0.5], "gives 1 image_mean and 1 image_std values")):
+        folder = copy_folder(models / "dinov2", tmp_path / f"dinov2-{len(str(mean))}")
+        config = json.loads((folder / "preprocessor_config.json").read_text())
+        (folder / "preprocessor_config.json").write_text(json.dumps(dict(config, image_mean=mean, image_std=mean)))
+        if says is None:
+            t = encoders.load_hf_image(str(folder)).transform
+            assert t.mean.flatten().tolist() == [0.5] * 3 and t.std.flatten().tolist() == [0.5] * 3
+            continue
+        with pytest.raises(SystemExit) as e:
+            encoders.load_hf_image(str(folder))
+        assert says in one_line(e)
+
+
+def test_a_run_on_other_data_never_overwrites_the_results_in_its_out(tmp_path, models, capsys):
+    """Two runs with one --out (the default names the method, the set and the seed, not the folder):
+    the second, on another --data-root, stops before any work and the first one's results stay."""
+    for name in ("a", "b"):
+        write_karpathy(tmp_path / name / "coco")
+    out = tmp_path / "out"
+    run = lambda root, *extra: align.main([
+        "--data", "coco", "--data-root", str(root), "--cache-dir", str(tmp_path / "cache"), "--out", str(out),
+        "--threads", "1", "--epochs", "1", "--method", "linear", "--no-figures", "--image-encoder",
+        str(models / "dinov2"), "--text-encoder", str(models / "bert"), *extra])
+    run(tmp_path / "a")
+    first = (out / "metrics.json").read_bytes()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        run(tmp_path / "b")
+    assert f"--out {out} holds the results of a run on other data (coco in {tmp_path / 'a'}; this run: coco in " \
+           f"{tmp_path / 'b'})" in one_line(e)
+    assert (out / "metrics.json").read_bytes() == first and "[data]" not in capsys.readouterr().out
+    args = align.parse_args(["--data", "coco", "--data-root", str(tmp_path / "a")])
+    align.check_out_data(args, out)                                    # the same data: a rerun replaces them
+    align.check_out_data(align.parse_args(["--data", "coco", "--data-root", str(tmp_path / "b"), "--resume"]), out)
