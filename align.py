@@ -404,7 +404,7 @@ def hard_negative_captions(pairs):
     M = max(len(n) for n in negs)
     if M == 0:
         raise RunError("--hard-negatives: no training caption has a swap (data.word_swaps found no "
-                       "two colour words and no relation between two known nouns)")
+                       "two noun phrases with modifiers to exchange and no relation phrase between two noun phrases)")
     flat, index = [], torch.full((len(negs), M), -1, dtype=torch.long)
     for i, n in enumerate(negs):
         for m, c in enumerate(n):
