@@ -636,3 +636,14 @@ def test_a_run_on_other_data_never_overwrites_the_results_in_its_out(tmp_path, m
     args = align.parse_args(["--data", "coco", "--data-root", str(tmp_path / "a")])
     align.check_out_data(args, out)                                    # the same data: a rerun replaces them
     align.check_out_data(align.parse_args(["--data", "coco", "--data-root", str(tmp_path / "b"), "--resume"]), out)
+
+
+def test_a_wrong_data_root_is_said_before_the_built_in_encoders_pretrain(tmp_path, monkeypatch):
+    """--data coco with the built-in encoders: a --data-root without the split file (one level too
+    deep) stopped only after a minute of encoder pretraining; it is now said at start."""
+    write_karpathy(tmp_path / "coco")
+    monkeypatch.setattr(align.encoders, "load_encoders", lambda *a, **k: pytest.fail("encoders loaded"))
+    with pytest.raises(SystemExit) as e:
+        align.main(["--data", "coco", "--data-root", str(tmp_path / "coco" / "train2014"), "--cache-dir",
+                    str(tmp_path / "cache"), "--out", str(tmp_path / "out"), "--threads", "1"])
+    assert f"COCO Karpathy split file dataset_coco.json not found at {tmp_path / 'coco' / 'train2014'}" in str(e.value)
