@@ -642,6 +642,7 @@ def load_hf_text(name, layer=-1):
     for p in model.parameters():
         p.requires_grad_(False)
     name = str(Path(name).resolve()) if Path(name).is_dir() else name  # the cache key names the checkpoint itself
+    tokenizer.padding_side = "right"  # the contract: padding at the end (left padding shifts BERT's positions, CLIP's EOS)
     enc = HFTextEncoder(name, model, tokenizer, layer)
     try:                          # two lengths, so padding too: a broken tokenizer fails here, not mid-extraction
         enc.tokenize(["a photo", "a photo of a dog ."])

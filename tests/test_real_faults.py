@@ -647,3 +647,17 @@ def test_a_wrong_data_root_is_said_before_the_built_in_encoders_pretrain(tmp_pat
         align.main(["--data", "coco", "--data-root", str(tmp_path / "coco" / "train2014"), "--cache-dir",
                     str(tmp_path / "cache"), "--out", str(tmp_path / "out"), "--threads", "1"])
     assert f"COCO Karpathy split file dataset_coco.json not found at {tmp_path / 'coco' / 'train2014'}" in str(e.value)
+
+
+@pytest.mark.parametrize("family", ["bert", "clip"])
+def test_a_tokenizer_that_pads_on_the_left_gives_the_features_of_right_padding(tmp_path, models, family):
+    """padding_side "left" in tokenizer_config.json moved BERT's position embeddings and CLIP's EOS
+    (pooled = the last real token) under the padding: other features, with no error."""
+    folder = copy_folder(models / family, tmp_path / family)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(dict(config, padding_side="left")))
+    texts = ["a dog", "a red cat sits on the man ."]                       # two lengths: one is padded
+    want, got = encoders.load_hf_text(str(models / family)).encode(texts), encoders.load_hf_text(str(folder)).encode(texts)
+    torch.testing.assert_close(got.pooled, want.pooled)
+    torch.testing.assert_close(got.tokens, want.tokens)
+    assert torch.equal(got.mask, want.mask)
