@@ -674,7 +674,7 @@ def read_split_file(path):
     again = "unpack it again from caption_datasets.zip"
     raw = path.read_bytes()
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")                # a byte-order mark (an editor's UTF-8) is not a fault
     except UnicodeDecodeError as e:
         line = raw[:e.start].count(b"\n") + 1
         raise SystemExit(f"error: {path}: byte 0x{raw[e.start]:02x} at offset {e.start} (line {line}) is not UTF-8; "

@@ -453,6 +453,15 @@ def test_align_reports_an_unreadable_test_image_in_one_line_without_a_traceback(
     assert r.stderr.strip().splitlines()[-1].startswith(f"error: cannot read image {f}")
 
 
+def test_a_split_file_saved_with_a_utf8_byte_order_mark_loads(tmp_path):
+    """An editor that saves UTF-8 with a BOM: the file is valid UTF-8, not "invalid JSON"."""
+    write_karpathy(tmp_path / "coco")
+    f = tmp_path / "coco" / "dataset_coco.json"
+    want = data.coco(tmp_path)["test"].captions
+    f.write_bytes(b"\xef\xbb\xbf" + f.read_bytes())
+    assert data.coco(tmp_path)["test"].captions == want
+
+
 def test_a_voc_mask_of_another_size_than_its_image_is_one_line(tmp_path):
     """The image and its mask are centre-cropped apart: of other sizes, the mask's labels would
     fall on other pixels (a mask of another image), with no error."""
