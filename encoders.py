@@ -112,7 +112,7 @@ def word_tokens(h, real, special):
 #    other text family the masked mean, the sentence-transformers pooling.
 #    Padded tokens are exactly 0.
 # 5. Preprocessing: the checkpoint's preprocessor_config.json (resize, centre
-#    crop, mean / std); without one the ViT default (resize 256, centre crop
+#    crop, mean / std, none with do_normalize false); without one the ViT default (resize 256, centre crop
 #    224, ImageNet mean / std), scaled to the model's image size. A SQUARE image
 #    is resized straight to the crop size, so the segmentation sets' square
 #    crops (data.py) keep every pixel and their masks stay aligned.
@@ -224,6 +224,8 @@ def hf_preprocess(source, config, flag="--image-encoder"):
     resize = p.size["shortest_edge"] if p.size.get("shortest_edge") else None  # None: fixed height x width
     per_channel = lambda v: (float(v),) * 3 if isinstance(v, (int, float)) else tuple(v)  # one number: every channel
     mean, std = per_channel(p.image_mean), per_channel(p.image_std)
+    if getattr(p, "do_normalize", True) is False:            # the model reads pixels in [0, 1], as its processor
+        mean, std = (0.0,) * 3, (1.0,) * 3
     if len(mean) != 3 or len(std) != 3:
         raise SystemExit(f"error: {flag} {source}: its preprocessor_config.json gives {len(mean)} image_mean and "
                          f"{len(std)} image_std values, but images are read as RGB (3 channels): give 3 of each, "

@@ -670,3 +670,15 @@ def test_a_tokenizer_that_pads_on_the_left_gives_the_features_of_right_padding(t
     torch.testing.assert_close(got.pooled, want.pooled)
     torch.testing.assert_close(got.tokens, want.tokens)
     assert torch.equal(got.mask, want.mask)
+
+
+def test_a_preprocessor_that_does_not_normalise_is_followed(tmp_path, models):
+    """"do_normalize": false: the model was trained on pixels in [0, 1]; subtracting the stated mean
+    anyway gave other inputs, with no error. The model gets the pixels / 255."""
+    folder = copy_folder(models / "dinov2", tmp_path / "dinov2")
+    config = json.loads((folder / "preprocessor_config.json").read_text())
+    (folder / "preprocessor_config.json").write_text(json.dumps(dict(config, do_normalize=False)))
+    pixels = torch.randint(0, 256, (3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    t = encoders.load_hf_image(str(folder)).transform
+    assert torch.equal(t([pixels]), pixels[None].float() / 255)               # 32 x 32: the crop, no resize
+    assert encoders.load_hf_image(str(models / "dinov2")).transform([pixels]).min() < 0   # normalised: below 0
