@@ -801,12 +801,14 @@ def select_layers(image_enc, text_enc, pairs, metric="mknn", n=5000, batch_size=
     is copied to the host); metric "cka" (linear CKA) or "mknn" (mutual kNN, k = ceil(2 n^(1/3))),
     from similarity.py, with each layer's kNN sets computed once (similarity.mutual_knn_table).
     With cache_dir the table is kept in cache_dir/layers/<key>.json, keyed by both encoders'
-    names, weights fingerprints and preprocessing, the pairs scored, n, seed and the metric:
+    names, weights fingerprints and preprocessing, the pairs scored (their captions; the image
+    files' paths, sizes and mtimes, or the pixels of in-memory images), n, seed and the metric:
     a rerun reads it instead of running the encoders.
     Returns (image_layer, text_layer, {(li, lt): score}).
     """
     import hashlib
     import json
+    import data
     import similarity
     from cache import atomic_write_text
 
@@ -827,9 +829,8 @@ def select_layers(image_enc, text_enc, pairs, metric="mknn", n=5000, batch_size=
     if cache_dir is not None:
         h = hashlib.sha1(repr([(e.name, getattr(e, "fingerprint", None), e.preprocess) for e in (image_enc, text_enc)]
                               + [metric, len(pick), seed, captions]).encode())
-        keys = getattr(pairs.images, "keys", None)                              # LazyImages: the files
         h.update(pairs.images[pick].numpy().tobytes() if isinstance(pairs.images, torch.Tensor)
-                 else repr([keys[i] for i in pick.tolist()] if keys is not None else len(pick)).encode())
+                 else data.identity(pairs.images).encode())       # files: every path, size and mtime (data.identity)
         path = Path(cache_dir) / "layers" / f"{metric}-{h.hexdigest()[:16]}.json"
     saved = None
     if path is not None and path.exists():

@@ -682,3 +682,23 @@ def test_a_preprocessor_that_does_not_normalise_is_followed(tmp_path, models):
     t = encoders.load_hf_image(str(folder)).transform
     assert torch.equal(t([pixels]), pixels[None].float() / 255)               # 32 x 32: the crop, no resize
     assert encoders.load_hf_image(str(models / "dinov2")).transform([pixels]).min() < 0   # normalised: below 0
+
+
+def test_the_layer_table_of_one_data_folder_is_never_read_for_another(tmp_path, models, monkeypatch):
+    """--select-layers keeps its score table in the cache, keyed by the images scored: by their
+    relative paths only, a second copy of the folder with other images (the same --data-root data
+    from another working directory) read the first one's table."""
+    img, txt = encoders.load_hf_image(str(models / "dinov2")), encoders.load_hf_text(str(models / "bert"))
+    seen = []
+    for name in ("one", "two"):
+        write_karpathy(tmp_path / name / "data" / "coco")
+        if name == "two":
+            for f in (tmp_path / name / "data" / "coco" / "train2014").iterdir():
+                Image.new("RGB", (40, 30)).save(f)                               # other pixels, same names
+        monkeypatch.chdir(tmp_path / name)
+        log = []
+        _, _, table = encoders.select_layers(img, txt, data.coco("data")["train"], "cka", n=6,
+                                             cache_dir=tmp_path / "cache", log=log.append)
+        assert not any("cached" in line for line in log)
+        seen.append(table)
+    assert seen[0] != seen[1]
