@@ -260,8 +260,16 @@ def check_folder(folder, flag, text=False):
     again = "download the whole folder again (hf download <name> --local-dir <folder>)"
     if not (folder / "config.json").is_file():
         raise SystemExit(f"error: {flag} {folder}: no config.json, so not a Hugging Face model folder; {again}")
-    if "auto_map" in read_json(folder / "config.json", flag, folder):
+    config = read_json(folder / "config.json", flag, folder)
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise SystemExit(f"error: {flag} {folder}: config.json has no model_type, so it is not a Hugging Face "
+                         f"model's config; {again}")
+    if "auto_map" in config:
         raise remote_code_refused(folder, flag, ValueError("trust_remote_code"))
+    families = TEXT_FAMILIES if text else IMAGE_FAMILIES            # before transformers meets an unknown type
+    if config["model_type"] not in families:
+        raise SystemExit(f"error: {flag} {folder} is a {config['model_type']!r} model; "
+                         f"{'text' if text else 'image'} encoders: {sorted(families)}")
     if not any((folder / f).is_file() for f in WEIGHT_FILES):
         raise SystemExit(f"error: {flag} {folder}: no weights file ({' / '.join(WEIGHT_FILES[::2])}); {again}")
     if text and not any((folder / f).is_file() for f in TOKENIZER_FILES):

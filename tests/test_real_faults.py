@@ -702,3 +702,18 @@ def test_the_layer_table_of_one_data_folder_is_never_read_for_another(tmp_path, 
         assert not any("cached" in line for line in log)
         seen.append(table)
     assert seen[0] != seen[1]
+
+
+@pytest.mark.parametrize("config, says", [({"model_type": "foo"}, "is a 'foo' model; image encoders: ['beit'"),
+                                          ({}, "config.json has no model_type, so it is not"),
+                                          ([1, 2], "config.json has no model_type, so it is not")])
+def test_a_model_type_transformers_does_not_know_is_one_line(tmp_path, models, config, says):
+    """An unknown or missing model_type (a config.json from another library, a newer transformers)
+    was transformers' ValueError with its traceback."""
+    folder = copy_folder(models / "dinov2", tmp_path / "dinov2")
+    old = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in old.items() if k != "model_type"} | config
+                                                   if isinstance(config, dict) else config))
+    with pytest.raises(SystemExit) as e:
+        encoders.load_hf_image(str(folder))
+    assert says in one_line(e)
