@@ -131,6 +131,7 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 TEXT_POOLING = {"clip": "eos", "clip_text_model": "eos"}  # model_type -> pooling; default masked mean
 IMAGE_FAMILIES = {"dinov2", "dinov2_with_registers", "vit", "deit", "beit", "clip", "clip_vision_model"}
 TEXT_FAMILIES = {"bert", "roberta", "xlm-roberta", "mpnet", "distilbert", "clip", "clip_text_model"}
+POSITIONS_AFTER_PAD = {"roberta", "xlm-roberta", "mpnet"}  # position ids count from pad_token_id + 1
 
 
 def autocast(device):
@@ -498,7 +499,8 @@ class HFTextEncoder:
         config = model.config
         self.family, self.dim, self.n_layers = config.model_type, config.hidden_size, config.num_hidden_layers
         self.pooling = TEXT_POOLING.get(self.family, "mean")
-        self.max_length = min(tokenizer.model_max_length, getattr(config, "max_position_embeddings", 512), 512)
+        offset = config.pad_token_id + 1 if self.family in POSITIONS_AFTER_PAD else 0      # RoBERTa: 514 - 2
+        self.max_length = min(tokenizer.model_max_length, getattr(config, "max_position_embeddings", 512) - offset, 512)
         self.preprocess = f"{type(tokenizer).__name__} max_length {self.max_length} pooling {self.pooling}; {TOKEN_RULE}"
         if not -1 <= layer <= self.n_layers:
             raise SystemExit(f"error: --text-layer {layer}: {name} has layers 0..{self.n_layers} (-1 = the last)")

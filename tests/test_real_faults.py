@@ -717,3 +717,16 @@ def test_a_model_type_transformers_does_not_know_is_one_line(tmp_path, models, c
     with pytest.raises(SystemExit) as e:
         encoders.load_hf_image(str(folder))
     assert says in one_line(e)
+
+
+def test_a_caption_longer_than_a_roberta_takes_is_truncated_to_its_positions(tmp_path, models):
+    """RoBERTa counts positions from pad_token_id + 1 (514 rows, 512 tokens): with a tokenizer whose
+    model_max_length is unset (1e30), a long caption was an IndexError mid-extraction."""
+    folder = copy_folder(models / "roberta", tmp_path / "roberta")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(dict(config, model_max_length=int(1e30))))
+    enc = encoders.load_hf_text(str(folder))
+    rows = enc.model.config.max_position_embeddings                    # 42
+    assert enc.max_length == rows - 2
+    f = enc.encode(["dog " * 100, "a dog"])
+    assert f.mask[0].sum() == rows - 4                                 # <s> and </s> dropped
