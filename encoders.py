@@ -21,6 +21,7 @@ import json
 import math
 import os
 import pickle
+import re
 from pathlib import Path
 
 import numpy as np
@@ -483,6 +484,10 @@ class HFImageEncoder:
             raise SystemExit(f"error: {self.name} has no linear classification head. Use a checkpoint saved as "
                              f"...ForImageClassification with id2label (e.g. microsoft/beit-base-patch16-224-pt22k-ft22k) "
                              f"or a torchvision classifier (torchvision/resnet50).")
+        if all(re.fullmatch(r"LABEL_\d+", str(c)) for c in self.class_names):   # transformers' placeholders
+            raise SystemExit(f"error: the head of {self.name} has no class names (its config.json id2label says "
+                             f"{self.class_names[0]} .. {self.class_names[-1]}), and each head row is aligned with "
+                             f"its class name; write the names into id2label, or use a checkpoint that has them")
         if self.classifier.in_features != self.dim:  # DINOv2's heads read [CLS; mean patch], (2 D,)
             raise SystemExit(f"error: the head of {self.name} reads {self.classifier.in_features} features, not the "
                              f"{self.dim}-d pooled vector (DINOv2 heads read [CLS; mean patch]); its rows are not "

@@ -730,3 +730,14 @@ def test_a_caption_longer_than_a_roberta_takes_is_truncated_to_its_positions(tmp
     assert enc.max_length == rows - 2
     f = enc.encode(["dog " * 100, "a dog"])
     assert f.mask[0].sum() == rows - 4                                 # <s> and </s> dropped
+
+
+def test_a_classifier_head_without_class_names_is_refused_for_weight_recycling(tmp_path):
+    """A classifier saved without id2label gets transformers' LABEL_0, LABEL_1, ...: weight
+    recycling aligned each head row with "a photo of a LABEL_0.", with no error."""
+    from transformers import BeitConfig, BeitForImageClassification
+    from test_real import VISION
+    BeitForImageClassification(BeitConfig(**VISION, use_mean_pooling=True, num_labels=3)).save_pretrained(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        encoders.load_hf_image(str(tmp_path)).head()
+    assert "has no class names (its config.json id2label says LABEL_0 .. LABEL_2)" in one_line(e)
