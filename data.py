@@ -732,7 +732,10 @@ def karpathy_pairs(entries, image_dir, n_captions, listed_in=None):
     paths, captions, txt_to_img = [], [], []
     for i, e in enumerate(kept):
         paths.append(entry_path(image_dir, e))
-        for s in e["sentences"][:n_captions]:
+        for k, s in enumerate(e["sentences"][:n_captions]):
+            if not s["raw"].strip():                    # no token to align; said here, where the entry is known
+                raise SystemExit(f"error: {listed_in}: {e['split']} image {e['filename']}: sentences[{k}] is empty; "
+                                 f"give it text or remove that sentence")
             captions.append(s["raw"].strip())
             txt_to_img.append(i)
     return PairSet(LazyImages(paths, listed_in=listed_in), captions, torch.tensor(txt_to_img)), len(entries) - len(kept)

@@ -397,6 +397,8 @@ def only_restval(root):
     (only_restval, "no images in split 'train' (its splits: restval 6, test 3, val 1)"),
     (lambda root: entry(root, "train", 2, filepath=None), "images[2] (train_2.jpg): its 'filepath' is not"),
     (lambda root: entry(root, "train", 1, filename=""), "images[1] has no 'filename'"),
+    (lambda root: entry(root, "test", 1, sentences=[{"raw": "a dog"}, {"raw": "  "}]),
+     "test image test_1.jpg: sentences[1] is empty"),
     (truncated_json, "is not valid JSON"), (non_utf8_byte, "byte 0xe9 at offset"),
     (no_images_key, 'has no "images" list'), (entry_without_split, "images[3] (train_3.jpg) has no 'split'"),
     (sentence_without_raw, "images[7] (test_1.jpg): sentences[2] has no 'raw'")])
