@@ -204,12 +204,13 @@ def check_flags(args, method_cls):
 
 
 def check_places(args, out):
-    """The device, the encoder paths and the folders the run writes, before any work."""
+    """The device, the encoder paths, the data root and the folders the run writes, before any work."""
     device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise RunError("--device cuda, but torch sees no CUDA GPU here; use --device cpu (or auto)")
     encoders.check_path(args.image_encoder, "--image-encoder")
     encoders.check_path(args.text_encoder, "--text-encoder")
+    data.check_root(args.data, args.data_root)      # a wrong --data-root, before the encoders load or pretrain
     cache.check_writable(args.cache_dir, "--cache-dir")
     cache.check_writable(out, "--out")
     check_out_data(args, out)

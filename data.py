@@ -674,7 +674,7 @@ def read_split_file(path):
     again = "unpack it again from caption_datasets.zip"
     raw = path.read_bytes()
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")                # a byte-order mark (an editor's UTF-8) is not a fault
     except UnicodeDecodeError as e:
         line = raw[:e.start].count(b"\n") + 1
         raise SystemExit(f"error: {path}: byte 0x{raw[e.start]:02x} at offset {e.start} (line {line}) is not UTF-8; "
@@ -732,18 +732,35 @@ def karpathy_pairs(entries, image_dir, n_captions, listed_in=None):
     paths, captions, txt_to_img = [], [], []
     for i, e in enumerate(kept):
         paths.append(entry_path(image_dir, e))
-        for s in e["sentences"][:n_captions]:
+        for k, s in enumerate(e["sentences"][:n_captions]):
+            if not s["raw"].strip():                    # no token to align; said here, where the entry is known
+                raise SystemExit(f"error: {listed_in}: {e['split']} image {e['filename']}: sentences[{k}] is empty; "
+                                 f"give it text or remove that sentence")
             captions.append(s["raw"].strip())
             txt_to_img.append(i)
     return PairSet(LazyImages(paths, listed_in=listed_in), captions, torch.tensor(txt_to_img)), len(entries) - len(kept)
 
 
-def karpathy_dataset(root, sub, split_file, image_dir, layout, url, name):
-    """{"train", "test"} PairSets from a Karpathy split file; one clear error when anything is missing."""
+def split_file_folder(root, sub, split_file, layout, url, name):
+    """The folder holding a Karpathy split file, <root>/<sub> or <root>; missing: the one error with the layout."""
     root = Path(root)
     base = root / sub if (root / sub).is_dir() else root
     if not (base / split_file).exists():
         missing(f"{name} Karpathy split file {split_file}", base / split_file, layout, url)
+    return base
+
+
+def check_root(name, root):
+    """--data-root holds the set's split file: said at start, before any encoder loads or pretrains."""
+    if name == "coco":
+        split_file_folder(root, "coco", "dataset_coco.json", COCO_LAYOUT, COCO_URL, "COCO")
+    if name == "flickr":
+        split_file_folder(root, "flickr30k", "dataset_flickr30k.json", FLICKR_LAYOUT, FLICKR_URL, "Flickr30K")
+
+
+def karpathy_dataset(root, sub, split_file, image_dir, layout, url, name):
+    """{"train", "test"} PairSets from a Karpathy split file; one clear error when anything is missing."""
+    base = split_file_folder(root, sub, split_file, layout, url, name)
     entries = read_split_file(base / split_file)
     check_listed_once(entries, base / image_dir, base / split_file)
     sets = {}

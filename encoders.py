@@ -21,6 +21,7 @@ import json
 import math
 import os
 import pickle
+import re
 from pathlib import Path
 
 import numpy as np
@@ -112,7 +113,7 @@ def word_tokens(h, real, special):
 #    other text family the masked mean, the sentence-transformers pooling.
 #    Padded tokens are exactly 0.
 # 5. Preprocessing: the checkpoint's preprocessor_config.json (resize, centre
-#    crop, mean / std); without one the ViT default (resize 256, centre crop
+#    crop, mean / std, none with do_normalize false); without one the ViT default (resize 256, centre crop
 #    224, ImageNet mean / std), scaled to the model's image size. A SQUARE image
 #    is resized straight to the crop size, so the segmentation sets' square
 #    crops (data.py) keep every pixel and their masks stay aligned.
@@ -131,6 +132,7 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 TEXT_POOLING = {"clip": "eos", "clip_text_model": "eos"}  # model_type -> pooling; default masked mean
 IMAGE_FAMILIES = {"dinov2", "dinov2_with_registers", "vit", "deit", "beit", "clip", "clip_vision_model"}
 TEXT_FAMILIES = {"bert", "roberta", "xlm-roberta", "mpnet", "distilbert", "clip", "clip_text_model"}
+POSITIONS_AFTER_PAD = {"roberta", "xlm-roberta", "mpnet"}  # position ids count from pad_token_id + 1
 
 
 def autocast(device):
@@ -224,6 +226,8 @@ def hf_preprocess(source, config, flag="--image-encoder"):
     resize = p.size["shortest_edge"] if p.size.get("shortest_edge") else None  # None: fixed height x width
     per_channel = lambda v: (float(v),) * 3 if isinstance(v, (int, float)) else tuple(v)  # one number: every channel
     mean, std = per_channel(p.image_mean), per_channel(p.image_std)
+    if getattr(p, "do_normalize", True) is False:            # the model reads pixels in [0, 1], as its processor
+        mean, std = (0.0,) * 3, (1.0,) * 3
     if len(mean) != 3 or len(std) != 3:
         raise SystemExit(f"error: {flag} {source}: its preprocessor_config.json gives {len(mean)} image_mean and "
                          f"{len(std)} image_std values, but images are read as RGB (3 channels): give 3 of each, "
@@ -258,8 +262,16 @@ def check_folder(folder, flag, text=False):
     again = "download the whole folder again (hf download <name> --local-dir <folder>)"
     if not (folder / "config.json").is_file():
         raise SystemExit(f"error: {flag} {folder}: no config.json, so not a Hugging Face model folder; {again}")
-    if "auto_map" in read_json(folder / "config.json", flag, folder):
+    config = read_json(folder / "config.json", flag, folder)
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise SystemExit(f"error: {flag} {folder}: config.json has no model_type, so it is not a Hugging Face "
+                         f"model's config; {again}")
+    if "auto_map" in config:
         raise remote_code_refused(folder, flag, ValueError("trust_remote_code"))
+    families = TEXT_FAMILIES if text else IMAGE_FAMILIES            # before transformers meets an unknown type
+    if config["model_type"] not in families:
+        raise SystemExit(f"error: {flag} {folder} is a {config['model_type']!r} model; "
+                         f"{'text' if text else 'image'} encoders: {sorted(families)}")
     if not any((folder / f).is_file() for f in WEIGHT_FILES):
         raise SystemExit(f"error: {flag} {folder}: no weights file ({' / '.join(WEIGHT_FILES[::2])}); {again}")
     if text and not any((folder / f).is_file() for f in TOKENIZER_FILES):
@@ -472,6 +484,10 @@ class HFImageEncoder:
             raise SystemExit(f"error: {self.name} has no linear classification head. Use a checkpoint saved as "
                              f"...ForImageClassification with id2label (e.g. microsoft/beit-base-patch16-224-pt22k-ft22k) "
                              f"or a torchvision classifier (torchvision/resnet50).")
+        if all(re.fullmatch(r"LABEL_\d+", str(c)) for c in self.class_names):   # transformers' placeholders
+            raise SystemExit(f"error: the head of {self.name} has no class names (its config.json id2label says "
+                             f"{self.class_names[0]} .. {self.class_names[-1]}), and each head row is aligned with "
+                             f"its class name; write the names into id2label, or use a checkpoint that has them")
         if self.classifier.in_features != self.dim:  # DINOv2's heads read [CLS; mean patch], (2 D,)
             raise SystemExit(f"error: the head of {self.name} reads {self.classifier.in_features} features, not the "
                              f"{self.dim}-d pooled vector (DINOv2 heads read [CLS; mean patch]); its rows are not "
@@ -488,7 +504,8 @@ class HFTextEncoder:
         config = model.config
         self.family, self.dim, self.n_layers = config.model_type, config.hidden_size, config.num_hidden_layers
         self.pooling = TEXT_POOLING.get(self.family, "mean")
-        self.max_length = min(tokenizer.model_max_length, getattr(config, "max_position_embeddings", 512), 512)
+        offset = config.pad_token_id + 1 if self.family in POSITIONS_AFTER_PAD else 0      # RoBERTa: 514 - 2
+        self.max_length = min(tokenizer.model_max_length, getattr(config, "max_position_embeddings", 512) - offset, 512)
         self.preprocess = f"{type(tokenizer).__name__} max_length {self.max_length} pooling {self.pooling}; {TOKEN_RULE}"
         if not -1 <= layer <= self.n_layers:
             raise SystemExit(f"error: --text-layer {layer}: {name} has layers 0..{self.n_layers} (-1 = the last)")
@@ -642,6 +659,7 @@ def load_hf_text(name, layer=-1):
     for p in model.parameters():
         p.requires_grad_(False)
     name = str(Path(name).resolve()) if Path(name).is_dir() else name  # the cache key names the checkpoint itself
+    tokenizer.padding_side = "right"  # the contract: padding at the end (left padding shifts BERT's positions, CLIP's EOS)
     enc = HFTextEncoder(name, model, tokenizer, layer)
     try:                          # two lengths, so padding too: a broken tokenizer fails here, not mid-extraction
         enc.tokenize(["a photo", "a photo of a dog ."])
@@ -798,12 +816,14 @@ def select_layers(image_enc, text_enc, pairs, metric="mknn", n=5000, batch_size=
     is copied to the host); metric "cka" (linear CKA) or "mknn" (mutual kNN, k = ceil(2 n^(1/3))),
     from similarity.py, with each layer's kNN sets computed once (similarity.mutual_knn_table).
     With cache_dir the table is kept in cache_dir/layers/<key>.json, keyed by both encoders'
-    names, weights fingerprints and preprocessing, the pairs scored, n, seed and the metric:
+    names, weights fingerprints and preprocessing, the pairs scored (their captions; the image
+    files' paths, sizes and mtimes, or the pixels of in-memory images), n, seed and the metric:
     a rerun reads it instead of running the encoders.
     Returns (image_layer, text_layer, {(li, lt): score}).
     """
     import hashlib
     import json
+    import data
     import similarity
     from cache import atomic_write_text
 
@@ -824,9 +844,8 @@ def select_layers(image_enc, text_enc, pairs, metric="mknn", n=5000, batch_size=
     if cache_dir is not None:
         h = hashlib.sha1(repr([(e.name, getattr(e, "fingerprint", None), e.preprocess) for e in (image_enc, text_enc)]
                               + [metric, len(pick), seed, captions]).encode())
-        keys = getattr(pairs.images, "keys", None)                              # LazyImages: the files
         h.update(pairs.images[pick].numpy().tobytes() if isinstance(pairs.images, torch.Tensor)
-                 else repr([keys[i] for i in pick.tolist()] if keys is not None else len(pick)).encode())
+                 else data.identity(pairs.images).encode())       # files: every path, size and mtime (data.identity)
         path = Path(cache_dir) / "layers" / f"{metric}-{h.hexdigest()[:16]}.json"
     saved = None
     if path is not None and path.exists():

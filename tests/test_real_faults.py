@@ -397,6 +397,8 @@ def only_restval(root):
     (only_restval, "no images in split 'train' (its splits: restval 6, test 3, val 1)"),
     (lambda root: entry(root, "train", 2, filepath=None), "images[2] (train_2.jpg): its 'filepath' is not"),
     (lambda root: entry(root, "train", 1, filename=""), "images[1] has no 'filename'"),
+    (lambda root: entry(root, "test", 1, sentences=[{"raw": "a dog"}, {"raw": "  "}]),
+     "test image test_1.jpg: sentences[1] is empty"),
     (truncated_json, "is not valid JSON"), (non_utf8_byte, "byte 0xe9 at offset"),
     (no_images_key, 'has no "images" list'), (entry_without_split, "images[3] (train_3.jpg) has no 'split'"),
     (sentence_without_raw, "images[7] (test_1.jpg): sentences[2] has no 'raw'")])
@@ -451,6 +453,15 @@ def test_align_reports_an_unreadable_test_image_in_one_line_without_a_traceback(
     r = run_align(tmp_path, tmp_path, tmp_path / "cache", "out", models, check=False)
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert r.stderr.strip().splitlines()[-1].startswith(f"error: cannot read image {f}")
+
+
+def test_a_split_file_saved_with_a_utf8_byte_order_mark_loads(tmp_path):
+    """An editor that saves UTF-8 with a BOM: the file is valid UTF-8, not "invalid JSON"."""
+    write_karpathy(tmp_path / "coco")
+    f = tmp_path / "coco" / "dataset_coco.json"
+    want = data.coco(tmp_path)["test"].captions
+    f.write_bytes(b"\xef\xbb\xbf" + f.read_bytes())
+    assert data.coco(tmp_path)["test"].captions == want
 
 
 def test_a_voc_mask_of_another_size_than_its_image_is_one_line(tmp_path):
@@ -636,3 +647,99 @@ def test_a_run_on_other_data_never_overwrites_the_results_in_its_out(tmp_path, m
     args = align.parse_args(["--data", "coco", "--data-root", str(tmp_path / "a")])
     align.check_out_data(args, out)                                    # the same data: a rerun replaces them
     align.check_out_data(align.parse_args(["--data", "coco", "--data-root", str(tmp_path / "b"), "--resume"]), out)
+
+
+def test_a_wrong_data_root_is_said_before_the_built_in_encoders_pretrain(tmp_path, monkeypatch):
+    """--data coco with the built-in encoders: a --data-root without the split file (one level too
+    deep) stopped only after a minute of encoder pretraining; it is now said at start."""
+    write_karpathy(tmp_path / "coco")
+    monkeypatch.setattr(align.encoders, "load_encoders", lambda *a, **k: pytest.fail("encoders loaded"))
+    with pytest.raises(SystemExit) as e:
+        align.main(["--data", "coco", "--data-root", str(tmp_path / "coco" / "train2014"), "--cache-dir",
+                    str(tmp_path / "cache"), "--out", str(tmp_path / "out"), "--threads", "1"])
+    assert f"COCO Karpathy split file dataset_coco.json not found at {tmp_path / 'coco' / 'train2014'}" in str(e.value)
+
+
+@pytest.mark.parametrize("family", ["bert", "clip"])
+def test_a_tokenizer_that_pads_on_the_left_gives_the_features_of_right_padding(tmp_path, models, family):
+    """padding_side "left" in tokenizer_config.json moved BERT's position embeddings and CLIP's EOS
+    (pooled = the last real token) under the padding: other features, with no error."""
+    folder = copy_folder(models / family, tmp_path / family)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(dict(config, padding_side="left")))
+    texts = ["a dog", "a red cat sits on the man ."]                       # two lengths: one is padded
+    want, got = encoders.load_hf_text(str(models / family)).encode(texts), encoders.load_hf_text(str(folder)).encode(texts)
+    torch.testing.assert_close(got.pooled, want.pooled)
+    torch.testing.assert_close(got.tokens, want.tokens)
+    assert torch.equal(got.mask, want.mask)
+
+
+def test_a_preprocessor_that_does_not_normalise_is_followed(tmp_path, models):
+    """"do_normalize": false: the model was trained on pixels in [0, 1]; subtracting the stated mean
+    anyway gave other inputs, with no error. The model gets the pixels / 255."""
+    folder = copy_folder(models / "dinov2", tmp_path / "dinov2")
+    config = json.loads((folder / "preprocessor_config.json").read_text())
+    (folder / "preprocessor_config.json").write_text(json.dumps(dict(config, do_normalize=False)))
+    pixels = torch.randint(0, 256, (3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    t = encoders.load_hf_image(str(folder)).transform
+    assert torch.equal(t([pixels]), pixels[None].float() / 255)               # 32 x 32: the crop, no resize
+    assert encoders.load_hf_image(str(models / "dinov2")).transform([pixels]).min() < 0   # normalised: below 0
+
+
+def test_the_layer_table_of_one_data_folder_is_never_read_for_another(tmp_path, models, monkeypatch):
+    """--select-layers keeps its score table in the cache, keyed by the images scored: by their
+    relative paths only, a second copy of the folder with other images (the same --data-root data
+    from another working directory) read the first one's table."""
+    img, txt = encoders.load_hf_image(str(models / "dinov2")), encoders.load_hf_text(str(models / "bert"))
+    seen = []
+    for name in ("one", "two"):
+        write_karpathy(tmp_path / name / "data" / "coco")
+        if name == "two":
+            for f in (tmp_path / name / "data" / "coco" / "train2014").iterdir():
+                Image.new("RGB", (40, 30)).save(f)                               # other pixels, same names
+        monkeypatch.chdir(tmp_path / name)
+        log = []
+        _, _, table = encoders.select_layers(img, txt, data.coco("data")["train"], "cka", n=6,
+                                             cache_dir=tmp_path / "cache", log=log.append)
+        assert not any("cached" in line for line in log)
+        seen.append(table)
+    assert seen[0] != seen[1]
+
+
+@pytest.mark.parametrize("config, says", [({"model_type": "foo"}, "is a 'foo' model; image encoders: ['beit'"),
+                                          ({}, "config.json has no model_type, so it is not"),
+                                          ([1, 2], "config.json has no model_type, so it is not")])
+def test_a_model_type_transformers_does_not_know_is_one_line(tmp_path, models, config, says):
+    """An unknown or missing model_type (a config.json from another library, a newer transformers)
+    was transformers' ValueError with its traceback."""
+    folder = copy_folder(models / "dinov2", tmp_path / "dinov2")
+    old = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in old.items() if k != "model_type"} | config
+                                                   if isinstance(config, dict) else config))
+    with pytest.raises(SystemExit) as e:
+        encoders.load_hf_image(str(folder))
+    assert says in one_line(e)
+
+
+def test_a_caption_longer_than_a_roberta_takes_is_truncated_to_its_positions(tmp_path, models):
+    """RoBERTa counts positions from pad_token_id + 1 (514 rows, 512 tokens): with a tokenizer whose
+    model_max_length is unset (1e30), a long caption was an IndexError mid-extraction."""
+    folder = copy_folder(models / "roberta", tmp_path / "roberta")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(dict(config, model_max_length=int(1e30))))
+    enc = encoders.load_hf_text(str(folder))
+    rows = enc.model.config.max_position_embeddings                    # 42
+    assert enc.max_length == rows - 2
+    f = enc.encode(["dog " * 100, "a dog"])
+    assert f.mask[0].sum() == rows - 4                                 # <s> and </s> dropped
+
+
+def test_a_classifier_head_without_class_names_is_refused_for_weight_recycling(tmp_path):
+    """A classifier saved without id2label gets transformers' LABEL_0, LABEL_1, ...: weight
+    recycling aligned each head row with "a photo of a LABEL_0.", with no error."""
+    from transformers import BeitConfig, BeitForImageClassification
+    from test_real import VISION
+    BeitForImageClassification(BeitConfig(**VISION, use_mean_pooling=True, num_labels=3)).save_pretrained(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        encoders.load_hf_image(str(tmp_path)).head()
+    assert "has no class names (its config.json id2label says LABEL_0 .. LABEL_2)" in one_line(e)
