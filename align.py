@@ -295,17 +295,18 @@ def check_texts(texts, where):
 
 
 def load_inputs(args, device):
-    """The encoders, the data sets and their checks, the head rows when the run aligns on them,
-    and the layers of --select-layers: everything before the features are extracted."""
-    image_enc, text_enc = encoders.load_encoders(args.image_encoder, args.text_encoder,  # a wrong name
-                                                 args.cache_dir, args.image_layer, args.text_layer)
+    """The data sets and their checks, the encoders, the head rows when the run aligns on them,
+    and the layers of --select-layers: everything before the features are extracted. The data
+    come first: a fault in a data folder stops the run before an encoder loads or pretrains."""
     sets = data.DATASETS[args.data](**({"root": args.data_root} if args.data != "shapes" else {}))
-    F = {"image_encoder": image_enc, "text_encoder": text_enc, "sets": sets}
     for split, s in sets.items():
         if hasattr(s, "captions"):
             check_texts(s.captions, f"{args.data}/{split}")
+    image_enc, text_enc = encoders.load_encoders(args.image_encoder, args.text_encoder,  # a wrong name
+                                                 args.cache_dir, args.image_layer, args.text_layer)
+    F = {"image_encoder": image_enc, "text_encoder": text_enc, "sets": sets}
     if args.align_data != "pairs":
-        F["head"] = image_enc.head()            # a model without a head fails here, before any set
+        F["head"] = image_enc.head()            # a model without a head fails here, before any features
     if args.hard_negatives:
         F["negative captions"] = hard_negative_captions(sets["train"])
     if args.select_layers:

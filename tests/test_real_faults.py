@@ -743,3 +743,15 @@ def test_a_classifier_head_without_class_names_is_refused_for_weight_recycling(t
     with pytest.raises(SystemExit) as e:
         encoders.load_hf_image(str(tmp_path)).head()
     assert "has no class names (its config.json id2label says LABEL_0 .. LABEL_2)" in one_line(e)
+
+
+def test_a_missing_image_is_said_before_the_built_in_encoders_load_or_pretrain(tmp_path, monkeypatch):
+    """--data coco with the built-in encoders on a fresh cache: the data folder is read and checked
+    before any encoder loads, so a missing image is not said after a minute of pretraining."""
+    write_karpathy(tmp_path / "coco")
+    (tmp_path / "coco" / "val2014" / "test_1.jpg").unlink()
+    monkeypatch.setattr(align.encoders, "load_encoders", lambda *a, **k: pytest.fail("encoders loaded"))
+    with pytest.raises(SystemExit) as e:
+        align.main(["--data", "coco", "--data-root", str(tmp_path / "coco"), "--cache-dir",
+                    str(tmp_path / "cache"), "--out", str(tmp_path / "out"), "--threads", "1"])
+    assert "1 of 3 COCO test images are missing" in str(e.value) and "test_1.jpg" in str(e.value)
