@@ -305,8 +305,11 @@ def test_a_run_waits_for_the_run_writing_the_same_cache_file_then_reads_it(tmp_p
 
 
 def test_ctrl_c_mid_training_then_resume_matches_an_uninterrupted_run(reference, shared, tmp_path):
+    # SIGINT's default action in the run, as in a terminal, even where the test runner ignores SIGINT
+    # (a shell's background job does, and an ignored signal stays ignored across exec)
     p = subprocess.Popen(align_cmd(shared, tmp_path / "out", *RUN), cwd=ROOT, env=env(),
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         wait_for(p, lambda: (tmp_path / "out" / "checkpoint.pt").exists())  # epoch 1 of 3 saved
         p.send_signal(signal.SIGINT)
