@@ -196,6 +196,21 @@ def modality_gap(W, feats, n_perm=1000, seed=0):
 FEW_SHOT_TEMPLATE = "A photo of a {}"   # §4.2 and its code: the class text of Table 2
 
 
+def fit_full_batch(mlp, img, txt, steps, lr):
+    """Train mlp (methods/mlp.py) on all its pairs at once: Adam, one step per epoch, the lr annealed on
+    a cosine to 0 over the steps (App. E, no restarts). Returns mlp in eval mode."""
+    opt = torch.optim.Adam(mlp.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
+    mlp.train()
+    for _ in range(steps):
+        loss, _ = mlp.loss(img, txt)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+    return mlp.eval()
+
+
 def class_mean_pairs(support_feats, support_labels):
     """App. H, stage 2 (and its code): one pair per class, the normalised mean of that class's
     L2-normalised shots (its code: of the raw shots, choice 4). Returns (C_s, D) image side and (C_s,)
@@ -224,16 +239,7 @@ def finetune_mlp_classifier(mlp_method, class_text, support_feats, support_label
         x, y = support_feats.float(), support_labels                               # (n*C, D), (n*C,)
     img = Features.from_vectors(x)
     txt = class_text[y]                                      # the class text of each pair
-    opt = torch.optim.Adam(mlp.parameters(), lr=lr)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
-    mlp.train()
-    for _ in range(steps):
-        loss, _ = mlp.loss(img, txt)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sched.step()
-    mlp.eval()
+    fit_full_batch(mlp, img, txt, steps, lr)
     with torch.no_grad():
         t = F.normalize(mlp.embed_text(class_text), dim=-1)  # (C, K) class prototypes
 
@@ -374,16 +380,7 @@ def weight_aligned_mlp(W, names_txt, steps=None, lr=None):
     from methods.mlp import MLP
     steps, lr = steps or MLP.defaults["steps"], lr or MLP.defaults["lr"]
     mlp = MLP(W.shape[1], names_txt.tokens.shape[-1])
-    opt = torch.optim.Adam(mlp.parameters(), lr=lr)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)  # App. E: cosine, no restarts
-    w_img, w_txt = weight_pairs(W, names_txt)
-    for _ in range(steps):
-        loss, _ = mlp.loss(w_img, w_txt)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sched.step()
-    return mlp.eval()
+    return fit_full_batch(mlp, *weight_pairs(W, names_txt), steps, lr)
 
 
 def recycling_analyses(F, args, device):
