@@ -720,6 +720,10 @@ def cli():
     its traceback."""
     try:
         main()
+    except SystemExit as stop:
+        if distributed.world() > 1:                 # torchrun: leave without the group's destructors
+            distributed.leave(stop)
+        raise
     except KeyboardInterrupt:
         args = parse_args()
         out = Path(args.out or f"results/{args.method}-{args.data}-seed{args.seed}")

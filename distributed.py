@@ -52,6 +52,7 @@ import builtins
 import hashlib
 import json
 import os
+import sys
 from datetime import timedelta
 
 import torch
@@ -103,6 +104,18 @@ def finish():
     dist.destroy_process_group()
     builtins.print = _print
     return r == 0
+
+
+def leave(stop):
+    """End this rank at once on a SystemExit (a RunError's one line, said here): a process that
+    exits with its gloo group alive runs the group's destructors at shutdown, and those abort
+    (SIGABRT) when another rank has already closed its side (seen in CI under load)."""
+    code = stop.code
+    if isinstance(code, str):
+        _print(code, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if isinstance(code, str) else int(code or 0))
 
 
 def same_everywhere(what, settings):
