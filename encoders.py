@@ -113,7 +113,7 @@ def word_tokens(h, real, special):
 #    other text family the masked mean, the sentence-transformers pooling.
 #    Padded tokens are exactly 0.
 # 5. Preprocessing: the checkpoint's preprocessor_config.json (resize, centre
-#    crop, mean / std, none with do_normalize false); without one the ViT default (resize 256, centre crop
+#    crop, mean / std, none with do_normalize false, do_rescale / rescale_factor); without one the ViT default (resize 256, centre crop
 #    224, ImageNet mean / std), scaled to the model's image size. A SQUARE image
 #    is resized straight to the crop size, so the segmentation sets' square
 #    crops (data.py) keep every pixel and their masks stay aligned.
@@ -228,6 +228,14 @@ def hf_preprocess(source, config, flag="--image-encoder"):
     mean, std = per_channel(p.image_mean), per_channel(p.image_std)
     if getattr(p, "do_normalize", True) is False:            # the model reads pixels in [0, 1], as its processor
         mean, std = (0.0,) * 3, (1.0,) * 3
+    # the processor's pixels are x * rescale_factor (x in 0..255; do_rescale false: x itself); ours are x / 255,
+    # so (x * f - mean) / std = (x / 255 - m') / s' with m' = mean / (255 f), s' = std / (255 f)
+    f = float(getattr(p, "rescale_factor", 1 / 255)) if getattr(p, "do_rescale", True) is not False else 1.0
+    if f <= 0:
+        raise SystemExit(f"error: {flag} {source}: its preprocessor_config.json gives rescale_factor {f}; "
+                         f"give a positive factor (1/255 for pixels in [0, 1])")
+    if abs(f * 255 - 1) > 1e-6:
+        mean, std = tuple(v / (255 * f) for v in mean), tuple(v / (255 * f) for v in std)
     if len(mean) != 3 or len(std) != 3:
         raise SystemExit(f"error: {flag} {source}: its preprocessor_config.json gives {len(mean)} image_mean and "
                          f"{len(std)} image_std values, but images are read as RGB (3 channels): give 3 of each, "

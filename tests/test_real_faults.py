@@ -686,6 +686,24 @@ def test_a_preprocessor_that_does_not_normalise_is_followed(tmp_path, models):
     assert encoders.load_hf_image(str(models / "dinov2")).transform([pixels]).min() < 0   # normalised: below 0
 
 
+@pytest.mark.parametrize("change", [dict(do_rescale=False), dict(rescale_factor=1 / 127.5, image_mean=[1.0] * 3,
+                                                                   image_std=[1.0] * 3)])
+def test_a_preprocessor_that_rescales_otherwise_is_followed(tmp_path, models, change):
+    """"do_rescale": false (the model reads 0..255) or another rescale_factor (here 1/127.5 minus 1:
+    pixels in [-1, 1]) were read as / 255: other inputs, with no error. The model gets the
+    processor's own pixels."""
+    folder = copy_folder(models / "dinov2", tmp_path / "dinov2")
+    config = json.loads((folder / "preprocessor_config.json").read_text())
+    (folder / "preprocessor_config.json").write_text(json.dumps(dict(config, **change)))
+    pixels = torch.randint(0, 256, (3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    c = dict(config, **change)
+    f = c.get("rescale_factor", 1 / 255) if c.get("do_rescale", True) else 1.0
+    mean, std = torch.tensor(c["image_mean"]).view(3, 1, 1), torch.tensor(c["image_std"]).view(3, 1, 1)
+    want = (pixels[None].double() * f - mean.double()) / std.double()            # the processor's arithmetic
+    got = encoders.load_hf_image(str(folder)).transform([pixels])
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
 def test_the_layer_table_of_one_data_folder_is_never_read_for_another(tmp_path, models, monkeypatch):
     """--select-layers keeps its score table in the cache, keyed by the images scored: by their
     relative paths only, a second copy of the folder with other images (the same --data-root data
