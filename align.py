@@ -43,10 +43,11 @@ def parse_args(argv=None):
     arg("--method", default="pal", choices=sorted(METHODS), help="alignment method (methods/)")
     arg("--data", default="shapes", choices=sorted(data.DATASETS),
         help="dataset to align and evaluate on")
-    arg("--data-root", default="data", help="folder holding real datasets (unused by shapes)")
-    arg("--cache-dir", default=".cache",
+    path = os.path.expanduser                  # a quoted "~/coco" is the user's folder, as the shell's ~/coco
+    arg("--data-root", type=path, default="data", help="folder holding real datasets (unused by shapes)")
+    arg("--cache-dir", type=path, default=".cache",
         help="where pretrained tiny encoders and features are cached")
-    arg("--out", default=None, help="output folder (default: results/<method>-<data>-seed<seed>)")
+    arg("--out", type=path, default=None, help="output folder (default: results/<method>-<data>-seed<seed>)")
     arg("--device", default="auto", choices=["auto", "cpu", "cuda"],
         help="auto = cuda when available")
     arg("--threads", type=int, default=0,

@@ -773,3 +773,15 @@ def test_a_missing_image_is_said_before_the_built_in_encoders_load_or_pretrain(t
         align.main(["--data", "coco", "--data-root", str(tmp_path / "coco"), "--cache-dir",
                     str(tmp_path / "cache"), "--out", str(tmp_path / "out"), "--threads", "1"])
     assert "1 of 3 COCO test images are missing" in str(e.value) and "test_1.jpg" in str(e.value)
+
+
+def test_a_quoted_tilde_in_a_path_flag_is_the_home_folder(tmp_path, monkeypatch):
+    """--data-root "~/mydata" (quoted, so the shell leaves the ~): read as a folder named "~" in
+    the working directory, the data was not found. The path flags expand ~ as the shell would."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    write_karpathy(tmp_path / "mydata" / "coco")
+    args = align.parse_args(["--data", "coco", "--data-root", "~/mydata", "--out", "~/r", "--cache-dir", "~/c"])
+    assert (args.data_root, args.out, args.cache_dir) == tuple(str(tmp_path / n) for n in ("mydata", "r", "c"))
+    data.check_root("coco", args.data_root)                                   # found: no error
+    with pytest.raises(SystemExit, match="error: "):
+        data.check_root("coco", "~/mydata")                                   # the loader takes a path as given
