@@ -121,7 +121,7 @@ def word_tokens(h, real, special):
 # 7. A model folder is checked before anything runs: a readable config.json, a
 #    weights file, a text encoder's tokenizer files (without them every word is
 #    [UNK]), a tokenizer that encodes and pads a caption (an empty vocabulary,
-#    no pad token), a tokenizer no larger than the embedding table, a readable
+#    no pad token) and knows some English words (not all [UNK]), a tokenizer no larger than the embedding table, a readable
 #    preprocessor_config.json when there is one, and a crop the model takes
 #    (DINOv2 interpolates its position embeddings; ViT, DeiT, BEiT and CLIP need
 #    crop = image_size), a config.json that describes the weights file (no weight
@@ -675,6 +675,12 @@ def load_hf_text(name, layer=-1):
         raise SystemExit(f"error: --text-encoder {name}: its tokenizer cannot encode a caption ({type(e).__name__}: "
                          f"{first_line(e)}); its tokenizer files (vocab, tokenizer_config.json) are broken or belong "
                          f"to another model: copy them again from the model's download") from None
+    ids = tokenizer("a man and a dog on the grass")["input_ids"]
+    words = [i for i in ids if i not in set(tokenizer.all_special_ids)]
+    if not words or (tokenizer.unk_token_id is not None and set(words) == {tokenizer.unk_token_id}):
+        raise SystemExit(f"error: --text-encoder {name}: its tokenizer reads every word of \"a man and a dog on the "
+                         f"grass\" as unknown ({tokenizer.unk_token}): its vocabulary has no English words; copy the "
+                         f"model's own vocabulary file (vocab.txt, tokenizer.json) from its download")
     enc.fingerprint = hf_fingerprint(source, model)
     return enc
 

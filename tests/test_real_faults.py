@@ -603,6 +603,17 @@ def test_a_tokenizer_that_cannot_encode_a_caption_is_refused_when_it_loads(tmp_p
     assert "its tokenizer cannot encode a caption" in one_line(e) and says in str(e.value)
 
 
+def test_a_vocabulary_of_special_tokens_only_is_refused_when_it_loads(tmp_path, models):
+    """A vocab.txt holding only the special tokens (a truncated copy) encodes every word as [UNK]:
+    every caption gets the same features and the run goes on, with no error. Now one line at load."""
+    folder = copy_folder(models / "bert", tmp_path / "bert")
+    (folder / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\n")
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(SystemExit) as e:
+        encoders.load_hf_text(str(folder))
+    assert "reads every word of" in one_line(e) and "as unknown ([UNK])" in str(e.value)
+
+
 def test_an_image_model_that_is_not_rgb_is_refused_and_a_one_number_mean_applies_to_every_channel(tmp_path, models):
     """A 1-channel model and a 1-value image_mean list were tracebacks (a view of (3, 1, 1));
     image_mean / image_std as one number (transformers' own meaning: every channel) loaded as a TypeError."""
