@@ -511,7 +511,8 @@ def pretrain_images(n, seed):
 #    a decompression bomb) is one line naming it when it is read; there are no
 #    worker processes. A mask must have its image's size (their crops cover the same pixels).
 # 5. 16-bit grey images (PIL modes I;16, I) are scaled to 8 bits (/ 257), not
-#    clipped at 255; 16-bit colour PNGs PIL already reads as 8-bit RGB.
+#    clipped at 255; float grey images (mode F, float TIFFs) in [0, 1] are scaled by 255, others
+#    taken as 0..255; 16-bit colour PNGs PIL already reads as 8-bit RGB.
 # 6. identity(): what features of a set are computed from, for the feature
 #    cache key and the training checkpoint: image files by path, size and
 #    modification time (one stat each, where a content hash of COCO's images
@@ -520,11 +521,16 @@ SEG_SIZE = 224  # side of the stored segmentation masks (the usual ViT input sid
 
 
 def rgb(img):
-    """A PIL image as 8-bit RGB; 16- and 32-bit grey images scaled from 0..65535 to 0..255, not clipped."""
+    """A PIL image as 8-bit RGB; 16- and 32-bit grey images scaled from 0..65535 to 0..255, not clipped,
+    float grey images in [0, 1] scaled by 255."""
     from PIL import Image
     if img.mode.startswith("I;16") or img.mode == "I":
         grey = np.clip(np.round(np.asarray(img, dtype=np.float64) / 257), 0, 255).astype(np.uint8)
         img = Image.fromarray(grey)                                     # mode L
+    elif img.mode == "F":                                               # 32-bit float grey (a float TIFF)
+        a = np.asarray(img, dtype=np.float64)
+        scale = 255 if np.nanmax(a, initial=0) <= 1 else 1             # floats in [0, 1], else already 0..255
+        img = Image.fromarray(np.clip(np.round(np.nan_to_num(a) * scale), 0, 255).astype(np.uint8))
     return img.convert("RGB")
 
 

@@ -332,6 +332,18 @@ def test_a_16_bit_png_is_scaled_not_clipped(tmp_path):
     assert (got == 255).mean() < 0.01
 
 
+@pytest.mark.parametrize("top", [1.0, 255.0])
+def test_a_float_tiff_is_scaled_not_clipped(tmp_path, top):
+    """A 32-bit float grey TIFF (PIL mode F) in [0, 1] became all 0 or 1 (convert clips, never scales);
+    one in 0..255 is read as it is."""
+    grey = (np.arange(30 * 40, dtype=np.float32).reshape(30, 40) / (30 * 40 - 1) * top)
+    Image.fromarray(grey).save(tmp_path / "float.tif")
+    assert Image.open(tmp_path / "float.tif").mode == "F"
+    got = np.asarray(data.LazyImages([tmp_path / "float.tif"])[0])
+    want = np.round(grey.astype(np.float64) * 255 / top).astype(np.uint8)
+    assert got.shape == (30, 40, 3) and (got == want[..., None]).all()
+
+
 # ----------------------------------------------------------------------------- layers of the built-in encoders
 @pytest.mark.parametrize("layers, flag", [((5, -1), "--image-layer 5"), ((0, -1), "--image-layer 0"),
                                           ((-1, 7), "--text-layer 7"), ((-1, -3), "--text-layer -3")])
