@@ -16,9 +16,19 @@ import inspect
 import json
 import os
 import random
+import signal
 import sys
 import time
 from pathlib import Path
+
+
+def interrupted_while_loading(*_):
+    print("\ninterrupted: nothing had started yet (align.py was loading torch); rerun the command", file=sys.stderr)
+    os._exit(130)
+
+
+if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, interrupted_while_loading)   # a Ctrl-C in the imports: one line, no traceback
 
 import numpy as np
 import torch
@@ -719,6 +729,8 @@ def cli():
     """python align.py: main(); a fault of the input ends in its one `error:` line (RunError, a
     SystemExit), a Ctrl-C in one line saying how to go on, and any other exception (a bug) keeps
     its traceback."""
+    if signal.getsignal(signal.SIGINT) is interrupted_while_loading:
+        signal.signal(signal.SIGINT, signal.default_int_handler)   # loaded: a Ctrl-C is a KeyboardInterrupt again
     try:
         main()
     except SystemExit as stop:

@@ -325,6 +325,23 @@ def test_ctrl_c_mid_training_then_resume_matches_an_uninterrupted_run(reference,
     assert metrics(tmp_path / "out") == reference[1]
 
 
+def test_ctrl_c_while_align_py_loads_torch_is_one_line(tmp_path):
+    """A Ctrl-C in the first second or two (torch still importing) was a KeyboardInterrupt traceback
+    from deep inside an import. Nothing has started then: one line, exit status 130."""
+    p = subprocess.Popen(align_cmd(tmp_path / "cache", tmp_path / "out"), cwd=ROOT, env=env(),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        time.sleep(0.2)                                       # importing torch alone takes longer
+        p.send_signal(signal.SIGINT)
+        err = p.communicate(timeout=60)[1].strip()
+    finally:
+        p.kill()
+    assert p.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert err == "interrupted: nothing had started yet (align.py was loading torch); rerun the command"
+    assert not (tmp_path / "out").exists()
+
+
 def test_interrupted_writes_leave_no_file_and_resume_restores_dropout_and_the_last_loss(tmp_path, monkeypatch):
     # an interrupted save (encoder pretraining, a feature file, a checkpoint) leaves no file at all
     def half_then_ctrl_c(obj, f):
