@@ -388,7 +388,16 @@ def load_weights(cls, source, flag, reads_pooler=False):
     asking for more layers than were saved), or weights of the model's own modules the config has no
     place for (fewer layers). A missing pooler is allowed where its output is never read (RoBERTa and
     DeiT checkpoints ship without one); a checkpoint's other heads (BERT's cls, CLIP's other tower) are not ours."""
-    model, info = cls.from_pretrained(source, output_loading_info=True, **HF_SAFE)
+    from transformers.utils import logging
+    level, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()       # its load report (a table of every missing key) is said below, in one line
+    logging.disable_progress_bar()
+    try:
+        model, info = cls.from_pretrained(source, output_loading_info=True, **HF_SAFE)
+    finally:
+        logging.set_verbosity(level)
+        if bars:
+            logging.enable_progress_bar()
     ours = {name for name, _ in model.named_children()}
     missing = sorted(k for k in info["missing_keys"] if reads_pooler or not k.startswith("pooler."))
     extra = sorted(k for k in info["unexpected_keys"] if k.split(".")[0] in ours)

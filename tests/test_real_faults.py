@@ -585,12 +585,37 @@ def test_a_mistyped_local_path_is_neither_a_folder_nor_a_hub_model(tmp_path, mod
     (lambda c: dict(c, hidden_size=2 * c["hidden_size"]), "tensors of other shapes")])
 def test_a_config_that_does_not_describe_the_weights_is_refused(tmp_path, models, change, says):
     """config.json of another model: more layers than were saved (transformers would leave them at
-    random and run), fewer (it would drop the rest), another width (its size-mismatch report)."""
+    random and run), fewer (it would drop the rest), another width (its size-mismatch report). The
+    one line comes alone: transformers' load report (a table of every missing key) is not printed."""
     folder = copy_folder(models / "bert", tmp_path / "bert")
     (folder / "config.json").write_text(json.dumps(change(json.loads((folder / "config.json").read_text()))))
-    with pytest.raises(SystemExit) as e:
-        encoders.load_hf_text(str(folder))
+    import logging
+    from transformers.utils.logging import get_logger
+    heard = []
+    handler = logging.Handler()
+    handler.emit = lambda record: heard.append(record.getMessage())
+    get_logger("transformers").addHandler(handler)
+    try:
+        with pytest.raises(SystemExit) as e:
+            encoders.load_hf_text(str(folder))
+    finally:
+        get_logger("transformers").removeHandler(handler)
     assert says in one_line(e) and "its config.json does not describe its weights" in str(e.value)
+    assert not any("LOAD REPORT" in m for m in heard), heard
+
+
+@pytest.mark.parametrize("tower, delta", [("vision_config", 1), ("vision_config", -1), ("text_config", 1),
+                                          ("text_config", -1)])
+def test_a_clip_config_that_does_not_describe_either_tower_is_refused(tmp_path, models, tower, delta):
+    """CLIP keeps each tower's depth in a nested config (vision_config, text_config): a layer more or
+    fewer than saved is refused for the tower read, as for a one-tower model."""
+    folder = copy_folder(models / "clip", tmp_path / "clip")
+    config = json.loads((folder / "config.json").read_text())
+    config[tower]["num_hidden_layers"] += delta
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit) as e:
+        (encoders.load_hf_image if tower == "vision_config" else encoders.load_hf_text)(str(folder))
+    assert "its config.json does not describe its weights" in one_line(e)
 
 
 def no_pad_token(folder):
