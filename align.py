@@ -23,12 +23,14 @@ from pathlib import Path
 
 
 def interrupted_while_loading(*_):
-    print("\ninterrupted: nothing had started yet (align.py was loading torch); rerun the command", file=sys.stderr)
+    """SIGINT while the imports below run: nothing has started, so one line and no traceback."""
+    print("\ninterrupted: nothing had started yet (align.py was loading torch); rerun the command",
+          file=sys.stderr)
     os._exit(130)
 
 
 if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    signal.signal(signal.SIGINT, interrupted_while_loading)   # a Ctrl-C in the imports: one line, no traceback
+    signal.signal(signal.SIGINT, interrupted_while_loading)   # until cli() starts
 
 import numpy as np
 import torch
