@@ -496,6 +496,57 @@ def test_a_missing_voc_mask_is_one_line_before_any_encoder_runs(tmp_path):
     assert "1 of 2 voc20 masks are missing" in one_line(e) and str(mask) in str(e.value)
 
 
+VOC_BASE = ("VOCdevkit", "VOC2012")
+
+
+def voc_mask_fault(root, fault):
+    """One fault planted in write_voc's layout: the first mask re-saved another way, or the ids file changed."""
+    base = root.joinpath(*VOC_BASE)
+    mask, ids = base / "SegmentationClass" / "2007_000001.png", base / "ImageSets" / "Segmentation" / "val.txt"
+    m = Image.open(mask)
+    if fault == "rgb":                                      # the palette's colours, as an image viewer saves it
+        m.putpalette([v for c in range(256) for v in ((c * 37) % 256, (c * 91) % 256, (c * 13) % 256)])
+        m.convert("RGB").save(mask)
+    elif fault == "grey":                                   # the same colours, as luminance: labels 0..255 at random
+        m.putpalette([v for c in range(256) for v in ((c * 37) % 256, (c * 91) % 256, (c * 13) % 256)])
+        m.convert("L").save(mask)
+    elif fault == "jpeg":                                   # a JPEG under the .png name
+        m.convert("L").save(mask, format="JPEG", quality=90)
+    elif fault == "16-bit":                                 # label 300: a uint8 cast would wrap it to 44
+        a = np.asarray(m).astype(np.uint16)
+        a[a == 15] = 300
+        Image.fromarray(a).save(mask)
+    elif fault == "listed twice":
+        ids.write_text(ids.read_text() + "2007_000001\n")
+    return mask, ids
+
+
+@pytest.mark.parametrize("fault, says", [
+    ("rgb", "is a colour image (mode RGB): its pixels are colours, not class labels"),
+    ("grey", "but this set's labels are 0..20 and 255 (unlabelled)"),
+    ("jpeg", "is a JPEG: its lossy compression changes the labels along every edge"),
+    ("16-bit", "holds label 300 on 196 pixels, but this set's labels are 0..20 and 255"),
+    ("listed twice", "lists 2007_000001 2 times (1 id(s) listed more than once); list each image once"),
+])
+def test_a_voc_mask_that_holds_no_labels_or_an_image_listed_twice_is_one_line(tmp_path, fault, says):
+    """A colour, grey-converted or JPEG mask reads colours or compression noise as class labels (an RGB
+    mask would not even stack); an id listed twice counts its pixels twice: each was silently wrong
+    numbers (or a traceback), each is one line naming the file before any encoder runs."""
+    write_voc(tmp_path)
+    mask, ids = voc_mask_fault(tmp_path, fault)
+    with pytest.raises(SystemExit) as e:
+        data.segmentation_set("voc20", tmp_path)
+    assert says in one_line(e) and str(ids if fault == "listed twice" else mask) in str(e.value)
+
+
+def test_a_voc_ids_file_saved_with_a_byte_order_mark_loads(tmp_path):
+    write_voc(tmp_path)
+    want = data.segmentation_set("voc20", tmp_path).masks
+    ids = tmp_path.joinpath(*VOC_BASE, "ImageSets", "Segmentation", "val.txt")
+    ids.write_bytes(b"\xef\xbb\xbf" + ids.read_bytes())          # not "image \ufeff2007_000001.jpg is missing"
+    assert torch.equal(data.segmentation_set("voc20", tmp_path).masks, want)
+
+
 # ----------------------------------------------------------------------------- model folder faults
 def copy_folder(src, dst):
     dst.mkdir(parents=True)
