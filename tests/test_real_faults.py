@@ -862,6 +862,64 @@ def test_a_classifier_head_without_class_names_is_refused_for_weight_recycling(t
     assert "has no class names (its config.json id2label says LABEL_0 .. LABEL_2)" in one_line(e)
 
 
+def edit_config(folder, change):
+    c = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(change(c)))
+
+
+@pytest.mark.parametrize("id2label, says", [
+    ({"0": "cat", "1": "dog", "5": "car"}, "has no class name for row 2 (1 of its 3 rows; config.json id2label gives "
+                                           "no entry there)"),
+    ({"0": "cat", "1": "dog", "2": " "}, "has no class name for row 2 (1 of its 3 rows; config.json id2label gives "
+                                         "an empty name there)")])
+def test_a_head_row_without_a_class_name_is_refused_for_weight_recycling(tmp_path, models, id2label, says):
+    """id2label with a gap (a hand-edited config) was a KeyError traceback as the model loaded, even for a
+    run on pairs; an empty name aligned its row with "a photo of a .". The model loads; its head is refused."""
+    folder = copy_folder(models / "beit", tmp_path / "beit")
+    edit_config(folder, lambda c: dict(c, id2label=id2label, label2id={v: int(k) for k, v in id2label.items()}))
+    enc = encoders.load_hf_image(str(folder))                      # a run on pairs never reads the head
+    with pytest.raises(SystemExit) as e:
+        enc.head()
+    assert says in one_line(e)
+
+
+def more_labels_than_rows(folder):
+    edit_config(folder, lambda c: dict(c, id2label={str(i): f"c{i}" for i in range(5)},
+                                       label2id={f"c{i}": i for i in range(5)}))
+
+
+def prefixed_keys(folder):
+    from safetensors.torch import load_file, save_file
+    state = load_file(folder / "model.safetensors")
+    save_file({"model." + k: v for k, v in state.items()}, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def truncated_shard_index(folder):
+    from safetensors.torch import load_file, save_file
+    state = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    save_file(state, folder / "model-00001-of-00001.safetensors", metadata={"format": "pt"})
+    index = json.dumps({"metadata": {}, "weight_map": {k: "model-00001-of-00001.safetensors" for k in state}})
+    (folder / "model.safetensors.index.json").write_text(index[:30])
+
+
+@pytest.mark.parametrize("model, fault, says", [
+    ("beit", more_labels_than_rows, "tensors of other shapes (2; e.g. classifier.bias is [3] in the file, [5] by "
+                                    "config.json); config.json belongs to another model (id2label / num_labels?)"),
+    ("dinov2", prefixed_keys, "names every weight with the prefix 'model.' (model.embeddings.cls_token for "
+                              "embeddings.cls_token): it was saved from a wrapper's state_dict"),
+    ("dinov2", truncated_shard_index, "model.safetensors.index.json is truncated or not JSON")])
+def test_model_folder_faults_name_their_cause(tmp_path, models, model, fault, says):
+    """A config asking for more classes than the head has said "(the report above)" of a report kept quiet;
+    keys saved with a wrapper's prefix blamed config.json; a truncated shard index was a JSONDecodeError
+    traceback. Each is one line naming the cause, when the encoder loads."""
+    folder = copy_folder(models / model, tmp_path / model)
+    fault(folder)
+    with pytest.raises(SystemExit) as e:
+        encoders.load_hf_image(str(folder))
+    assert says in one_line(e) and str(folder) in str(e.value)
+
+
 def test_a_missing_image_is_said_before_the_built_in_encoders_load_or_pretrain(tmp_path, monkeypatch):
     """--data coco with the built-in encoders on a fresh cache: the data folder is read and checked
     before any encoder loads, so a missing image is not said after a minute of pretraining."""
