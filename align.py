@@ -228,10 +228,17 @@ def check_places(args, out):
     return device
 
 
+OUT_FILES = ("config.json", "metrics.json", "method.pt", "checkpoint.pt")   # what a run writes into --out
+
+
 def check_out_data(args, out):
     """A finished run in --out on other data (another --data or --data-root) is never overwritten by
     this one: one line naming both (the default --out names the method, the set and the seed, not
     the folder). A rerun on the same data replaces it; --resume checks its checkpoint instead."""
+    for name in OUT_FILES:              # a folder of that name: the run would end, its work done, at the rename
+        if (out / name).is_dir():
+            raise RunError(f"--out {out} holds a folder {name}, where this run writes a file; move it away, or "
+                           f"pass another --out")
     if args.resume or not (out / "config.json").is_file():
         return
     try:

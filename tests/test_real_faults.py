@@ -198,6 +198,29 @@ def test_a_bit_flipped_cache_file_is_rebuilt_not_read(tmp_path, models, capsys):
     assert torch.equal(got.pooled, want.pooled) and torch.equal(got.tokens, want.tokens)
 
 
+def test_a_folder_where_a_cache_file_or_a_result_goes_is_one_line_before_the_work(tmp_path, models, monkeypatch):
+    """A folder under a cache file's name was "rebuilding it", then a traceback from the rename once the
+    features were computed (lost); one under --out's metrics.json ended the run after training. Both are
+    one line before any encoder runs; the folder is left as it was (a user's folder is never deleted)."""
+    txt_enc = encoders.load_hf_text(str(models / "bert"))
+    texts = ["a dog sits on the cat.", "the man rides a red dog."]
+    extract(txt_enc, texts, tmp_path)
+    (path,) = (tmp_path / "features").glob("*.pt")
+    path.unlink()
+    (path / "notes.txt").parent.mkdir()
+    (path / "notes.txt").write_text("mine")
+    monkeypatch.setattr(txt_enc, "encode", lambda *a: pytest.fail("encoded before the fault was said"))
+    with pytest.raises(SystemExit) as e:
+        extract(txt_enc, texts, tmp_path)
+    assert f"{path} is a folder where the cache keeps a file; move it away" in one_line(e)
+    assert (path / "notes.txt").read_text() == "mine"
+    out = tmp_path / "out"
+    (out / "metrics.json").mkdir(parents=True)
+    with pytest.raises(SystemExit) as e:
+        align.check_out_data(Namespace(resume=False, data="shapes", data_root="data"), out)
+    assert f"--out {out} holds a folder metrics.json, where this run writes a file" in one_line(e)
+
+
 @pytest.fixture
 def sharded(monkeypatch):
     monkeypatch.setattr(cache, "MEMMAP_BYTES", 0)                # every set goes to shards
