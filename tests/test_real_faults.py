@@ -766,9 +766,23 @@ def test_a_run_on_other_data_never_overwrites_the_results_in_its_out(tmp_path, m
     assert f"--out {out} holds the results of a run on other data (coco in {tmp_path / 'a'}; this run: coco in " \
            f"{tmp_path / 'b'})" in one_line(e)
     assert (out / "metrics.json").read_bytes() == first and "[data]" not in capsys.readouterr().out
-    args = align.parse_args(["--data", "coco", "--data-root", str(tmp_path / "a")])
+    args = align.parse_args(["--data", "coco", "--data-root", str(tmp_path / "a"), "--method", "linear"])
     align.check_out_data(args, out)                                    # the same data: a rerun replaces them
     align.check_out_data(align.parse_args(["--data", "coco", "--data-root", str(tmp_path / "b"), "--resume"]), out)
+
+
+def test_a_run_of_another_method_never_overwrites_the_results_in_its_out(tmp_path):
+    """--out of a PAL run given to a linear run: it replaced PAL's config, metrics and method.pt and
+    left PAL's figures and checkpoint beside them. Refused; a rerun of PAL (other hyperparameters too)
+    replaces its own results, and --resume checks its checkpoint instead."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(dict(vars(align.parse_args([])), out=str(out))))   # a PAL run's
+    with pytest.raises(SystemExit) as e:
+        align.check_out_data(align.parse_args(["--method", "linear"]), out)
+    assert f"--out {out} holds the results of a pal run (this run: linear); pass another --out" in one_line(e)
+    align.check_out_data(align.parse_args(["--hp", "K=64"]), out)                       # a rerun replaces them
+    align.check_out_data(align.parse_args(["--method", "linear", "--resume"]), out)
 
 
 def test_a_wrong_data_root_is_said_before_the_built_in_encoders_pretrain(tmp_path, monkeypatch):
