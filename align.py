@@ -329,6 +329,9 @@ def load_inputs(args, device):
     F = {"image_encoder": image_enc, "text_encoder": text_enc, "sets": sets}
     if args.align_data != "pairs":
         F["head"] = image_enc.head()            # a model without a head fails here, before any features
+    why = args.analyses and recycling.cannot_analyse(F, args)
+    if why:                                     # said now, not as "skipped" after the training
+        raise RunError(f"--analyses: {why.rstrip('.')}; or run without --analyses")
     if args.hard_negatives:
         F["negative captions"] = hard_negative_captions(sets["train"])
     if args.select_layers:

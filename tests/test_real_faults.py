@@ -785,6 +785,22 @@ def test_a_run_of_another_method_never_overwrites_the_results_in_its_out(tmp_pat
     align.check_out_data(align.parse_args(["--method", "linear", "--resume"]), out)
 
 
+@pytest.mark.parametrize("encoder, says", [
+    ("dinov2", "has no linear classification head"),             # a backbone without a head
+    ("beit", "--data coco has no classification set (put one of stl10")])   # a head, but no labelled images
+def test_analyses_that_cannot_run_are_refused_before_the_features(tmp_path, models, capsys, encoder, says):
+    """--analyses with a model that has no head, or data without a classification set: it trained and
+    evaluated, then printed "[analyses] skipped"; now one line before any features are extracted."""
+    write_karpathy(tmp_path / "coco")
+    with pytest.raises(SystemExit) as e:
+        align.main(["--data", "coco", "--data-root", str(tmp_path), "--cache-dir", str(tmp_path / "cache"),
+                    "--out", str(tmp_path / "out"), "--threads", "1", "--method", "linear", "--analyses",
+                    "--image-encoder", str(models / encoder), "--text-encoder", str(models / "bert")])
+    text = one_line(e)
+    assert text.startswith("error: --analyses: ") and says in text and text.endswith("; or run without --analyses")
+    assert "[features]" not in capsys.readouterr().out
+
+
 def test_a_wrong_data_root_is_said_before_the_built_in_encoders_pretrain(tmp_path, monkeypatch):
     """--data coco with the built-in encoders: a --data-root without the split file (one level too
     deep) stopped only after a minute of encoder pretraining; it is now said at start."""
