@@ -230,10 +230,18 @@ def check_places(args, out):
     return device
 
 
+OUT_FILES = ("config.json", "metrics.json", "method.pt", "checkpoint.pt")   # what a run writes into --out
+
+
 def check_out_data(args, out):
-    """A finished run in --out on other data (another --data or --data-root) is never overwritten by
-    this one: one line naming both (the default --out names the method, the set and the seed, not
-    the folder). A rerun on the same data replaces it; --resume checks its checkpoint instead."""
+    """A finished run in --out on other data (another --data or --data-root) or of another --method is
+    never overwritten by this one: one line naming both (the default --out names the method, the set
+    and the seed, not the folder). A rerun (same data, same method) replaces it; --resume checks its
+    checkpoint instead."""
+    for name in OUT_FILES:              # a folder of that name: the run would end, its work done, at the rename
+        if (out / name).is_dir():
+            raise RunError(f"--out {out} holds a folder {name}, where this run writes a file; move it away, or "
+                           f"pass another --out")
     if args.resume or not (out / "config.json").is_file():
         return
     try:
@@ -248,6 +256,9 @@ def check_out_data(args, out):
     if then != now:
         raise RunError(f"--out {out} holds the results of a run on other data ({then}; this run: {now}); "
                        f"pass another --out, or delete {out} to replace them")
+    if old.get("method", args.method) != args.method:   # its figures and checkpoint would stay beside this run's
+        raise RunError(f"--out {out} holds the results of a {old['method']} run (this run: {args.method}); pass "
+                       f"another --out, or delete {out} to replace them")
 
 
 def memory_bytes(device):
@@ -320,6 +331,9 @@ def load_inputs(args, device):
     F = {"image_encoder": image_enc, "text_encoder": text_enc, "sets": sets}
     if args.align_data != "pairs":
         F["head"] = image_enc.head()            # a model without a head fails here, before any features
+    why = args.analyses and recycling.cannot_analyse(F, args)
+    if why:                                     # said now, not as "skipped" after the training
+        raise RunError(f"--analyses: {why.rstrip('.')}; or run without --analyses")
     if args.hard_negatives:
         F["negative captions"] = hard_negative_captions(sets["train"])
     if args.select_layers:

@@ -163,10 +163,14 @@ def load_plain(path):
 def safe_load(path, expect_key=None):
     """Load a cache file, or None when missing, unreadable or written for another key (then it is rebuilt).
 
-    A file that would need code to unpickle stops the run (load_plain), it is never rebuilt over silently."""
+    A file that would need code to unpickle stops the run (load_plain), it is never rebuilt over silently;
+    nor is a folder of that name (a user's folder is never deleted here)."""
     path = Path(path)
     if not path.exists():
         return None
+    if path.is_dir():                   # its rebuild could not be renamed onto it: said before the work, not after
+        raise RunError(f"{path} is a folder where the cache keeps a file; move it away (or delete it: "
+                       f"rm -r {path}), then rerun")
     try:
         obj = load_plain(path)
     except (RuntimeError, EOFError, OSError, ValueError) as e:  # truncated / corrupt file, a failed checksum

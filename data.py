@@ -509,7 +509,9 @@ def pretrain_images(n, seed):
 #    mask file is checked to exist and be non-empty, each fault one `error:`
 #    line naming the file. A file that exists but cannot be decoded (truncated,
 #    a decompression bomb) is one line naming it when it is read; there are no
-#    worker processes. A mask must have its image's size (their crops cover the same pixels).
+#    worker processes. A mask must have its image's size (their crops cover the same pixels),
+#    be a one-band PNG (not RGB, not a JPEG) and hold only the set's labels and 255, and a
+#    segmentation ids file must list each image once (its pixels would count twice).
 # 5. 16-bit grey images (PIL modes I;16, I) are scaled to 8 bits (/ 257), not
 #    clipped at 255; float grey images (mode F, float TIFFs) in [0, 1] are scaled by 255, others
 #    taken as 0..255; 16-bit colour PNGs PIL already reads as 8-bit RGB.
@@ -867,21 +869,35 @@ SEGMENTATION_URLS = {
 }
 
 
-def read_mask(path, lut, image=None):
+def read_mask(path, lut, image=None, top=255):
     """A label PNG -> uint8 (SEG_SIZE, SEG_SIZE): centre square, nearest resize, labels mapped by lut.
-    image: its image file, which must have the mask's size (else the crops would cover other pixels)."""
+    image: its image file, which must have the mask's size (else the crops would cover other pixels).
+    top: the set's highest label; a mask with another label (but IGNORE), a colour mask or a JPEG is refused."""
     from PIL import Image
     try:
         size = Image.open(image).size if image is not None else None              # its header only
     except Exception as e:
         raise SystemExit(f"error: cannot read image {image} ({type(e).__name__}: {e}); replace it (extract it "
                          f"again from its archive)") from None
+    again = "use the set's own label PNGs (extract them again from their archive)"
     try:
         m = Image.open(path)
         if size not in (None, m.size):
             raise SystemExit(f"error: mask {path} is {m.size[0]} x {m.size[1]} pixels but its image {image} is "
                              f"{size[0]} x {size[1]}: one of them belongs to another image; extract both again "
                              f"from their archive")
+        if m.format == "JPEG":                                                    # lossy: labels change at edges
+            raise SystemExit(f"error: mask {path} is a JPEG: its lossy compression changes the labels along every "
+                             f"edge; {again}")
+        if len(m.getbands()) > 1:                                                 # RGB, RGBA, LA: colours
+            raise SystemExit(f"error: mask {path} is a colour image (mode {m.mode}): its pixels are colours, not "
+                             f"class labels (a palette mask saved as {m.mode}?); {again}, one label per pixel")
+        a = np.asarray(m)                                                         # every pixel, before the crop
+        bad = (a > top) & (a != IGNORE)
+        if bad.any():
+            raise SystemExit(f"error: mask {path} holds label {int(a[bad].min())} on {int(bad.sum())} pixels, but "
+                             f"this set's labels are 0..{top} and {IGNORE} (unlabelled): it is not one of its label "
+                             f"PNGs (a palette mask saved as grey reads colours as labels); {again}")
         m = centre_square(m).resize((SEG_SIZE, SEG_SIZE), Image.NEAREST)
         return torch.from_numpy(lut[np.asarray(m, dtype=np.uint8)])
     except Exception as e:
@@ -897,7 +913,11 @@ def segmentation_set(name, root):
         folder = (root / mask_pattern).parent
         ids = sorted(p.stem for p in folder.glob("*.png")) if folder.is_dir() else []
     else:
-        ids = (root / ids_file).read_text().split() if (root / ids_file).exists() else []
+        ids = (root / ids_file).read_text(encoding="utf-8-sig").split() if (root / ids_file).exists() else []
+        twice = [i for i, n in collections.Counter(ids).items() if n > 1]
+        if twice:                               # its pixels would count twice in every class's IoU
+            raise SystemExit(f"error: {root / ids_file} lists {twice[0]} {ids.count(twice[0])} times "
+                             f"({len(twice)} id(s) listed more than once); list each image once")
     if not ids:
         print(f"[data] {name}: not found under {root} (optional; expected {ids_file or mask_pattern}; "
               f"from {SEGMENTATION_URLS[name]}) - skipped")
@@ -908,8 +928,8 @@ def segmentation_set(name, root):
     LazyImages([root / mask_pattern.format(i) for i in ids], listed_in=listed_in).check(f"{name} masks")
     lut = np.full(256, IGNORE, dtype=np.uint8)                       # background, unlabelled -> IGNORE
     lut[first_label:first_label + len(names)] = np.arange(len(names))  # label k + first_label -> class k
-    masks = torch.stack([read_mask(root / mask_pattern.format(i), lut, root / image_pattern.format(i))
-                         for i in ids])                       # (N, S, S) uint8
+    masks = torch.stack([read_mask(root / mask_pattern.format(i), lut, root / image_pattern.format(i),
+                                   top=first_label + len(names) - 1) for i in ids])   # (N, S, S) uint8
     return MaskSet(images, masks, names)
 
 

@@ -261,6 +261,8 @@ def read_json(file, flag, folder):
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model",
                    "tokenizer.model")
+JSON_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json", "tokenizer_config.json",
+              "tokenizer.json", "special_tokens_map.json", "added_tokens.json", "vocab.json")  # what loading reads
 
 
 def check_folder(folder, flag, text=False):
@@ -285,6 +287,9 @@ def check_folder(folder, flag, text=False):
     if text and not any((folder / f).is_file() for f in TOKENIZER_FILES):
         raise SystemExit(f"error: {flag} {folder}: no tokenizer files (one of {', '.join(TOKENIZER_FILES)}), so every "
                          f"word would be unknown; copy them from the model's download")
+    for f in JSON_FILES:                 # a truncated one: transformers' bare JSONDecodeError names no file
+        if (folder / f).is_file():
+            read_json(folder / f, flag, folder)
 
 
 def load_failed(source, flag, e):
@@ -295,7 +300,7 @@ def load_failed(source, flag, e):
                           f"model.safetensors instead (hf download <name> model.safetensors).")
     if "ignore_mismatched_sizes" in str(e):                      # transformers' size-mismatch report
         return SystemExit(f"error: {flag} {source}: its config.json does not describe its weights: tensors of other "
-                          f"shapes (the report above); config.json belongs to another model (hidden_size?): copy it "
+                          f"shapes ({first_line(e)}); config.json belongs to another model (hidden_size?): copy it "
                           f"again from the model's download")
     return SystemExit(f"error: {flag} {source}: its weights cannot be read ({type(e).__name__}: {first_line(e)}); "
                       f"truncated or corrupt? download the folder again")
@@ -393,14 +398,28 @@ def load_weights(cls, source, flag, reads_pooler=False):
     logging.set_verbosity_error()       # its load report (a table of every missing key) is said below, in one line
     logging.disable_progress_bar()
     try:
-        model, info = cls.from_pretrained(source, output_loading_info=True, **HF_SAFE)
+        model, info = cls.from_pretrained(source, output_loading_info=True, ignore_mismatched_sizes=True, **HF_SAFE)
     finally:
         logging.set_verbosity(level)
         if bars:
             logging.enable_progress_bar()
     ours = {name for name, _ in model.named_children()}
+    other = sorted((k, list(a), list(b)) for k, a, b in info.get("mismatched_keys", []))  # (name, file, config)
+    if other:
+        k, there, here = other[0]
+        hint = "id2label / num_labels?" if k.startswith("classifier") else "hidden_size?"
+        raise SystemExit(f"error: {flag} {source}: its config.json does not describe its weights: tensors of other "
+                         f"shapes ({len(other)}; e.g. {k} is {there} in the file, {here} by config.json); config.json "
+                         f"belongs to another model ({hint}): copy it again from the model's download")
     missing = sorted(k for k in info["missing_keys"] if reads_pooler or not k.startswith("pooler."))
     extra = sorted(k for k in info["unexpected_keys"] if k.split(".")[0] in ours)
+    wrapped = next((u[:-len(missing[0])] for u in info["unexpected_keys"] if missing and u.endswith("." + missing[0])),
+                   None)
+    if wrapped:                                          # saved from a wrapper's state_dict: every key prefixed
+        raise SystemExit(f"error: {flag} {source}: its weights file names every weight with the prefix {wrapped!r} "
+                         f"({wrapped}{missing[0]} for {missing[0]}): it was saved from a wrapper's state_dict, not "
+                         f"with save_pretrained; save the model itself with save_pretrained, or strip {wrapped!r} "
+                         f"from the keys")
     if missing or extra:
         what = f"{len(missing)} of its weights are not in the file (e.g. {missing[0]}; they would be random)" \
             if missing else f"the file holds {len(extra)} weights it has no place for (e.g. {extra[0]})"
@@ -505,6 +524,13 @@ class HFImageEncoder:
             raise SystemExit(f"error: the head of {self.name} has no class names (its config.json id2label says "
                              f"{self.class_names[0]} .. {self.class_names[-1]}), and each head row is aligned with "
                              f"its class name; write the names into id2label, or use a checkpoint that has them")
+        unnamed = [i for i, c in enumerate(self.class_names) if c is None or not str(c).strip()]
+        if unnamed:                                  # a prompt "a photo of a ." aligns that row with nothing
+            raise SystemExit(f"error: the head of {self.name} has no class name for row {unnamed[0]} ({len(unnamed)} "
+                             f"of its {len(self.class_names)} rows; config.json id2label gives "
+                             f"{'no entry' if self.class_names[unnamed[0]] is None else 'an empty name'} there), and "
+                             f"each head row is aligned with its class name; give id2label a name for every row "
+                             f"0..{len(self.class_names) - 1}")
         if self.classifier.in_features != self.dim:  # DINOv2's heads read [CLS; mean patch], (2 D,)
             raise SystemExit(f"error: the head of {self.name} reads {self.classifier.in_features} features, not the "
                              f"{self.dim}-d pooled vector (DINOv2 heads read [CLS; mean patch]); its rows are not "
@@ -598,7 +624,8 @@ def load_hf_image(name, layer=-1):
         elif any(a.endswith("ForImageClassification") for a in (config.architectures or [])):
             full = load_weights(AutoModelForImageClassification, source, "--image-encoder")  # keep the head (ImageNet-21K)
             model, classifier = full.base_model, full.classifier
-            names = [full.config.id2label[i] for i in range(len(full.config.id2label))]
+            rows = getattr(classifier, "out_features", len(full.config.id2label))
+            names = [full.config.id2label.get(i) for i in range(rows)]       # a gap: None, refused by head()
         else:
             model = load_weights(AutoModel, source, "--image-encoder", reads_pooler=config.model_type == "beit")
     except LOAD_FAULTS as e:

@@ -51,6 +51,9 @@ Deviations / choices (where the paper is silent):
    App. B's cosine classifier; §4.1 writes w_i.
 6. Fig. 1's n defaults to (1, 2, 5, 10, 20), counts above the smallest class size skipped;
    the paper's n is {1, 5, 10, 20, 30, 40, 50} (50: all IN-1K validation images of a class).
+7. align.py --analyses with an image encoder without a usable head, or data without a
+   classification set, stops before any features are extracted (cannot_analyse), not with
+   "[analyses] skipped" after the training; recycling_analyses itself still skips.
 
 The analyses on the Shapes world, next to the paper's numbers: docs/results.md
 ("Weight recycling"), from `python align.py --analyses`.
@@ -383,6 +386,19 @@ def weight_aligned_mlp(W, names_txt, steps=None, lr=None):
     return fit_full_batch(mlp, *weight_pairs(W, names_txt), steps, lr)
 
 
+def cannot_analyse(F, args):
+    """Why the analyses cannot run on F (no usable head, no classification set), or None; align.py
+    asks before any features are extracted."""
+    try:
+        F["image_encoder"].head()
+    except SystemExit as e:
+        return str(e).removeprefix("error: ")
+    if not any(isinstance(s, data.LabelSet) for s in F["sets"].values()):
+        return (f"--data {args.data} has no classification set (put one of {', '.join(data.TORCHVISION_SETS)} in "
+                f"torchvision's layout under {args.data_root}/<name>)")
+    return None
+
+
 def recycling_analyses(F, args, device):
     """The weight-recycling paper's analyses of the image encoder's head (Table 1, Fig. 1, App. I,
     Table 2) on every classification set of --data (Shapes: "cls"; real data: the torchvision
@@ -393,16 +409,12 @@ def recycling_analyses(F, args, device):
     on frozen features vs methods/mlp.py aligned on the head rows alone, then fine-tuned
     on one pair per class (App. H) against "A photo of a {class}".
     """
-    try:
-        W, b, names = F["image_encoder"].head()
-    except SystemExit as e:
-        print(f"[analyses] skipped: {str(e).removeprefix('error: ')}")
+    why = cannot_analyse(F, args)
+    if why:
+        print(f"[analyses] skipped: {why}")
         return {}
+    W, b, names = F["image_encoder"].head()
     label_sets = [k for k, s in F["sets"].items() if isinstance(s, data.LabelSet)]
-    if not label_sets:
-        print(f"[analyses] skipped: --data {args.data} has no classification set (put one of "
-              f"{', '.join(data.TORCHVISION_SETS)} in torchvision's layout under {args.data_root}/<name>)")
-        return {}
     names_txt = class_name_features(F, names, args)
     mlp = weight_aligned_mlp(W, names_txt)
     results = {}

@@ -198,6 +198,29 @@ def test_a_bit_flipped_cache_file_is_rebuilt_not_read(tmp_path, models, capsys):
     assert torch.equal(got.pooled, want.pooled) and torch.equal(got.tokens, want.tokens)
 
 
+def test_a_folder_where_a_cache_file_or_a_result_goes_is_one_line_before_the_work(tmp_path, models, monkeypatch):
+    """A folder under a cache file's name was "rebuilding it", then a traceback from the rename once the
+    features were computed (lost); one under --out's metrics.json ended the run after training. Both are
+    one line before any encoder runs; the folder is left as it was (a user's folder is never deleted)."""
+    txt_enc = encoders.load_hf_text(str(models / "bert"))
+    texts = ["a dog sits on the cat.", "the man rides a red dog."]
+    extract(txt_enc, texts, tmp_path)
+    (path,) = (tmp_path / "features").glob("*.pt")
+    path.unlink()
+    (path / "notes.txt").parent.mkdir()
+    (path / "notes.txt").write_text("mine")
+    monkeypatch.setattr(txt_enc, "encode", lambda *a: pytest.fail("encoded before the fault was said"))
+    with pytest.raises(SystemExit) as e:
+        extract(txt_enc, texts, tmp_path)
+    assert f"{path} is a folder where the cache keeps a file; move it away" in one_line(e)
+    assert (path / "notes.txt").read_text() == "mine"
+    out = tmp_path / "out"
+    (out / "metrics.json").mkdir(parents=True)
+    with pytest.raises(SystemExit) as e:
+        align.check_out_data(Namespace(resume=False, data="shapes", data_root="data"), out)
+    assert f"--out {out} holds a folder metrics.json, where this run writes a file" in one_line(e)
+
+
 @pytest.fixture
 def sharded(monkeypatch):
     monkeypatch.setattr(cache, "MEMMAP_BYTES", 0)                # every set goes to shards
@@ -496,6 +519,57 @@ def test_a_missing_voc_mask_is_one_line_before_any_encoder_runs(tmp_path):
     assert "1 of 2 voc20 masks are missing" in one_line(e) and str(mask) in str(e.value)
 
 
+VOC_BASE = ("VOCdevkit", "VOC2012")
+
+
+def voc_mask_fault(root, fault):
+    """One fault planted in write_voc's layout: the first mask re-saved another way, or the ids file changed."""
+    base = root.joinpath(*VOC_BASE)
+    mask, ids = base / "SegmentationClass" / "2007_000001.png", base / "ImageSets" / "Segmentation" / "val.txt"
+    m = Image.open(mask)
+    if fault == "rgb":                                      # the palette's colours, as an image viewer saves it
+        m.putpalette([v for c in range(256) for v in ((c * 37) % 256, (c * 91) % 256, (c * 13) % 256)])
+        m.convert("RGB").save(mask)
+    elif fault == "grey":                                   # the same colours, as luminance: labels 0..255 at random
+        m.putpalette([v for c in range(256) for v in ((c * 37) % 256, (c * 91) % 256, (c * 13) % 256)])
+        m.convert("L").save(mask)
+    elif fault == "jpeg":                                   # a JPEG under the .png name
+        m.convert("L").save(mask, format="JPEG", quality=90)
+    elif fault == "16-bit":                                 # label 300: a uint8 cast would wrap it to 44
+        a = np.asarray(m).astype(np.uint16)
+        a[a == 15] = 300
+        Image.fromarray(a).save(mask)
+    elif fault == "listed twice":
+        ids.write_text(ids.read_text() + "2007_000001\n")
+    return mask, ids
+
+
+@pytest.mark.parametrize("fault, says", [
+    ("rgb", "is a colour image (mode RGB): its pixels are colours, not class labels"),
+    ("grey", "but this set's labels are 0..20 and 255 (unlabelled)"),
+    ("jpeg", "is a JPEG: its lossy compression changes the labels along every edge"),
+    ("16-bit", "holds label 300 on 196 pixels, but this set's labels are 0..20 and 255"),
+    ("listed twice", "lists 2007_000001 2 times (1 id(s) listed more than once); list each image once"),
+])
+def test_a_voc_mask_that_holds_no_labels_or_an_image_listed_twice_is_one_line(tmp_path, fault, says):
+    """A colour, grey-converted or JPEG mask reads colours or compression noise as class labels (an RGB
+    mask would not even stack); an id listed twice counts its pixels twice: each was silently wrong
+    numbers (or a traceback), each is one line naming the file before any encoder runs."""
+    write_voc(tmp_path)
+    mask, ids = voc_mask_fault(tmp_path, fault)
+    with pytest.raises(SystemExit) as e:
+        data.segmentation_set("voc20", tmp_path)
+    assert says in one_line(e) and str(ids if fault == "listed twice" else mask) in str(e.value)
+
+
+def test_a_voc_ids_file_saved_with_a_byte_order_mark_loads(tmp_path):
+    write_voc(tmp_path)
+    want = data.segmentation_set("voc20", tmp_path).masks
+    ids = tmp_path.joinpath(*VOC_BASE, "ImageSets", "Segmentation", "val.txt")
+    ids.write_bytes(b"\xef\xbb\xbf" + ids.read_bytes())          # not "image \ufeff2007_000001.jpg is missing"
+    assert torch.equal(data.segmentation_set("voc20", tmp_path).masks, want)
+
+
 # ----------------------------------------------------------------------------- model folder faults
 def copy_folder(src, dst):
     dst.mkdir(parents=True)
@@ -692,9 +766,39 @@ def test_a_run_on_other_data_never_overwrites_the_results_in_its_out(tmp_path, m
     assert f"--out {out} holds the results of a run on other data (coco in {tmp_path / 'a'}; this run: coco in " \
            f"{tmp_path / 'b'})" in one_line(e)
     assert (out / "metrics.json").read_bytes() == first and "[data]" not in capsys.readouterr().out
-    args = align.parse_args(["--data", "coco", "--data-root", str(tmp_path / "a")])
+    args = align.parse_args(["--data", "coco", "--data-root", str(tmp_path / "a"), "--method", "linear"])
     align.check_out_data(args, out)                                    # the same data: a rerun replaces them
     align.check_out_data(align.parse_args(["--data", "coco", "--data-root", str(tmp_path / "b"), "--resume"]), out)
+
+
+def test_a_run_of_another_method_never_overwrites_the_results_in_its_out(tmp_path):
+    """--out of a PAL run given to a linear run: it replaced PAL's config, metrics and method.pt and
+    left PAL's figures and checkpoint beside them. Refused; a rerun of PAL (other hyperparameters too)
+    replaces its own results, and --resume checks its checkpoint instead."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(dict(vars(align.parse_args([])), out=str(out))))   # a PAL run's
+    with pytest.raises(SystemExit) as e:
+        align.check_out_data(align.parse_args(["--method", "linear"]), out)
+    assert f"--out {out} holds the results of a pal run (this run: linear); pass another --out" in one_line(e)
+    align.check_out_data(align.parse_args(["--hp", "K=64"]), out)                       # a rerun replaces them
+    align.check_out_data(align.parse_args(["--method", "linear", "--resume"]), out)
+
+
+@pytest.mark.parametrize("encoder, says", [
+    ("dinov2", "has no linear classification head"),             # a backbone without a head
+    ("beit", "--data coco has no classification set (put one of stl10")])   # a head, but no labelled images
+def test_analyses_that_cannot_run_are_refused_before_the_features(tmp_path, models, capsys, encoder, says):
+    """--analyses with a model that has no head, or data without a classification set: it trained and
+    evaluated, then printed "[analyses] skipped"; now one line before any features are extracted."""
+    write_karpathy(tmp_path / "coco")
+    with pytest.raises(SystemExit) as e:
+        align.main(["--data", "coco", "--data-root", str(tmp_path), "--cache-dir", str(tmp_path / "cache"),
+                    "--out", str(tmp_path / "out"), "--threads", "1", "--method", "linear", "--analyses",
+                    "--image-encoder", str(models / encoder), "--text-encoder", str(models / "bert")])
+    text = one_line(e)
+    assert text.startswith("error: --analyses: ") and says in text and text.endswith("; or run without --analyses")
+    assert "[features]" not in capsys.readouterr().out
 
 
 def test_a_wrong_data_root_is_said_before_the_built_in_encoders_pretrain(tmp_path, monkeypatch):
@@ -809,6 +913,64 @@ def test_a_classifier_head_without_class_names_is_refused_for_weight_recycling(t
     with pytest.raises(SystemExit) as e:
         encoders.load_hf_image(str(tmp_path)).head()
     assert "has no class names (its config.json id2label says LABEL_0 .. LABEL_2)" in one_line(e)
+
+
+def edit_config(folder, change):
+    c = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(change(c)))
+
+
+@pytest.mark.parametrize("id2label, says", [
+    ({"0": "cat", "1": "dog", "5": "car"}, "has no class name for row 2 (1 of its 3 rows; config.json id2label gives "
+                                           "no entry there)"),
+    ({"0": "cat", "1": "dog", "2": " "}, "has no class name for row 2 (1 of its 3 rows; config.json id2label gives "
+                                         "an empty name there)")])
+def test_a_head_row_without_a_class_name_is_refused_for_weight_recycling(tmp_path, models, id2label, says):
+    """id2label with a gap (a hand-edited config) was a KeyError traceback as the model loaded, even for a
+    run on pairs; an empty name aligned its row with "a photo of a .". The model loads; its head is refused."""
+    folder = copy_folder(models / "beit", tmp_path / "beit")
+    edit_config(folder, lambda c: dict(c, id2label=id2label, label2id={v: int(k) for k, v in id2label.items()}))
+    enc = encoders.load_hf_image(str(folder))                      # a run on pairs never reads the head
+    with pytest.raises(SystemExit) as e:
+        enc.head()
+    assert says in one_line(e)
+
+
+def more_labels_than_rows(folder):
+    edit_config(folder, lambda c: dict(c, id2label={str(i): f"c{i}" for i in range(5)},
+                                       label2id={f"c{i}": i for i in range(5)}))
+
+
+def prefixed_keys(folder):
+    from safetensors.torch import load_file, save_file
+    state = load_file(folder / "model.safetensors")
+    save_file({"model." + k: v for k, v in state.items()}, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def truncated_shard_index(folder):
+    from safetensors.torch import load_file, save_file
+    state = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    save_file(state, folder / "model-00001-of-00001.safetensors", metadata={"format": "pt"})
+    index = json.dumps({"metadata": {}, "weight_map": {k: "model-00001-of-00001.safetensors" for k in state}})
+    (folder / "model.safetensors.index.json").write_text(index[:30])
+
+
+@pytest.mark.parametrize("model, fault, says", [
+    ("beit", more_labels_than_rows, "tensors of other shapes (2; e.g. classifier.bias is [3] in the file, [5] by "
+                                    "config.json); config.json belongs to another model (id2label / num_labels?)"),
+    ("dinov2", prefixed_keys, "names every weight with the prefix 'model.' (model.embeddings.cls_token for "
+                              "embeddings.cls_token): it was saved from a wrapper's state_dict"),
+    ("dinov2", truncated_shard_index, "model.safetensors.index.json is truncated or not JSON")])
+def test_model_folder_faults_name_their_cause(tmp_path, models, model, fault, says):
+    """A config asking for more classes than the head has said "(the report above)" of a report kept quiet;
+    keys saved with a wrapper's prefix blamed config.json; a truncated shard index was a JSONDecodeError
+    traceback. Each is one line naming the cause, when the encoder loads."""
+    folder = copy_folder(models / model, tmp_path / model)
+    fault(folder)
+    with pytest.raises(SystemExit) as e:
+        encoders.load_hf_image(str(folder))
+    assert says in one_line(e) and str(folder) in str(e.value)
 
 
 def test_a_missing_image_is_said_before_the_built_in_encoders_load_or_pretrain(tmp_path, monkeypatch):
