@@ -423,9 +423,13 @@ def load_weights(cls, source, flag, reads_pooler=False):
     if missing or extra:
         what = f"{len(missing)} of its weights are not in the file (e.g. {missing[0]}; they would be random)" \
             if missing else f"the file holds {len(extra)} weights it has no place for (e.g. {extra[0]})"
-        raise SystemExit(f"error: {flag} {source}: its config.json does not describe its weights: {what}; "
-                         f"config.json belongs to another model (num_hidden_layers?): copy it again from the "
-                         f"model's download (to read an earlier block, keep the config and pass the layer flag)")
+        if any(re.search(r"\.layers?\.\d+\.", k) for k in missing + extra):     # whole blocks: the depth differs
+            raise SystemExit(f"error: {flag} {source}: its config.json does not describe its weights: {what}; "
+                             f"config.json belongs to another model (num_hidden_layers?): copy it again from the "
+                             f"model's download (to read an earlier block, keep the config and pass the layer flag)")
+        raise SystemExit(f"error: {flag} {source}: its config.json does not describe its weights: {what}; the "
+                         f"weights file is incomplete or belongs to another model: copy the folder again from the "
+                         f"model's download")
     return model
 
 

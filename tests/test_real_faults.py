@@ -956,14 +956,24 @@ def truncated_shard_index(folder):
     (folder / "model.safetensors.index.json").write_text(index[:30])
 
 
+def no_head_bias(folder):
+    from safetensors.torch import load_file, save_file
+    state = load_file(folder / "model.safetensors")
+    save_file({k: v for k, v in state.items() if k != "classifier.bias"}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+
+
 @pytest.mark.parametrize("model, fault, says", [
+    ("beit", no_head_bias, "1 of its weights are not in the file (e.g. classifier.bias; they would be random); the "
+                           "weights file is incomplete or belongs to another model"),
     ("beit", more_labels_than_rows, "tensors of other shapes (2; e.g. classifier.bias is [3] in the file, [5] by "
                                     "config.json); config.json belongs to another model (id2label / num_labels?)"),
     ("dinov2", prefixed_keys, "names every weight with the prefix 'model.' (model.embeddings.cls_token for "
                               "embeddings.cls_token): it was saved from a wrapper's state_dict"),
     ("dinov2", truncated_shard_index, "model.safetensors.index.json is truncated or not JSON")])
 def test_model_folder_faults_name_their_cause(tmp_path, models, model, fault, says):
-    """A config asking for more classes than the head has said "(the report above)" of a report kept quiet;
+    """A head without its bias blamed config.json's depth (num_hidden_layers?);
+    a config asking for more classes than the head has said "(the report above)" of a report kept quiet;
     keys saved with a wrapper's prefix blamed config.json; a truncated shard index was a JSONDecodeError
     traceback. Each is one line naming the cause, when the encoder loads."""
     folder = copy_folder(models / model, tmp_path / model)
