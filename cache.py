@@ -256,6 +256,10 @@ def check_writable(folder, flag):
     """Stop with one line naming the folder when it cannot be written (read-only, full, not a
     folder), before any long work: a probe file of 1 MB is written, synced and removed."""
     folder = Path(folder)
+    taken = next((p for p in [folder, *folder.parents] if p.exists()), None)  # the nearest part that exists
+    if taken is not None and not taken.is_dir():
+        raise SystemExit(f"error: {flag} {folder}: {taken} is a file, not a folder; pass {flag} a folder "
+                         f"(or move the file away)")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-probe-") as f:

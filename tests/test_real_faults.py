@@ -1005,3 +1005,17 @@ def test_a_quoted_tilde_in_a_path_flag_is_the_home_folder(tmp_path, monkeypatch)
     data.check_root("coco", args.data_root)                                   # found: no error
     with pytest.raises(SystemExit, match="error: "):
         data.check_root("coco", "~/mydata")                                   # the loader takes a path as given
+
+
+@pytest.mark.parametrize("flag", ["--out", "--cache-dir"])
+def test_a_path_flag_naming_a_file_says_it_is_a_file(tmp_path, monkeypatch, flag):
+    """--out results.txt (an existing file), or a folder below one: "cannot be written (File exists)"
+    did not say which part was a file. Now one line naming it, before anything loads."""
+    (tmp_path / "results.txt").write_text("notes")
+    monkeypatch.setattr(align.encoders, "load_encoders", lambda *a, **k: pytest.fail("encoders loaded"))
+    paths = {"--out": str(tmp_path / "o"), "--cache-dir": str(tmp_path / "c")}
+    for given in (tmp_path / "results.txt", tmp_path / "results.txt" / "run1"):
+        with pytest.raises(SystemExit) as e:
+            align.main([*(x for k, v in {**paths, flag: str(given)}.items() for x in (k, v)), "--threads", "1"])
+        assert f"{flag} {given}: {tmp_path / 'results.txt'} is a file, not a folder" in one_line(e)
+    assert (tmp_path / "results.txt").read_text() == "notes"
