@@ -717,7 +717,7 @@ def main(argv=None):
               f"({args.align_data})")
         loop = resolve_loop(args, method, img, txt, device, cores)   # epochs, batch, lr, threads
         distributed.same_everywhere("settings", {**settings, **loop})
-        config = dict(vars(args), **loop, hp=hp, device=device, out=str(out),
+        config = dict(vars(args), **loop, hp=hp, device=device, out=str(out), alignment_pairs=len(img),
                       image_layer=settings["image_layer_used"],
                       text_layer=settings["text_layer_used"],
                       data_root=settings["data_root"] or args.data_root,

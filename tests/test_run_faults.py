@@ -70,12 +70,13 @@ def coco_run(models, root, tmp, *extra):
 # ----------------------------------------------------------------------------- config.json: resolved values
 def test_config_holds_the_resolved_loop_settings_of_a_run_without_epochs(cache_dir, tmp_path):
     """No --epochs, --batch-size, --lr: config.json holds what ran (Linear's own 20 epochs at batch
-    256, within the CPU budget), not the flags' nulls; a step budget resolves to its epochs."""
+    256, within the CPU budget), not the flags' nulls, and the pairs it aligned on; a step budget
+    resolves to its epochs."""
     run(cache_dir, tmp_path, "--method", "linear", "--num-pairs", "300")
     config = json.loads((tmp_path / "config.json").read_text())
     assert (config["epochs"], config["batch_size"], config["lr"], config["weight_decay"]) == (20, 256, 1e-3, 1e-4)
     assert config["train_threads"] == config["encode_threads"] == 1 and config["seed"] == 0
-    assert config["image_layer"] == config["text_layer"] == -1
+    assert config["image_layer"] == config["text_layer"] == -1 and config["alignment_pairs"] == 300
     ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert ckpt["epoch"] == 19 and ckpt["settings"]["epochs"] == 20 and ckpt["settings"]["batch_size"] == 256
     # MLP declares 400 steps at batch 512: on 300 pairs, batch 300, 1 step an epoch, 400 epochs
