@@ -911,7 +911,8 @@ def segmentation_set(name, root):
     root = Path(root)
     if ids_file is None:  # ADE20K: every annotation file of the folder
         folder = (root / mask_pattern).parent
-        ids = sorted(p.stem for p in folder.glob("*.png")) if folder.is_dir() else []
+        masks = folder.glob("*.png") if folder.is_dir() else []
+        ids = sorted(p.stem for p in masks if not p.name.startswith("._"))   # ._x.png: macOS's metadata of x.png
     else:
         ids = (root / ids_file).read_text(encoding="utf-8-sig").split() if (root / ids_file).exists() else []
         twice = [i for i, n in collections.Counter(ids).items() if n > 1]

@@ -24,7 +24,7 @@ import cache
 import data
 import encoders
 from features import Features
-from test_real import write_karpathy, write_models, write_voc
+from test_real import write_ade, write_karpathy, write_models, write_voc
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -1019,3 +1019,14 @@ def test_a_path_flag_naming_a_file_says_it_is_a_file(tmp_path, monkeypatch, flag
             align.main([*(x for k, v in {**paths, flag: str(given)}.items() for x in (k, v)), "--threads", "1"])
         assert f"{flag} {given}: {tmp_path / 'results.txt'} is a file, not a folder" in one_line(e)
     assert (tmp_path / "results.txt").read_text() == "notes"
+
+
+def test_macos_metadata_files_in_the_ade_annotations_are_not_taken_for_masks(tmp_path):
+    """A folder copied from a Mac holds ._<name>.png beside each mask (AppleDouble metadata); taken as
+    ids, they stopped the run with "missing image ._ADE_val_...jpg". They are left out."""
+    write_ade(tmp_path)
+    folder = tmp_path / "ADEChallengeData2016" / "annotations" / "validation"
+    for mask in list(folder.iterdir()):
+        (folder / f"._{mask.name}").write_bytes(b"\0\5\26\7 Mac OS X metadata")
+    masks = data.segmentation_set("ade20k", tmp_path)
+    assert len(masks.images) == 2
