@@ -113,18 +113,19 @@ def word_tokens(h, real, special):
 #    other text family the masked mean, the sentence-transformers pooling.
 #    Padded tokens are exactly 0.
 # 5. Preprocessing: the checkpoint's preprocessor_config.json (resize, centre
-#    crop, mean / std, none with do_normalize false, do_rescale / rescale_factor); without one the ViT default (resize 256, centre crop
-#    224, ImageNet mean / std), scaled to the model's image size. A SQUARE image
+#    crop, do_rescale / rescale_factor, mean / std, none with do_normalize
+#    false); without one the ViT default (resize 256, centre crop 224,
+#    ImageNet mean / std), scaled to the model's image size. A SQUARE image
 #    is resized straight to the crop size, so the segmentation sets' square
 #    crops (data.py) keep every pixel and their masks stay aligned.
 # 6. fp16 / bf16 autocast on CUDA, under torch.no_grad; batches come from extract().
 # 7. A model folder is checked before anything runs: a readable config.json, a
 #    weights file, a text encoder's tokenizer files (without them every word is
 #    [UNK]), a tokenizer that encodes and pads a caption (an empty vocabulary,
-#    no pad token) and knows some English words (not all [UNK]), a tokenizer no larger than the embedding table, a readable
-#    preprocessor_config.json when there is one, and a crop the model takes
-#    (DINOv2 interpolates its position embeddings; ViT, DeiT, BEiT and CLIP need
-#    crop = image_size), a config.json that describes the weights file (no weight
+#    no pad token) and knows some English words (not all [UNK]), a tokenizer
+#    no larger than the embedding table, a readable preprocessor_config.json
+#    when there is one, and a crop the model takes (DINOv2 interpolates its
+#    position embeddings; ViT, DeiT, BEiT and CLIP need crop = image_size), a config.json that describes the weights file (no weight
 #    left at random, none ignored: load_weights). Each fault is one error line; a
 #    pytorch_model.bin that needs code to unpickle is refused, never loaded.
 
