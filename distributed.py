@@ -109,7 +109,7 @@ def finish():
 def leave(stop):
     """End this rank at once on a SystemExit (a RunError's one line, said here): a process that
     exits with its gloo group alive runs the group's destructors at shutdown, and those abort
-    (SIGABRT) when another rank has already closed its side (seen in CI under load)."""
+    (SIGABRT) when another rank has already closed its side (a race: whichever rank ends first)."""
     code = stop.code
     if isinstance(code, str):
         _print(code, file=sys.stderr)
