@@ -125,6 +125,7 @@ def run_align(cache_dir, out, *extra):
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
+@pytest.mark.slow
 def test_align_runs_end_to_end_and_reruns_identically(cache_dir, tmp_path):
     """Two runs side by side on one (here cold) cache: one pretrains and extracts, the other waits and reads."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
@@ -153,6 +154,7 @@ def test_align_runs_end_to_end_and_reruns_identically(cache_dir, tmp_path):
     assert "retrieval" in r and (tmp_path / "run0" / "config.json").exists() and (tmp_path / "run0" / "method.pt").exists()
 
 
+@pytest.mark.slow
 def test_align_rejects_unknown_names(cache_dir, tmp_path):
     r = run_align(cache_dir, tmp_path, "--method", "nope")
     assert r.returncode == 2 and "invalid choice" in r.stderr and "pal" in r.stderr

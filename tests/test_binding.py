@@ -284,6 +284,7 @@ def test_hard_negative_loss_trains_cov_through_its_inference_only_score():
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in cov.parameters())
 
 
+@pytest.mark.slow
 def test_align_runs_with_hard_negatives_and_refuses_non_contrastive_methods(cache_dir, tmp_path, capsys):
     m = align.main(["--method", "linear", "--hard-negatives", "--epochs", "1", "--num-pairs", "300",
                     "--batch-size", "64", "--eval-images", "20", "--cache-dir", str(cache_dir), "--out", str(tmp_path),

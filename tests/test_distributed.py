@@ -130,6 +130,7 @@ def flat(d, prefix=""):
         yield from flat(v, f"{prefix}{k}/") if isinstance(v, dict) else [(prefix + k, v)]
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_match_one_process_for_pal_and_csa(cache, tmp_path):
     """torchrun with 2 ranks (gloo) == one process: PAL splits every global batch of 256 into 2 x 128
     (DDP; every split_loss method takes this path: test_split_step_gives_the_single_process_loss_and_gradients),
@@ -220,6 +221,7 @@ def one_rank_shards(cache, tmp_path_factory):
     return files(c)
 
 
+@pytest.mark.slow
 def test_two_ranks_write_byte_identical_shards(cache, one_rank_shards, tmp_path):
     """Sharded extraction by 2 ranks (rank r writes shards r, r + 2, ...) == 1 rank, byte for byte."""
     (tmp_path / "extract.py").write_text(EXTRACT)
@@ -233,6 +235,7 @@ def test_two_ranks_write_byte_identical_shards(cache, one_rank_shards, tmp_path)
     assert all(got[k] == one_rank_shards[k] for k in got)
 
 
+@pytest.mark.slow
 def test_a_rank_killed_mid_extraction_then_a_rerun_resumes_to_the_same_shards(cache, one_rank_shards, tmp_path):
     """Rank 1 SIGKILLed after its 2nd shard (torchrun then stops rank 0): the rerun keeps every finished
     shard (not rewritten), writes the rest, and the cache is byte-identical to one process's, no half file."""

@@ -22,6 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
@@ -197,6 +199,7 @@ def close(documented, value, kind, exact):
     return abs(float(documented) - value) <= tol
 
 
+@pytest.mark.slow
 def test_the_csa_row_and_the_recycling_analyses_in_docs_results_are_reproduced(cache_dir, tmp_path):
     cmd = [sys.executable, str(ROOT / "align.py"), "--method", "csa", "--analyses", "--threads", "1",
            "--cache-dir", str(cache_dir), "--out", str(tmp_path / "csa"), "--no-figures"]

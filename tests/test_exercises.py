@@ -145,6 +145,7 @@ def graded_results(root):
     return out
 
 
+@pytest.mark.slow
 def test_reference_passes_every_graded_test_and_grades_all_passed():
     code, lines, out = grade(ROOT)
     assert code == 0, out
@@ -162,6 +163,7 @@ def test_every_graded_test_fails_on_the_blank_copy(student_copy):
             assert outcome == "failed", f"exercise {n}: {node} passes with every exercise blank"
 
 
+@pytest.mark.slow
 def test_student_copy_fails_every_exercise_and_the_rest_still_imports(student_copy):
     ref_files = msc.project_files(ROOT)
     assert msc.project_files(student_copy) == ref_files
@@ -192,6 +194,7 @@ def normalised(line):
     return re.sub(r"\s+", "", line.split("#")[0])
 
 
+@pytest.mark.slow
 def test_no_answer_stands_anywhere_in_the_student_copy(student_copy):
     """Each region's distinctive lines (>= 30 characters once normalised) appear nowhere in the copy."""
     answers = {}
@@ -210,6 +213,7 @@ def test_no_answer_stands_anywhere_in_the_student_copy(student_copy):
                     f"{path.relative_to(student_copy)}:{i + 1} holds exercise {answers[normalised(line)]}'s answer"
 
 
+@pytest.mark.slow
 def test_align_refuses_a_run_that_needs_a_blank_exercise(student_copy):
     """One line before any work; in the reference nothing is blank and the check says nothing."""
     assert table.blank_exercises(ROOT) == set()
@@ -239,6 +243,7 @@ def test_align_refuses_a_run_that_needs_a_blank_exercise(student_copy):
         table.refuse_blank_exercises("pal_rel", root=copy3)
 
 
+@pytest.mark.slow
 def test_classic_mistakes_fail_with_the_hint_that_names_them(tmp_path):
     copy = tmp_path / "mistakes"
     msc.make_copy(copy, only=set())                               # a verbatim copy
@@ -270,6 +275,7 @@ def run_align(root, out, cache_dir, *extra):
     return finish
 
 
+@pytest.mark.slow
 def test_pasted_back_copy_passes_and_trains_the_paper_form_to_the_last_digit(student_copy, tmp_path, cache_dir):
     """The copy (no fast_cap.py) trains PAL through relative + cap: the reference's metrics with --hp fast=False;
     a cap that forgets the padding mask fails its grade there and changes the retrieval."""

@@ -248,6 +248,7 @@ def wait_for(proc, done, timeout=600):
         time.sleep(0.02)
 
 
+@pytest.mark.slow
 def test_a_run_killed_mid_extraction_then_two_concurrent_reruns_match_an_uninterrupted_run(
         reference, shared, tmp_path):
     """SIGKILL while features are written (every set sharded), then two runs at once on that cache:
@@ -304,6 +305,7 @@ def test_a_run_waits_for_the_run_writing_the_same_cache_file_then_reads_it(tmp_p
     assert enc.calls == 0 and torch.equal(got[0].tokens, theirs.tokens.half())
 
 
+@pytest.mark.slow
 def test_ctrl_c_mid_training_then_resume_matches_an_uninterrupted_run(reference, shared, tmp_path):
     # SIGINT's default action in the run, as in a terminal, even where the test runner ignores SIGINT
     # (a shell's background job does, and an ignored signal stays ignored across exec)
@@ -325,6 +327,7 @@ def test_ctrl_c_mid_training_then_resume_matches_an_uninterrupted_run(reference,
     assert metrics(tmp_path / "out") == reference[1]
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_align_py_loads_torch_is_one_line(tmp_path):
     """A Ctrl-C in the first second or two (torch still importing) was a KeyboardInterrupt traceback
     from deep inside an import. Nothing has started then: one line, exit status 130."""
@@ -373,6 +376,7 @@ def test_interrupted_writes_leave_no_file_and_resume_restores_dropout_and_the_la
 
 
 # ----------------------------------------------------------------------------- 8. --resume from other settings
+@pytest.mark.slow
 def test_resume_refuses_a_checkpoint_of_other_settings_or_a_truncated_one(reference, shared, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -409,6 +413,7 @@ def make_read_only(folder):
     return None
 
 
+@pytest.mark.slow
 def test_a_read_only_or_full_cache_is_one_error_naming_it_before_any_work(shared, tmp_path, monkeypatch):
     ro = make_read_only(tmp_path / "ro")
     try:
@@ -440,6 +445,7 @@ def test_a_read_only_or_full_cache_is_one_error_naming_it_before_any_work(shared
 
 
 # ----------------------------------------------------------------------------- 11. planted pickles
+@pytest.mark.slow
 def test_a_planted_pickle_in_the_cache_is_refused_and_never_run(shared, tmp_path):
     marker = tmp_path / "MARKER"
     folder = fresh_cache(tmp_path / "cache", shared)
@@ -456,6 +462,7 @@ def test_a_planted_pickle_in_the_cache_is_refused_and_never_run(shared, tmp_path
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_a_planted_pickle_in_a_checkpoint_is_refused_and_never_run(shared, tmp_path):
     marker, out = tmp_path / "MARKER", tmp_path / "out"
     out.mkdir()
@@ -476,6 +483,7 @@ def test_the_readme_table_and_this_module_name_the_same_tests():
     assert named == mine
 
 
+@pytest.mark.slow
 def test_a_model_folder_with_its_own_code_is_refused_and_never_run(tmp_path):
     marker, folder = tmp_path / "MARKER", tmp_path / "model"
     folder.mkdir()

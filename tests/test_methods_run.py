@@ -12,7 +12,8 @@ import align
 from methods import METHODS
 
 
-@pytest.mark.parametrize("name", sorted(METHODS))
+# PAL runs in the quick tier (the one end-to-end run of `python -m pytest -q`); the others in the full one.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "pal" else pytest.mark.slow) for n in sorted(METHODS)])
 def test_method_runs_end_to_end(name, cache_dir, tmp_path):
     metrics = align.main(["--method", name, "--epochs", "1", "--num-pairs", "64", "--batch-size", "32",
                           "--eval-images", "20", "--cache-dir", str(cache_dir), "--out", str(tmp_path),
@@ -24,6 +25,7 @@ def test_method_runs_end_to_end(name, cache_dir, tmp_path):
     assert 0 <= saved["retrieval"]["i2t_r1"] <= saved["retrieval"]["i2t_r5"] <= saved["retrieval"]["i2t_r10"] <= 100
 
 
+@pytest.mark.slow
 def test_weight_recycling_paths_run_end_to_end(cache_dir, tmp_path):
     """--align-data weights (no image-text pair) and --analyses through align.py."""
     m = align.main(["--method", "linear", "--align-data", "weights", "--epochs", "50", "--eval-images", "100",

@@ -97,6 +97,7 @@ def test_concurrent_extraction_gives_the_serial_features():
         encoders.extract_sets(jobs, fails, concurrent=True)
 
 
+@pytest.mark.slow
 def test_bench_pipeline_prints_every_figure_at_a_tiny_size(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_pipeline.py"), "--tiny", "--work",
                         str(tmp_path), "--json", str(tmp_path / "out.json")],

@@ -14,6 +14,20 @@ def test_readme_shows_the_two_commands_and_ci_runs_its_test_command():
     assert test_cmd in README and test_cmd in (ROOT / ".ci" / "run").read_text()
 
 
+def test_the_quick_command_skips_the_slow_tier_and_ci_runs_both():
+    """`python -m pytest -q` deselects the tests marked slow; the README names the full command; .ci/run runs the
+    quick tier, then the slow remainder, each as its own command (set -e: a failing test fails the script)."""
+    import configparser
+    ini = configparser.ConfigParser()
+    ini.read(ROOT / "pytest.ini")
+    assert ini["pytest"]["addopts"].split() == ["-m", '"not slow"']
+    assert "slow:" in ini["pytest"]["markers"]
+    assert 'python -m pytest -q -m "slow or not slow"' in README
+    ci = [l.strip() for l in (ROOT / ".ci" / "run").read_text().splitlines() if l.strip() and not l.startswith("#")]
+    assert "set -euo pipefail" in ci
+    assert ci[-2:] == ["python -m pytest -q", "python -m pytest -q -m slow"], ci
+
+
 def test_every_method_is_in_the_methods_table_with_its_file():
     for name, cls in METHODS.items():
         row = next((l for l in README.splitlines() if l.startswith("|") and f"`{name}`" in l), None)

@@ -306,6 +306,7 @@ PARAPHRASES = [  # (caption, paraphrase, unrelated caption)
 ]
 
 
+@pytest.mark.slow
 @needs_minilm
 def test_minilm_pooled_is_the_sentence_transformers_mean_and_tokens_are_words():
     from transformers import AutoModel, AutoTokenizer
@@ -324,6 +325,7 @@ def test_minilm_pooled_is_the_sentence_transformers_mean_and_tokens_are_words():
     assert enc.words(texts[:1]) == [tok.tokenize(texts[0])]              # the word pieces, no [CLS] / [SEP]
 
 
+@pytest.mark.slow
 @needs_minilm
 def test_minilm_scores_a_paraphrase_above_an_unrelated_caption():
     """Cannot pass on random weights: for every triple the paraphrase is clearly closer."""
@@ -383,6 +385,7 @@ def run_align(tmp_path, *extra, env=()):
     return r.stdout, json.loads((tmp_path / "out" / "metrics.json").read_text())
 
 
+@pytest.mark.slow
 def test_align_runs_on_tiny_coco_with_real_encoders(tiny_world, models, tmp_path):
     out, m = run_align(tmp_path, "--data-root", str(tiny_world), "--method", "linear", "--no-figures",
                        "--image-encoder", str(models / "dinov2"), "--text-encoder", str(models / "bert"))
@@ -392,6 +395,7 @@ def test_align_runs_on_tiny_coco_with_real_encoders(tiny_world, models, tmp_path
     assert (tmp_path / "out" / "method.pt").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif("--select-layers" not in (ROOT / "align.py").read_text(),
                     reason="align.py has no --select-layers yet (patch in the issue #3 report)")
 def test_align_selects_layers_and_streams_memmapped_features(tiny_world, models, tmp_path):

@@ -116,6 +116,7 @@ def run_align(tmp_path, root, cache_dir, out, models, *extra, check=True):
     return json.loads((tmp_path / out / "metrics.json").read_text())
 
 
+@pytest.mark.slow
 def test_align_over_two_folders_differing_only_in_captions_gives_each_its_own_numbers(tmp_path, models):
     """The two-folder check: d_edit's captions are d_ok's, moved one image on (every pair changes);
     run on d_ok, then on d_edit with the same --cache-dir: d_edit's numbers are those of a fresh cache."""
@@ -481,6 +482,7 @@ def test_an_undecodable_image_is_one_line_naming_it(tmp_path, models, fault, say
     assert says in one_line(e) and str(f) in str(e.value) and "dataset_coco.json" in str(e.value)
 
 
+@pytest.mark.slow
 def test_align_reports_an_unreadable_test_image_in_one_line_without_a_traceback(tmp_path, models):
     write_karpathy(tmp_path / "coco")
     f = tmp_path / "coco" / "val2014" / "test_1.jpg"
@@ -748,6 +750,7 @@ def test_an_image_model_that_is_not_rgb_is_refused_and_a_one_number_mean_applies
         assert says in one_line(e)
 
 
+@pytest.mark.slow
 def test_a_run_on_other_data_never_overwrites_the_results_in_its_out(tmp_path, models, capsys):
     """Two runs with one --out (the default names the method, the set and the seed, not the folder):
     the second, on another --data-root, stops before any work and the first one's results stay."""
@@ -785,6 +788,7 @@ def test_a_run_of_another_method_never_overwrites_the_results_in_its_out(tmp_pat
     align.check_out_data(align.parse_args(["--method", "linear", "--resume"]), out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("encoder, says", [
     ("dinov2", "has no linear classification head"),             # a backbone without a head
     ("beit", "--data coco has no classification set (put one of stl10")])   # a head, but no labelled images
@@ -801,6 +805,7 @@ def test_analyses_that_cannot_run_are_refused_before_the_features(tmp_path, mode
     assert "[features]" not in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_wrong_data_root_is_said_before_the_built_in_encoders_pretrain(tmp_path, monkeypatch):
     """--data coco with the built-in encoders: a --data-root without the split file (one level too
     deep) stopped only after a minute of encoder pretraining; it is now said at start."""
@@ -856,6 +861,7 @@ def test_a_preprocessor_that_rescales_otherwise_is_followed(tmp_path, models, ch
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_the_layer_table_of_one_data_folder_is_never_read_for_another(tmp_path, models, monkeypatch):
     """--select-layers keeps its score table in the cache, keyed by the images scored: by their
     relative paths only, a second copy of the folder with other images (the same --data-root data
@@ -983,6 +989,7 @@ def test_model_folder_faults_name_their_cause(tmp_path, models, model, fault, sa
     assert says in one_line(e) and str(folder) in str(e.value)
 
 
+@pytest.mark.slow
 def test_a_missing_image_is_said_before_the_built_in_encoders_load_or_pretrain(tmp_path, monkeypatch):
     """--data coco with the built-in encoders on a fresh cache: the data folder is read and checked
     before any encoder loads, so a missing image is not said after a minute of pretraining."""
@@ -995,6 +1002,7 @@ def test_a_missing_image_is_said_before_the_built_in_encoders_load_or_pretrain(t
     assert "1 of 3 COCO test images are missing" in str(e.value) and "test_1.jpg" in str(e.value)
 
 
+@pytest.mark.slow
 def test_a_quoted_tilde_in_a_path_flag_is_the_home_folder(tmp_path, monkeypatch):
     """--data-root "~/mydata" (quoted, so the shell leaves the ~): read as a folder named "~" in
     the working directory, the data was not found. The path flags expand ~ as the shell would."""
@@ -1007,6 +1015,7 @@ def test_a_quoted_tilde_in_a_path_flag_is_the_home_folder(tmp_path, monkeypatch)
         data.check_root("coco", "~/mydata")                                   # the loader takes a path as given
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag", ["--out", "--cache-dir"])
 def test_a_path_flag_naming_a_file_says_it_is_a_file(tmp_path, monkeypatch, flag):
     """--out results.txt (an existing file), or a folder below one: "cannot be written (File exists)"

@@ -8,6 +8,7 @@ BEiT's pooled feature); the text view is 384-d (MiniLM's width) with its own com
 mean. Everything here runs in seconds on one CPU core."""
 import math
 
+import pytest
 import torch
 
 from features import Features
@@ -83,6 +84,7 @@ def test_pal_on_head_rows_tests_images_as_it_trained_on_them():
         assert (cap.embed_image(image) - cap.embed_image(head_row)).abs().max() > 0.1
 
 
+@pytest.mark.slow
 def test_align_tells_pal_what_the_head_rows_are(cache_dir, tmp_path):
     import json
 

@@ -2,6 +2,7 @@
 import math
 from collections import Counter
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -380,6 +381,7 @@ def test_weights_plus_pairs_on_a_memory_mapped_training_set(tmp_path, monkeypatc
     assert result["final_loss"] == result["final_loss"] and asked and max(asked) <= 8  # batches only, never all rows
 
 
+@pytest.mark.slow
 def test_analyses_run_on_real_data_with_a_head_and_a_torchvision_set(tmp_path, monkeypatch, models):
     """Issue 11.4: --analyses on --data coco with a BEiT checkpoint's head (cat / dog / car) and
     a torchvision set (EuroSAT's ImageFolder layout, classes cat, dog, car, forest). Table 1 is

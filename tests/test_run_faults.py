@@ -68,6 +68,7 @@ def coco_run(models, root, tmp, *extra):
 
 
 # ----------------------------------------------------------------------------- config.json: resolved values
+@pytest.mark.slow
 def test_config_holds_the_resolved_loop_settings_of_a_run_without_epochs(cache_dir, tmp_path):
     """No --epochs, --batch-size, --lr: config.json holds what ran (Linear's own 20 epochs at batch
     256, within the CPU budget), not the flags' nulls, and the pairs it aligned on; a step budget
@@ -85,6 +86,7 @@ def test_config_holds_the_resolved_loop_settings_of_a_run_without_epochs(cache_d
                                                           seed=0), 1)
 
 
+@pytest.mark.slow
 def test_config_and_metrics_hold_the_layers_select_layers_chose(models, coco, tmp_path, capsys):
     m = align.main([*coco_run(models, coco, tmp_path, "--out", str(tmp_path / "out")), *QUICK, "--method", "linear",
                     "--epochs", "1", "--select-layers", "cka", "--select-pairs", "10"])
@@ -97,6 +99,7 @@ def test_config_and_metrics_hold_the_layers_select_layers_chose(models, coco, tm
 
 
 # ----------------------------------------------------------------------------- --resume on other data
+@pytest.mark.slow
 def test_resume_refuses_a_checkpoint_of_another_data_root_or_other_captions(models, coco, tmp_path, capsys):
     out = tmp_path / "out"
     align.main([*coco_run(models, coco, tmp_path, "--out", str(out)), *QUICK, "--method", "linear", "--epochs", "2"])
@@ -122,6 +125,7 @@ def test_resume_refuses_a_checkpoint_of_another_data_root_or_other_captions(mode
 
 
 # ----------------------------------------------------------------------------- one --out, one run
+@pytest.mark.slow
 def test_a_second_run_on_the_same_out_refuses_naming_the_running_one(cache_dir, tmp_path, capsys):
     (tmp_path / "config.json").write_text("the running run's")
     with cache.hold_folder(tmp_path, "--out"):                       # the first run, still going
@@ -131,6 +135,7 @@ def test_a_second_run_on_the_same_out_refuses_naming_the_running_one(cache_dir, 
     run(cache_dir, tmp_path, "--method", "linear", "--epochs", "1", "--num-pairs", "300")   # free again
 
 
+@pytest.mark.slow
 def test_a_refused_run_writes_nothing_into_a_finished_runs_folder(cache_dir, tmp_path, capsys):
     files = {"config.json": "{}", "metrics.json": "{}", "method.pt": "x"}
     for name, text in files.items():
@@ -178,6 +183,7 @@ def test_every_method_reads_a_head_row_as_its_one_vector_or_refuses_it(name):
         assert torch.cdist(e, e)[~torch.eye(12, dtype=torch.bool)].min() > 1e-4, (name, mode)
 
 
+@pytest.mark.slow
 def test_weights_mode_checks_the_head_first_and_never_extracts_the_training_pairs(models, coco, tmp_path, capsys):
     with pytest.raises(SystemExit, match="has no linear classification head"):
         align.main([*coco_run(models, coco, tmp_path, "--out", str(tmp_path / "a")), *QUICK, "--method", "linear",
@@ -201,6 +207,7 @@ CLI = {"threads": (["--threads", "-2"], "--threads -2: give a positive count"),
        "huge K": (["--hp", "K=2000000000"], "--hp K=2000000000: PAL would hold 384,000,000,0")}   # K x 192
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("row", list(CLI))
 def test_bad_command_lines_stop_with_one_line_before_any_work(row, cache_dir, tmp_path, capsys):
     threads = torch.get_num_threads()
@@ -233,6 +240,7 @@ def ranks(cache_dir, out, per_rank, timeout=240):
     return [p.returncode for p in procs], errs
 
 
+@pytest.mark.slow
 def test_ranks_started_with_different_arguments_stop_at_once_naming_the_difference(cache_dir, tmp_path):
     codes, errs = ranks(cache_dir, tmp_path, [["--epochs", "3"], ["--epochs", "6"]], timeout=120)
     assert codes == [1, 1], errs
@@ -242,6 +250,7 @@ def test_ranks_started_with_different_arguments_stop_at_once_naming_the_differen
     assert not (tmp_path / "config.json").exists()
 
 
+@pytest.mark.slow
 def test_a_global_batch_smaller_than_the_ranks_is_refused_on_every_rank(models, coco, tmp_path):
     """MLP's per-pair loss trains on a batch of one, split across 2 ranks (no dropout) it cannot."""
     extra = [*coco_run(models, coco, tmp_path), "--method", "mlp", "--hp", "dropout=0.0", "--batch-size", "1",
