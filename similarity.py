@@ -19,17 +19,27 @@ def knn_indices(X, k):
     # END EXERCISE 9
 
 
-def mutual_knn(X, Y, k):
+def mutual_knn(X, Y, k, knn=None):
     """Mutual k-NN alignment m_NN (Huh et al. 2024; the paper's Fig. 1 metric):
-    X (N, Dx), Y (N, Dy) paired rows; mean over i of |kNN_X(i) ∩ kNN_Y(i)| / k."""
+    X (N, Dx), Y (N, Dy) paired rows; mean over i of |kNN_X(i) ∩ kNN_Y(i)| / k.
+    knn: (knn_indices(X, k), knn_indices(Y, k)) when the caller has them already (mutual_knn_table)."""
     # EXERCISE 9 (Fig. 1, Huh et al.): m_NN = mean over i of |kNN_X(i) ∩ kNN_Y(i)| / k
-    #   for paired rows X (N, Dx), Y (N, Dy)
+    #   for paired rows X (N, Dx), Y (N, Dy); knn, when given, holds the two (N, k) index tables to use
     N = len(X)
     assert len(Y) == N and 0 < k < N
-    in_X = torch.zeros(N, N, dtype=torch.bool).scatter_(1, knn_indices(X, k), True)
-    in_Y = torch.zeros(N, N, dtype=torch.bool).scatter_(1, knn_indices(Y, k), True)
+    idx_X, idx_Y = knn if knn is not None else (knn_indices(X, k), knn_indices(Y, k))
+    in_X = torch.zeros(N, N, dtype=torch.bool, device=X.device).scatter_(1, idx_X, True)
+    in_Y = torch.zeros(N, N, dtype=torch.bool, device=X.device).scatter_(1, idx_Y, True)
     return ((in_X & in_Y).sum(1).float() / k).mean().item()
     # END EXERCISE 9
+
+
+def mutual_knn_table(Xs, Ys, k):
+    """{(a, b): mutual_knn(Xs[a], Ys[b], k)} for every pair of two families of paired sets, each set's
+    kNN computed once (len(Xs) + len(Ys) times, not 2 len(Xs) len(Ys)), on the sets' device."""
+    idx_X = {a: knn_indices(X, k) for a, X in Xs.items()}                 # {a: (N, k)}
+    idx_Y = {b: knn_indices(Y, k) for b, Y in Ys.items()}                 # {b: (N, k)}
+    return {(a, b): mutual_knn(X, Y, k, knn=(idx_X[a], idx_Y[b])) for a, X in Xs.items() for b, Y in Ys.items()}
 
 
 def cka(X, Y, normalize=True):
@@ -47,23 +57,6 @@ def cka(X, Y, normalize=True):
     Yc = Y - Y.mean(0)                                       # (N, Dy) = H Y
     hsic = lambda A, B: (A.T @ B).pow(2).sum()
     return (hsic(Xc, Yc) / (hsic(Xc, Xc) * hsic(Yc, Yc)).sqrt()).item()
-
-
-def mutual_knn_table(Xs, Ys, k):
-    """{(a, b): mutual_knn(Xs[a], Ys[b], k)} for every pair of two families of paired sets, each set's
-    kNN computed once (len(Xs) + len(Ys) times, not 2 len(Xs) len(Ys)), on the sets' device.
-
-    |kNN_X(i) ∩ kNN_Y(i)| is read as in_X[i, kNN_Y(i)].sum(): the same integer counts as
-    (in_X & in_Y).sum(1), so every value equals mutual_knn's to the last digit."""
-    idx_Y = {b: knn_indices(Y, k) for b, Y in Ys.items()}                 # {b: (N, k)}
-    table = {}
-    for a, X in Xs.items():
-        N = len(X)
-        in_X = torch.zeros(N, N, dtype=torch.bool, device=X.device).scatter_(1, knn_indices(X, k), True)  # (N, N)
-        for b, iy in idx_Y.items():
-            assert len(iy) == N and 0 < k < N
-            table[a, b] = (in_X.gather(1, iy).sum(1).float() / k).mean().item()
-    return table
 
 
 def cka_table(Xs, Ys, normalize=True):

@@ -6,12 +6,15 @@
 
 For each exercise, the tests listed in exercises/table.py (pytest node ids) are run
 in ONE pytest call inside the graded folder; one line per exercise says passed or
-FAILED, with the first check that fails, what it found different, and the hint
-naming the classic mistakes. Exits 1 if any graded exercise fails. Nothing here checks an answer
+FAILED (with the hint naming the classic mistakes), then one line per failing check:
+the test's name and what it found different. An exercise whose tests stop in another
+exercise that is still blank says "BLOCKED ... blocked by exercise N" (the sheet,
+exercises/README.md, gives the order). Exits 1 unless every graded exercise passes. Nothing here checks an answer
 itself: the tests do.
 """
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -79,14 +82,17 @@ def one_line(msg, width=220):
     return first if len(first) <= width else first[:width - 3] + "..."
 
 
+BLANK = re.compile(r"NotImplementedError: Exercise (\d+) ")
+
+
 def grade(root, numbers):
-    """-> [(n, passed, line)] and the pytest output tail."""
+    """-> [(n, passed, lines)] and the pytest output tail: the exercise's line, then one line per failing check."""
     ids = [t for n in numbers for t in EXERCISES[n]["tests"]]
     results, broken, tail = run_tests(root, list(dict.fromkeys(ids)))
     report = []
     for n in numbers:
         ex = EXERCISES[n]
-        n_ok, n_all, first = 0, 0, None
+        n_ok, n_all, failing = 0, 0, []
         for table_id in ex["tests"]:
             got = [(node, res) for node, res in results.items() if matches(node, table_id)]
             if not got:                                       # not collected: its file did not import, or no such test
@@ -96,16 +102,25 @@ def grade(root, numbers):
             for node, (outcome, msg) in got:
                 n_all += 1
                 n_ok += outcome == "passed"
-                if outcome != "passed" and first is None:
-                    first = f"{node.split('::')[-1]}: {one_line(msg)}"
+                if outcome != "passed":
+                    failing.append((node.split("::")[-1], one_line(msg)))
         ok = n_ok == n_all
-        line = f"exercise {n:2d}  {'passed' if ok else 'FAILED'}  {ex['title']}  ({n_ok} of {n_all} checks pass)"
-        if not ok and f": NotImplementedError: Exercise {n} " in first:
-            line += (f"  still blank: replace the raise between # EXERCISE {n} and # END EXERCISE {n} in "
-                     f"{', '.join(ex['regions'])}")
-        elif not ok:
-            line += f"  first to fail: {first}  hint: {ex['hint']}"
-        report.append((n, ok, line))
+        blank_in = [{int(m) for m in BLANK.findall(msg)} for _, msg in failing]   # the exercises each check hit blank
+        blockers = sorted(set().union(*blank_in) - {n}) if failing else []
+        head = f"exercise {n:2d}  {{}}  {ex['title']}  ({n_ok} of {n_all} checks pass)"
+        if ok:
+            lines = [head.format("passed")]
+        elif any(n in b for b in blank_in):
+            lines = [head.format("FAILED") + f"  still blank: replace the raise between # EXERCISE {n} and "
+                                             f"# END EXERCISE {n} in {', '.join(ex['regions'])}"]
+        elif all(blank_in):                                   # every failing check stopped in another's blank
+            lines = [head.format("BLOCKED") + f"  blocked by exercise {', '.join(map(str, blockers))}: its tests "
+                     f"run that code too; finish it, then grade this one again (the order is in exercises/README.md)"]
+        else:
+            lines = [head.format("FAILED") + f"  hint: {ex['hint']}"]
+            lines += [f"    {name}: " + (f"blocked by exercise {', '.join(map(str, sorted(b)))}" if b else msg)
+                      for (name, msg), b in zip(failing, blank_in)]
+        report.append((n, ok, lines))
     return report, tail
 
 
@@ -124,8 +139,8 @@ def main(argv=None):
         raise SystemExit(f"error: {root} has no tests/ folder: is it a copy of the project?")
     t0 = time.time()
     report, tail = grade(root, numbers)
-    for _, _, line in report:
-        print(line)
+    for _, _, lines in report:
+        print("\n".join(lines))
     n_ok = sum(ok for _, ok, _ in report)
     print(f"{n_ok}/{len(report)} exercises passed in {time.time() - t0:.0f}s ({root})")
     if args.show_pytest:

@@ -9,10 +9,12 @@ lines) and `# END EXERCISE N` in a .py file; in the copy it becomes one
 markers stay. Every other byte is copied verbatim. Left out: exercises/answers.md,
 methods/fast_cap.py (a fast form of exercise 3: without it PAL and PAL-Rel train
 through the student's relative + cap), tests/test_exercises.py (it holds the answers
-it plants), and .git, .cache, results, __pycache__, .pytest_cache. OUT_DIR must not
+it plants), and .git, .cache, results, __pycache__, .pytest_cache. The copy records the
+exercises it blanked in exercises/this_copy.json. OUT_DIR must not
 exist or be empty (a student's work is never overwritten).
 """
 import argparse
+import json
 import re
 import shutil
 import sys
@@ -23,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SKIP_DIRS = {".git", ".cache", "results", "__pycache__", ".pytest_cache"}
 SKIP_FILES = {Path("exercises/answers.md"),     # the experiments' answers, for instructors
               Path("methods/fast_cap.py"),       # PAL's fast CAP: computes exercise 3's p (pal.py choice 9)
-              Path("tests/test_exercises.py")}   # the course's own test: it plants each exercise's answer
+              Path("tests/test_exercises.py"),   # the course's own test: it plants each exercise's answer
+              Path("exercises/this_copy.json")}  # a copy's own record (below), never carried into another
 START = re.compile(r"^(?P<indent>[ \t]*)# EXERCISE (?P<n>\d+)\b(?P<text>.*)$")
 MORE = re.compile(r"^[ \t]*#   (?P<text>\S.*)$")                # continuation of the marker text
 END = re.compile(r"^[ \t]*# END EXERCISE (?P<n>\d+)\s*$")
@@ -95,6 +98,8 @@ def make_copy(out_dir, only=None, root=ROOT):
             shutil.copymode(src, dst)
         else:
             shutil.copy2(src, dst)
+    # which exercises this copy blanks (align.py's refusal reads it to advise the right --only)
+    (out_dir / "exercises" / "this_copy.json").write_text(json.dumps({"blanked": sorted(only or blanked)}) + "\n")
     return blanked
 
 

@@ -10,11 +10,14 @@ Grading logic lives only in the tests; nothing here recomputes an answer.
 NEEDS says which exercises a run of align.py executes (the method's, the evaluation's, the
 analyses'); refuse_blank_exercises stops a run that needs a still blank one, before any work.
 """
+import json
 import re
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+COPY_RECORD = Path("exercises/this_copy.json")    # written into a student copy: the exercises it blanked
+BLANK_LINE = re.compile(r"^[ \t]*raise NotImplementedError\(['\"]Exercise (\d+) ", re.M)
 
 EXERCISES = {
     1: dict(
@@ -74,6 +77,7 @@ EXERCISES = {
         regions=["methods/cov.py"],
         tests=["tests/test_cov.py::test_max_sum_matches_loop_with_padding",
                "tests/test_cov.py::test_padded_words_do_not_change_the_score[CoV]",
+               "tests/test_cov.py::test_padded_words_do_not_change_the_score[TextGuided]",
                "tests/test_cov.py::test_cov_dense_image_slice_is_a_one_region_image",
                "tests/test_cov.py::test_permuting_the_batch_permutes_the_scores[CoV]",
                "tests/test_cov.py::test_chunked_score_equals_unchunked[CoV]"],
@@ -106,7 +110,8 @@ EXERCISES = {
         regions=["similarity.py"],
         tests=["tests/test_recycling.py::test_mutual_knn_matches_naive_loop",
                "tests/test_recycling.py::test_mutual_knn_identical_and_independent",
-               "tests/test_recycling.py::test_prototype_alignment_head_rows_vs_noisy_means"],
+               "tests/test_recycling.py::test_prototype_alignment_head_rows_vs_noisy_means",
+               "tests/test_pipeline.py::test_mutual_knn_and_cka_tables_equal_the_pairwise_measures"],
         hint="a row counted as its own neighbour (set the diagonal to -inf before top-k); Euclidean instead "
              "of cosine neighbours (normalise the rows); dividing the overlap by N instead of k"),
     10: dict(
@@ -154,7 +159,7 @@ EXERCISES = {
 
 # The exercises a run of align.py executes: its method's (training and scoring), then the evaluation's.
 NEEDS = {
-    "pal": [2, 3], "pal_rel": [2, 3], "cov": [2, 4, 5, 6], "text_guided": [2], "filip": [6], "fa": [2],
+    "pal": [2, 3], "pal_rel": [2, 3], "cov": [2, 4, 5, 6], "text_guided": [2, 3, 6], "filip": [6], "fa": [2],
     "linear": [2], "linear_rs": [2, 11], "mlp_rs": [2, 11], "csa": [7], "asif": [12], "mlp": [], "t2c": [],
     "sail": [],
 }
@@ -164,13 +169,21 @@ SELECT_MKNN = [9]              # --select-layers mknn
 
 
 def blank_exercises(root=ROOT):
-    """The exercises with a region still blank in the checkout at root (a student copy's raise line)."""
+    """The exercises with a region still blank in the checkout at root: a student copy's raise line, as code (a
+    commented-out raise above a finished body is not blank)."""
     blank = set()
     for rel in sorted({r for ex in EXERCISES.values() for r in ex["regions"]}):
         path = Path(root) / rel
         if path.is_file():
-            blank |= {int(n) for n in re.findall(r"raise NotImplementedError\(['\"]Exercise (\d+) ", path.read_text())}
+            blank |= {int(n) for n in BLANK_LINE.findall(path.read_text())}
     return blank
+
+
+def copy_blanked(root=ROOT):
+    """The exercises make_student_copy.py blanked in the copy at root (its exercises/this_copy.json); every
+    exercise where there is no such file."""
+    record = Path(root) / COPY_RECORD
+    return set(json.loads(record.read_text())["blanked"]) if record.is_file() else set(EXERCISES)
 
 
 def run_needs(method, analyses=False, select_layers=None):
@@ -189,8 +202,14 @@ def refuse_blank_exercises(method, analyses=False, select_layers=None, root=ROOT
     need = run_needs(method, analyses, select_layers)
     missing = [n for n in need if n in blank]
     if missing:
-        mine = sorted(set(NEEDS.get(method, [])) | (set(need) - blank))   # the method's and the finished ones
+        # the method's exercises and the finished ones, among those this copy blanked: a copy that blanks only
+        # them has the reference code for the rest (worth making only if it leaves out a blank one)
+        mine = sorted((set(NEEDS.get(method, [])) | (set(need) - blank)) & copy_blanked(root))
+        if set(missing) - set(mine):
+            fix = (f"finish them, or run it in a copy that blanks only yours: python exercises/make_student_copy.py "
+                   f"DIR --only {' '.join(map(str, mine)) or 'N ...'}, then paste your solutions in")
+        else:
+            fix = (f"finish {'it' if len(missing) == 1 else 'them'}: python exercises/grade.py "
+                   f"{' '.join(map(str, missing))} says what is left")
         sys.exit(f"error: --method {method}{' --analyses' if analyses else ''} needs exercises "
-                 f"{', '.join(map(str, need))}; still blank: {', '.join(map(str, missing))} (finish them, or run "
-                 f"it in a copy that blanks only yours: python exercises/make_student_copy.py DIR --only "
-                 f"{' '.join(map(str, mine)) or 'N ...'}, then paste your solutions in)")
+                 f"{', '.join(map(str, need))}; still blank: {', '.join(map(str, missing))} ({fix})")

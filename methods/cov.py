@@ -127,6 +127,16 @@ def max_mean(r, w):
     # END EXERCISE 6
 
 
+def real_word_mean(x, w):
+    """Mean of x (I, T, L) over the real words of w (T, L, K), all-zero rows being padding -> (I, T)
+    (TextGuided's Eq. (3))."""
+    # EXERCISE 6 (the mean over real words): x (I, T, L), w (T, L, K); padded (all-zero) words of w count neither
+    #   in the sum nor in the number divided by -> (I, T)
+    w_ok = w.abs().sum(-1) > 0                                          # (T, L)
+    return (x * w_ok[None]).sum(-1) / w_ok.sum(-1)[None].clamp_min(1)
+    # END EXERCISE 6
+
+
 def grid_centres(rows, cols, device=None):
     """(rows*cols, 2) cell centres (x, y) in [0,1], row-major."""
     y = (torch.arange(rows, device=device) + 0.5) / rows

@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .cov import max_mean as token_max   # Eq. (4)-(5): the two terms of CoV's max-sum, Eq. (6)
+from .losses import info_nce_of_logits
 
 
 class FILIP(nn.Module):
@@ -75,8 +76,5 @@ class FILIP(nn.Module):
 
     def loss(self, img, txt):
         s_i2t, s_t2i = token_max(self.embed_image(img), self.embed_text(txt))  # (B, B) each
-        target = torch.arange(len(s_i2t), device=s_i2t.device)
-        l_i2t = F.cross_entropy(s_i2t / self.tau, target)         # image -> its caption
-        l_t2i = F.cross_entropy(s_t2i.T / self.tau, target)       # caption -> its image
-        loss = (l_i2t + l_t2i) / 2
+        loss = info_nce_of_logits(s_i2t / self.tau, s_t2i / self.tau)   # image -> its caption, caption -> its image
         return loss, {"nce": loss.item()}

@@ -21,10 +21,13 @@ def info_nce(h_v, h_l, tau):
     # END EXERCISE 2
 
 
-def info_nce_of_logits(logits):
-    """Symmetric InfoNCE over a (B, B) logit matrix whose diagonal holds the pairs."""
-    # EXERCISE 2 (the same loss from logits): the mean of the cross-entropies of the rows (image -> text) and
-    #   of the columns (text -> image) of logits (B, B), targets on the diagonal -> scalar
+def info_nce_of_logits(logits, logits_t2i=None):
+    """Symmetric InfoNCE over a (B, B) logit matrix whose diagonal holds the pairs; logits_t2i (B, B), when
+    given, supplies the text -> image direction (FILIP: its two token-wise similarities differ)."""
+    # EXERCISE 2 (the same loss from logits): the mean of the cross-entropies of the rows (image -> text) of
+    #   logits (B, B) and of the columns (text -> image) of logits_t2i (default: logits), targets on the
+    #   diagonal -> scalar
     target = torch.arange(len(logits), device=logits.device)
-    return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
+    cols = logits if logits_t2i is None else logits_t2i                          # (B, B)
+    return (F.cross_entropy(logits, target) + F.cross_entropy(cols.T, target)) / 2
     # END EXERCISE 2

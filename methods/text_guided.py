@@ -41,7 +41,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .cov import real_word_mean
 from .losses import info_nce_of_logits
+from .pal import cap
 
 
 def text_guided_score(v, w, tau_a):
@@ -52,18 +54,17 @@ def text_guided_score(v, w, tau_a):
     with G = v v^T (N, N) the patch Gram matrix
     the same value (tests/test_fast_forms.py checks it, and its gradients, against v_hat formed)."""
     v_ok = v.abs().sum(-1) > 0                                          # (I, N)
-    w_ok = w.abs().sum(-1) > 0                                          # (T, L)
     (I, N, K), (T, L, _) = v.shape, w.shape
     # every pair at once, laid out (I, N, T*L) so that both products below are plain (batched) matmuls
     s = (v.reshape(I * N, K) @ w.reshape(T * L, K).T).view(I, N, T * L)  # cos(w_j, v_p), (I, N, T*L); 0 at padding
-    bias = torch.zeros_like(v_ok, dtype=s.dtype).masked_fill_(~v_ok, float("-inf"))[..., None]  # (I, N, 1)
-    a = (s / tau_a + bias).softmax(dim=1)                               # Eq. (1), over the patches p
-    dot = (a * s).sum(1)                                                # Eq. (2): w_j . v_hat_j, (I, T*L)
+    # Eq. (1)-(2) are PAL's cross-attention pooling with the words as queries: a softmax over the real patches p,
+    # then the a-weighted sum of s
+    dot, a = cap(s, v_ok, tau_a)                                        # w_j . v_hat_j (I, T*L), a (I, N, T*L)
     G = v @ v.transpose(1, 2)                                           # (I, N, N) patch Gram matrix
     sq = ((G @ a) * a).sum(1)                                           # ||v_hat_j||^2 = a_j^T G a_j, (I, T*L)
     cos = dot / (sq * w.square().sum(-1).view(1, T * L)).clamp_min(1e-16).sqrt()  # cos(w_j, v_hat_j), eps as
     cos = cos.view(I, T, L)                                             # F.cosine_similarity's, (I, T, L)
-    return (cos * w_ok[None]).sum(-1) / w_ok.sum(-1)[None].clamp_min(1)  # Eq. (3), (I, T)
+    return real_word_mean(cos, w)                                       # Eq. (3), (I, T)
 
 
 class TextGuided(nn.Module):

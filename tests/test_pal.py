@@ -164,6 +164,13 @@ def test_info_nce_is_the_mean_of_both_directions():
     got = info_nce_of_logits(h_v @ h_l.T / tau).item()
     assert got == pytest.approx(want, rel=1e-5), (
         f"info_nce_of_logits = {got:.4f}, the loop gives {want:.4f} (rows alone {i2t:.4f}, columns alone {t2i:.4f})")
+    # two matrices (FILIP's image->text and text->image similarities): the rows of the first, the columns of the second
+    s2 = [[x * x / 20 for x in row] for row in s]
+    want = (cross_entropy(s) + cross_entropy([list(col) for col in zip(*s2)])) / 2
+    got = info_nce_of_logits(h_v @ h_l.T / tau, torch.tensor(s2)).item()
+    assert got == pytest.approx(want, rel=1e-5), (
+        f"info_nce_of_logits(logits, logits_t2i) = {got:.4f}, the loop gives {want:.4f} (the rows of logits and "
+        f"the columns of logits_t2i)")
 
 
 def test_anchor_overlap_on_planted_top5_sets():

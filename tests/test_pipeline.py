@@ -75,6 +75,9 @@ def test_mutual_knn_and_cka_tables_equal_the_pairwise_measures():
     assert similarity.mutual_knn_table(Xs, Ys, 5) == {(a, b): similarity.mutual_knn(Xs[a], Ys[b], 5) for a in Xs for b in Ys}
     assert similarity.cka_table(Xs, Ys) == {(a, b): similarity.cka(Xs[a], Ys[b]) for a in Xs for b in Ys}
     assert similarity.mutual_knn_table({0: Xs[1]}, {0: Xs[1]}, 5)[0, 0] == 1.0      # a set with itself
+    knn = (similarity.knn_indices(Xs[1], 5), similarity.knn_indices(Ys[2], 5))       # the tables mutual_knn reads
+    assert similarity.mutual_knn(Xs[1], Ys[2], 5, knn=knn) == similarity.mutual_knn(Xs[1], Ys[2], 5) > 0
+    assert similarity.mutual_knn(Xs[1], Ys[2], 5, knn=(knn[0], knn[0])) == 1.0        # it reads the tables given
 
 
 def test_concurrent_extraction_gives_the_serial_features():
