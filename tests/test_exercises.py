@@ -7,15 +7,20 @@ per exercise, patched into a copy, fails with the hint naming it; a cap that for
 padding mask fails its grade and changes PAL's retrieval; the reference regions pasted back
 grade as passed and align.py gives the reference's metrics there (its paper form, since a copy
 has no methods/fast_cap.py). This file plants the answers, so it is not in a student copy."""
+import builtins
+import io
 import json
+import keyword
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "exercises"))
@@ -249,13 +254,18 @@ def test_classic_mistakes_fail_with_the_hint_that_names_them(tmp_path):
     msc.make_copy(copy, only=set())                               # a verbatim copy
     for n, (rel, right, wrong, _) in MISTAKES.items():
         text = (copy / rel).read_text()
-        assert text.count(right) == (2 if n == 2 else 1), (n, right)       # exercise 2: both of its regions
+        assert text.count(right) == 1, (n, right)
         (copy / rel).write_text(text.replace(right, wrong))
     code, lines, out = grade(copy)
     assert code == 1 and sorted(lines) == sorted(EXERCISES), out
     for n, line in lines.items():
         assert "  FAILED  " in line and "NotImplementedError" not in line, line
         assert MISTAKES[n][3] in line.split("hint:")[1], line
+    # seeded tests: exercise 3 graded alone reports each failing check with the same numbers as among all
+    alone = grade(copy, 3)[2].splitlines()
+    checks = lambda lines: [l for l in lines if l.startswith("    ")]
+    block = out.splitlines()[out.splitlines().index(lines[3]):]
+    assert checks(alone) and checks(alone) == checks(block)[:len(checks(alone))], (alone, block)
 
 
 def run_align(root, out, cache_dir, *extra):
@@ -297,6 +307,9 @@ def test_pasted_back_copy_passes_and_trains_the_paper_form_to_the_last_digit(stu
         assert code == 0 and len(lines) == len(EXERCISES), out
         code, lines, out = grade(no_mask, 3)
         assert code == 1 and "  FAILED  " in lines[3] and "padded" in lines[3], out
+        # one line per failing check: the padding test's own message is not hidden behind the first failure
+        assert re.search(r"^    test_pooling_matches_naive_loop\[cap\]: image p ", out, re.M), out
+        assert re.search(r"^    test_padding_does_not_change_h\[cap\]: .*padded tokens must get weight 0$", out, re.M), out
         (got, log), (want, _), (wrong_run, _) = [finish() for finish in runs]
     finally:
         for finish in runs:
@@ -305,3 +318,199 @@ def test_pasted_back_copy_passes_and_trains_the_paper_form_to_the_last_digit(stu
            "this copy)" in log.splitlines()
     assert got == want
     assert wrong_run["retrieval"]["rsum"] != want["retrieval"]["rsum"], (wrong_run["retrieval"], want["retrieval"])
+
+
+# ----------------------------------------------------------------------------- the course as a class runs it
+
+KEEP_NAMES = set(keyword.kwlist) | set(dir(builtins)) | {"torch", "F", "nn", "math", "self"}
+# idioms that give nothing away (the marker text names them): zeroing padding, the diagonal targets
+IDIOMS = {"_.masked_fill(~_[...,None],0.0)", "torch.arange(len(_),_=_.device)"}
+
+
+def code_shape(line):
+    """A code line as its computation: the names a writer chooses (variables, arguments) become `_`, an
+    assignment's target and a `return` are dropped; attributes, torch calls, keywords and literals stay. Two
+    lines that differ only in naming have the same shape."""
+    try:
+        toks = list(tokenize.generate_tokens(io.StringIO(line.strip()).readline))
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        return ""
+    out, prev = [], None
+    for t in toks:
+        if t.type in (tokenize.COMMENT, tokenize.NEWLINE, tokenize.NL, tokenize.ENDMARKER, tokenize.INDENT,
+                      tokenize.DEDENT):
+            continue
+        out.append("_" if t.type == tokenize.NAME and t.string not in KEEP_NAMES and prev != "." else t.string)
+        prev = t.string
+    text = "".join(out)
+    text = re.sub(r"^return", "", text)
+    return re.sub(r"^[_,()]+=(?!=)", "", text)                # `a, b = ...` -> `...`
+
+
+def test_code_shape_sees_through_renaming():
+    assert code_shape("t2i = (best_region * w_ok[None]).sum(-1) / w_ok.sum(-1)[None].clamp_min(1)") == \
+        code_shape("    return (cos * real[None]).sum(-1) / real.sum(-1)[None].clamp_min(1)  # Eq. (3)")
+    assert code_shape("a = x.softmax(dim=1)") != code_shape("a = x.softmax(dim=2)")
+    assert code_shape("y = F.normalize(x, dim=-1)") != code_shape("y = F.normalize(x, dim=0)")
+
+
+def test_no_answer_stands_renamed_outside_its_region():
+    """Every region line of 30+ characters, as its computation (code_shape), appears in no line outside the
+    regions of a file a student copy holds: a copy keeps every such line verbatim."""
+    answers, outside = {}, []
+    for rel in msc.project_files(ROOT):
+        if rel.suffix != ".py" or str(rel) in ("methods/fast_cap.py", "tests/test_exercises.py"):
+            continue                                          # (neither is in a copy)
+        lines = (ROOT / rel).read_text().split("\n")
+        inside = set()
+        for n, start, end, _, _ in (msc.find_regions(lines, str(rel)) if "# EXERCISE" in "\n".join(lines) else []):
+            for i in range(start, end):
+                inside.add(i)
+                if len(code_shape(lines[i])) >= 30:
+                    answers.setdefault(code_shape(lines[i]), (n, f"{rel}:{i + 1}"))
+        if not str(rel).startswith("tests/"):               # the tests hold naive loops, not the answers' lines
+            outside += [(f"{rel}:{i + 1}", code_shape(l)) for i, l in enumerate(lines) if i not in inside]
+    assert len(answers) > 40
+    leaks = [f"{where} computes exercise {answers[k][0]}'s {answers[k][1]}" for where, k in outside
+             if k in answers and k not in IDIOMS]
+    assert not leaks, leaks
+
+
+CALLABLE_PROBE = """
+import torch, similarity
+from features import Features
+from methods.filip import FILIP
+from methods.text_guided import text_guided_score
+g = torch.Generator().manual_seed(0)
+X, Y = torch.randn(20, 6, generator=g), torch.randn(20, 5, generator=g)
+def knn(X, k):  # exercise 9's first half, as a student who has written it
+    Xn = torch.nn.functional.normalize(X, dim=-1)
+    return (Xn @ Xn.T).fill_diagonal_(float("-inf")).topk(k, dim=1).indices
+similarity.knn_indices = knn
+def probe(name, f):
+    try:
+        f()
+        print(name, "ANSWERS")
+    except NotImplementedError as e:
+        print(name, str(e).split()[1])
+probe("mutual_knn_table", lambda: similarity.mutual_knn_table({0: X}, {0: Y}, 3))
+img = Features(tokens=torch.randn(4, 5, 8, generator=g), mask=torch.ones(4, 5, dtype=torch.bool), grid=(2, 2))
+txt = Features(tokens=torch.randn(4, 3, 6, generator=g), mask=torch.ones(4, 3, dtype=torch.bool))
+m = FILIP(8, 6, K=4)
+import methods.filip as mf
+mf.token_max = lambda r, w: (r.flatten(1) @ w.flatten(1).T,) * 2     # exercise 6 done (any form)
+probe("FILIP.loss", lambda: m.loss(img, txt))
+v, w = torch.randn(3, 4, 5, generator=g), torch.randn(2, 3, 5, generator=g)
+probe("text_guided_score", lambda: text_guided_score(v, w, 0.1))
+"""
+
+
+@pytest.mark.slow
+def test_no_function_outside_a_region_answers_an_exercise(student_copy):
+    """In a blank copy, with the other exercises done, the functions that compute an answer's math reach the
+    blank region instead of computing it themselves."""
+    r = subprocess.run([sys.executable, "-c", CALLABLE_PROBE], cwd=student_copy, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:3] == ["mutual_knn_table 9", "FILIP.loss 2", "text_guided_score 3"], r.stdout
+
+
+def planted_commented_raise(copy):
+    """exercise 3's cap in a verbatim copy with a commented-out raise above its finished body."""
+    pal = copy / "methods" / "pal.py"
+    text = pal.read_text()
+    anchor = "    R = R.masked_fill(~mask[..., None], 0.0)"
+    assert text.count(anchor) == 1
+    pal.write_text(text.replace(anchor, "    # raise NotImplementedError('Exercise 3 (PAL Eq. 5-6): ...')\n" + anchor))
+
+
+def test_a_commented_out_raise_above_a_finished_body_is_not_blank(tmp_path):
+    copy = tmp_path / "done"
+    msc.make_copy(copy, only=set())
+    planted_commented_raise(copy)
+    assert table.blank_exercises(copy) == set()
+    table.refuse_blank_exercises("pal", root=copy)          # nothing blank: silent
+    msc.make_copy(tmp_path / "blank3", only={3})
+    assert table.blank_exercises(tmp_path / "blank3") == {3}
+
+
+def test_the_refusal_in_a_copy_blanking_only_one_exercise_says_finish_it(tmp_path):
+    msc.make_copy(tmp_path / "only3", only={3})
+    assert json.loads((tmp_path / "only3" / "exercises" / "this_copy.json").read_text()) == {"blanked": [3]}
+    with pytest.raises(SystemExit) as e:
+        table.refuse_blank_exercises("pal", root=tmp_path / "only3")
+    assert str(e.value) == ("error: --method pal needs exercises 1, 2, 3, 10, 13; still blank: 3 (finish it: "
+                            "python exercises/grade.py 3 says what is left)")
+    msc.make_copy(tmp_path / "only2-3", only={2, 3, 10})    # 10 still blank: a copy of 2 and 3 alone helps
+    with pytest.raises(SystemExit, match="still blank: 2, 3, 10 .*--only 2 3, then"):
+        table.refuse_blank_exercises("pal", root=tmp_path / "only2-3")
+
+
+def test_every_test_starts_from_the_same_random_state():
+    """tests/conftest.py seeds torch's generator before each test: a test alone and under the grader draw the same."""
+    assert torch.equal(torch.rand(4), torch.rand(4, generator=torch.Generator().manual_seed(0)))
+
+
+def sheet_rows():
+    """{exercise: {column: cell}} of the sheet's table of coding exercises."""
+    sheet = (ROOT / "exercises" / "README.md").read_text()
+    rows = [l for l in sheet.split("## The coding exercises")[1].split("###")[0].splitlines() if l.startswith("|")]
+    head = [c.strip() for c in rows[0].strip("|").split("|")]
+    return {int(cells[0]): dict(zip(head, cells)) for r in rows[2:]
+            if (cells := [c.strip() for c in r.strip("|").split("|")])}
+
+
+def test_the_sheet_gives_each_exercise_its_needs_and_time_and_an_order_that_keeps_them():
+    rows = sheet_rows()
+    assert sorted(rows) == sorted(EXERCISES)
+    for n, row in rows.items():
+        needs = sorted(int(x) for x in re.findall(r"\d+", row["needs"]))
+        assert needs == sorted(table.DEPENDS.get(n, [])), (n, row["needs"])
+        assert re.fullmatch(r"[\d.]+(-[\d.]+)? (h|min)", row["time"]), (n, row["time"])
+    sheet = (ROOT / "exercises" / "README.md").read_text()
+    days = [l for l in sheet.split("## A two-week module")[1].splitlines() if re.match(r"\| \d+ \|", l)]
+    day_of = {}
+    for d, line in enumerate(days):
+        if m := re.search(r"\bexercises? (\d+(?:, \d+)*)", line.split("|")[2]):
+            for n in map(int, m[1].split(", ")):
+                day_of.setdefault(n, d)
+    assert sorted(day_of) == sorted(EXERCISES)
+    for n, deps in table.DEPENDS.items():
+        assert all(day_of[m] <= day_of[n] for m in deps), (n, deps, day_of)
+    assert "In a student copy" in sheet or "**Tests in a student copy.**" in sheet
+    assert "python exercises/grade.py" in sheet.split("**Tests in a student copy.**")[1].split("\n\n")[0]
+
+
+def test_the_experiments_give_each_run_its_own_out_folder():
+    sheet = (ROOT / "exercises" / "README.md").read_text()
+    for e in ("E1", "E2", "E3"):
+        part = sheet.split(f"**{e}.")[1].split("**E")[0]
+        runs = re.findall(r"^python align\.py .*$", part, re.M)
+        assert len(runs) == 3, (e, runs)
+        outs = [re.search(r"--out (\S+)", r) for r in runs]
+        assert all(outs) and len({o[1] for o in outs}) == 3, (e, runs)
+
+
+@pytest.mark.slow
+def test_a_correct_exercise_is_blocked_not_failed_by_a_blank_one_it_needs(tmp_path):
+    """Exercise 2 is the reference in a copy blanking only 3, but its gradient check trains PAL through cap."""
+    msc.make_copy(tmp_path / "only3", only={3})
+    code, lines, out = grade(tmp_path / "only3", 2, 3, 11)
+    assert code == 1, out
+    assert "  BLOCKED  " in lines[2] and "blocked by exercise 3: " in lines[2] and "NotImplementedError" not in out
+    assert "  FAILED  " in lines[3] and "still blank" in lines[3]
+    assert "  passed  " in lines[11]
+
+
+@pytest.mark.slow
+def test_the_needs_column_is_what_grading_finds(tmp_path):
+    """For each exercise m: in a copy blanking only m, exactly the exercises that need m are not passed."""
+    found = {}
+    for m in sorted(EXERCISES):
+        msc.make_copy(tmp_path / f"only{m}", only={m})
+        report, _ = grader.grade(tmp_path / f"only{m}", [n for n in EXERCISES if n != m])
+        for n, ok, lines in report:
+            if not ok:
+                assert f"blocked by exercise {m}" in lines[0] or f"blocked by exercise {m}" in "\n".join(lines), lines
+                found.setdefault(n, []).append(m)
+    assert found == {n: sorted(d) for n, d in table.DEPENDS.items()}
