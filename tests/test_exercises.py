@@ -161,6 +161,7 @@ def test_reference_passes_every_graded_test_and_grades_all_passed():
         assert int(re.search(r"\((\d+) of", line)[1]) >= k, line
 
 
+@pytest.mark.slow
 def test_every_graded_test_fails_on_the_blank_copy(student_copy):
     """A test that passes with an exercise still blank checks nothing of the student's code."""
     for n, tests in graded_results(student_copy).items():

@@ -184,6 +184,7 @@ def bad_input_runs(shared, tmp_path_factory):
     return done
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("row", list(BAD_INPUTS))
 def test_bad_inputs_stop_with_one_line_before_any_work(row, bad_input_runs):
     r = bad_input_runs[row]
