@@ -597,6 +597,8 @@ def train(method, img, txt, args, out, device, settings=None, negatives=None):
         opt.load_state_dict(state["opt"])
         sched.load_state_dict(state["sched"])
         torch.set_rng_state(state["rng"])           # dropout continues as in an uninterrupted run
+        if str(device).startswith("cuda") and state.get("cuda_rng") is not None:
+            torch.cuda.set_rng_state(state["cuda_rng"])  # dropout of the method's device tensors draws here
         start, last = state["epoch"] + 1, state.get("loss")
         print(f"[train] resumed from {ckpt} after epoch {start}")
     elif args.resume:
@@ -642,7 +644,9 @@ def train(method, img, txt, args, out, device, settings=None, negatives=None):
         if distributed.rank() == 0:
             cache.atomic_save({"method": method.state_dict(), "opt": opt.state_dict(),
                                "sched": sched.state_dict(), "epoch": epoch,
-                               "rng": torch.get_rng_state(), "loss": last, "settings": settings}, ckpt)
+                               "rng": torch.get_rng_state(), "loss": last, "settings": settings,
+                               "cuda_rng": torch.cuda.get_rng_state() if str(device).startswith("cuda") else None},
+                              ckpt)
     return {"seconds": round(time.time() - t0, 2), "final_loss": last}  # resumed when done: as saved
 
 

@@ -18,6 +18,7 @@ def run(cache_dir, out, *flags, monkeypatch):
     return metrics, counts
 
 
+@pytest.mark.slow
 def test_default_run_writes_its_metrics_and_figures_on_the_device(cache_dir, tmp_path, monkeypatch):
     """python align.py (PAL, figures on) on CUDA: the anchor figure's heatmaps cross to the host."""
     metrics, counts = run(cache_dir, tmp_path / "run", monkeypatch=monkeypatch)
@@ -25,3 +26,66 @@ def test_default_run_writes_its_metrics_and_figures_on_the_device(cache_dir, tmp
     assert saved["retrieval"]["rsum"] == pytest.approx(metrics["retrieval"]["rsum"]) and saved["retrieval"]["rsum"] > 0
     assert "analysis" in saved and (tmp_path / "run" / "pal_anchors_0.png").exists()
     assert counts["stream"] >= 1 and counts["pin_memory"] >= 1      # the side-stream loader ran
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(__import__("methods").METHODS))
+def test_every_method_trains_evaluates_and_draws_on_the_device(name, cache_dir, tmp_path, monkeypatch):
+    metrics, _ = run(cache_dir, tmp_path / name, "--method", name, "--eval-images", "16",
+                     monkeypatch=monkeypatch)
+    assert metrics["retrieval"]["rsum"] > 0 and (tmp_path / name / "metrics.json").exists()
+    assert all(v.device.type == "cpu" for v in torch.load(tmp_path / name / "method.pt").values())
+
+
+@pytest.mark.slow
+def test_analyses_run_on_the_device(cache_dir, tmp_path, monkeypatch):
+    """--analyses: the head rows and the class-name features reach the analyses' CPU MLP on the host."""
+    metrics, _ = run(cache_dir, tmp_path / "a", "--method", "linear", "--analyses", "--no-figures",
+                     monkeypatch=monkeypatch)
+    table2 = metrics["recycling"]["cls"]
+    assert table2 and all(isinstance(v, (float, int, dict, list, type(None))) for v in table2.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("align_data", ["weights", "weights+pairs"])
+def test_head_rows_align_on_the_device(align_data, cache_dir, tmp_path, monkeypatch):
+    metrics, _ = run(cache_dir, tmp_path / "w", "--method", "mlp", "--align-data", align_data, "--no-figures",
+                     monkeypatch=monkeypatch)
+    assert metrics["classification"] and metrics["train"]["final_loss"] is not None
+
+
+@pytest.mark.slow
+def test_hard_negatives_on_the_device(cache_dir, tmp_path, monkeypatch):
+    metrics, _ = run(cache_dir, tmp_path / "h", "--method", "linear", "--hard-negatives", "--no-figures",
+                     monkeypatch=monkeypatch)
+    assert metrics["train"]["final_loss"] > 0
+
+
+@pytest.mark.slow
+def test_resume_on_the_device(cache_dir, tmp_path, monkeypatch):
+    """--resume of a finished run on CUDA: the checkpoint is read back onto the device, no epoch reruns."""
+    first, _ = run(cache_dir, tmp_path / "r", "--method", "mlp", "--no-figures", monkeypatch=monkeypatch)
+    again, _ = run(cache_dir, tmp_path / "r", "--method", "mlp", "--no-figures", "--resume", monkeypatch=monkeypatch)
+    assert again["train"]["final_loss"] == first["train"]["final_loss"]
+    assert again["retrieval"]["rsum"] == pytest.approx(first["retrieval"]["rsum"])
+
+
+def test_resume_restores_the_cuda_generator(tmp_path, monkeypatch):
+    """Dropout on CUDA draws from the CUDA generator: a checkpoint keeps its state and --resume restores it."""
+    from argparse import Namespace
+
+    import align
+    from conftest import random_features
+    from methods.mlp import MLP
+    args = Namespace(epochs=1, batch_size=16, lr=None, weight_decay=None, seed=0, resume=False)
+    img, txt = random_features(32, 1, 8, seed=1), random_features(32, 1, 6, seed=2)
+    with simulated_cuda(monkeypatch):
+        torch.manual_seed(0)
+        align.train(MLP(8, 6).to("cuda"), img, txt, args, tmp_path, "cuda")
+        saved = torch.cuda.get_rng_state()
+        state = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+        assert torch.equal(state["cuda_rng"], saved)
+        torch.cuda.set_rng_state(torch.Generator().manual_seed(99).get_state())
+        args.resume = True
+        align.train(MLP(8, 6).to("cuda"), img, txt, args, tmp_path, "cuda")
+        assert torch.equal(torch.cuda.get_rng_state(), saved)
