@@ -89,3 +89,42 @@ def test_resume_restores_the_cuda_generator(tmp_path, monkeypatch):
         args.resume = True
         align.train(MLP(8, 6).to("cuda"), img, txt, args, tmp_path, "cuda")
         assert torch.equal(torch.cuda.get_rng_state(), saved)
+
+
+def test_autocast_takes_fp16_where_bf16_is_only_emulated(monkeypatch):
+    """A V100 or T4 reports bf16 'supported' under emulation: the encoders take fp16 there, bf16 on an H200."""
+    import encoders
+    for native, want in ((False, torch.float16), (True, torch.bfloat16)):
+        with simulated_cuda(monkeypatch, bf16=native) as counts:
+            with encoders.autocast("cuda"):
+                pass
+        assert counts == {f"autocast {want}": 1}, (native, counts)
+
+
+def test_cached_features_are_keyed_by_the_precision_they_were_computed_in(monkeypatch):
+    """fp32 features from a CPU, bf16- and fp16-autocast features from GPUs: three cache keys."""
+    from types import SimpleNamespace
+
+    import cache
+    enc = SimpleNamespace(name="shapes-text", fingerprint="abc", layer=-1, preprocess="words")
+    parts = dict(dataset="shapes", split="test", modality="text")
+    keys = {"cpu": cache.feature_key(enc, ["a red circle"], "cpu", **parts)}
+    for native in (True, False):
+        with simulated_cuda(monkeypatch, bf16=native):
+            keys[native] = cache.feature_key(enc, ["a red circle"], "cuda", **parts)
+    assert len(set(keys.values())) == 3
+    assert keys["cpu"] == cache.feature_key(enc, ["a red circle"], **parts)     # the CPU's key by default
+
+
+def test_head_rows_come_to_the_host_after_extraction_on_the_device(cache_dir, monkeypatch):
+    """Module.to is in place: after an extraction on the device the encoder's head lives there, and
+    head() still gives host rows (the analyses' MLP and weight_pairs run on the host)."""
+    import data
+    import encoders
+    image_enc, text_enc = encoders.load_encoders("shapes-cnn", "shapes-text", cache_dir)
+    images = data.DATASETS["shapes"]()["test"].images[:2]
+    with simulated_cuda(monkeypatch):
+        image_enc.encode(images, "cuda")
+        W, b, names = image_enc.head()
+        assert not W.is_cuda and not b.is_cuda and len(names) == W.shape[0] == b.shape[0]
+        assert torch.equal(W, image_enc.model.head.weight[:-1].cpu())
