@@ -128,3 +128,30 @@ def test_head_rows_come_to_the_host_after_extraction_on_the_device(cache_dir, mo
         W, b, names = image_enc.head()
         assert not W.is_cuda and not b.is_cuda and len(names) == W.shape[0] == b.shape[0]
         assert torch.equal(W, image_enc.model.head.weight[:-1].cpu())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharded", [False, True])
+def test_extraction_on_the_device_gives_the_host_features_of_the_cpu(sharded, tmp_path, monkeypatch):
+    """cache.extract with device="cuda" through Hugging Face encoders (tiny random DINOv2 and BERT):
+    pinned host batches, the decode thread a batch ahead, autocast, features back on the host (one
+    file, or memory-mapped shards), equal to the CPU's."""
+    import cache
+    import encoders
+    from test_real import images, write_models
+    models = write_models(tmp_path / "models")
+    image_enc, text_enc = encoders.load_encoders(str(models / "dinov2"), str(models / "bert"), tmp_path / "c")
+    inputs = ((image_enc, images(20), "image"), (text_enc, [f"a red dog {i} on the cat" for i in range(20)], "text"))
+    monkeypatch.setattr(cache, "EXTRACT_BATCH", 8)
+    if sharded:
+        monkeypatch.setattr(cache, "MEMMAP_BYTES", 1)
+        monkeypatch.setattr(cache, "SHARD_BYTES", 1)
+    rows = lambda f: f[torch.arange(len(f))] if sharded else f
+    want = [rows(cache.extract(enc, x, tmp_path / "cpu", dataset="d", split="s", modality=m)) for enc, x, m in inputs]
+    with simulated_cuda(monkeypatch) as counts:
+        got = [rows(cache.extract(enc, x, tmp_path / "gpu", device="cuda", dataset="d", split="s", modality=m))
+               for enc, x, m in inputs]
+        for g, w in zip(got, want):
+            assert not g.tokens.is_cuda and not g.pooled.is_cuda and not g.mask.is_cuda
+            torch.testing.assert_close(g.pooled.float(), w.pooled.float(), atol=2e-3, rtol=2e-3)
+    assert counts["autocast torch.bfloat16"] >= 2 and counts["pin_memory"] >= 1, counts
