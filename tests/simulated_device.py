@@ -140,6 +140,8 @@ class DeviceMode(TorchFunctionMode):
         if func == G.data.__set__:
             if on_device(args[1]):
                 tag(args[0])
+            elif hasattr(args[0], TAG):
+                delattr(args[0], TAG)                   # Module.cpu(): the parameter is a host tensor again
             return out
         if to_device or (device is None and any(on_device(t) for t in tensors_in(args, kwargs))
                          and func is not G.copy_):
