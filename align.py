@@ -384,10 +384,10 @@ def data_identity(args, sets):
     return dict(data_root=root, data_hash=data.identity(sets["train"]))
 
 
-def alignment_data(args, F):
+def alignment_data(args, F, device="cpu"):
     """The training pairs: image-text pairs, head rows + class names (weight recycling §4), or both"""
     if args.align_data == "weights":
-        return weight_pairs(args, F)
+        return weight_pairs(args, F, device)
     img, txt = F["train", "image"], F["train", "text"]
     rows = F["sets"]["train"].txt_to_img                  # pair j = (image rows[j], caption j): the set's own links
     n = len(txt) if args.num_pairs is None else min(args.num_pairs, len(txt))
@@ -403,13 +403,13 @@ def alignment_data(args, F):
                            "--align-data weights")
         return img, txt
     if n == 0:
-        return weight_pairs(args, F)
-    return recycling.augment(img, txt, *weight_pairs(args, F))
+        return weight_pairs(args, F, device)
+    return recycling.augment(img, txt, *weight_pairs(args, F, device))
 
 
-def weight_pairs(args, F):
+def weight_pairs(args, F, device="cpu"):
     W, _, names = F["head"]
-    return recycling.weight_pairs(W, recycling.class_name_features(F, names, args))
+    return recycling.weight_pairs(W, recycling.class_name_features(F, names, args, device))
 
 
 def head_row_hp(args, method_cls, hp, image_enc):
@@ -560,7 +560,9 @@ def fit_or_train(method, img, txt, args, out, device, settings, negatives):
     """A closed-form fit, or the training loop; {"seconds", "final_loss"}."""
     t0, result = time.time(), {"seconds": 0.0, "final_loss": None}
     if hasattr(method, "fit"):  # closed forms are global: pooled vectors, never a whole token cache
-        if distributed.rank() == 0:         # torchrun: rank 0 fits on the full matrices, broadcasts
+        if distributed.world() > 1 and not hasattr(method, "loss") and not distributed.end_group():
+            return result                   # torchrun: rank 0 fits alone, the others leave before the fit
+        if distributed.rank() == 0:
             vectors = lambda f: Features.from_vectors(f.pooled).to(device)
             method.fit(vectors(img), vectors(txt))
         distributed.broadcast_state(method)
@@ -597,6 +599,8 @@ def train(method, img, txt, args, out, device, settings=None, negatives=None):
         opt.load_state_dict(state["opt"])
         sched.load_state_dict(state["sched"])
         torch.set_rng_state(state["rng"])           # dropout continues as in an uninterrupted run
+        if str(device).startswith("cuda") and state.get("cuda_rng") is not None:
+            torch.cuda.set_rng_state(state["cuda_rng"])  # dropout of the method's device tensors draws here
         start, last = state["epoch"] + 1, state.get("loss")
         print(f"[train] resumed from {ckpt} after epoch {start}")
     elif args.resume:
@@ -642,7 +646,9 @@ def train(method, img, txt, args, out, device, settings=None, negatives=None):
         if distributed.rank() == 0:
             cache.atomic_save({"method": method.state_dict(), "opt": opt.state_dict(),
                                "sched": sched.state_dict(), "epoch": epoch,
-                               "rng": torch.get_rng_state(), "loss": last, "settings": settings}, ckpt)
+                               "rng": torch.get_rng_state(), "loss": last, "settings": settings,
+                               "cuda_rng": torch.cuda.get_rng_state() if str(device).startswith("cuda") else None},
+                              ckpt)
     return {"seconds": round(time.time() - t0, 2), "final_loss": last}  # resumed when done: as saved
 
 
@@ -709,7 +715,7 @@ def main(argv=None):
             known = {k: loop[k] for k in ("lr", "weight_decay", "seed")}
             load_checkpoint(out / "checkpoint.pt", {**settings, **known})
         F.update(extract_features(args, F, device))
-        img, txt = alignment_data(args, F)
+        img, txt = alignment_data(args, F, device)
         seed_everything(args.seed)
         method = method_cls(img.pooled.shape[-1], txt.pooled.shape[-1], **hp).to(device)
         trained = sum(p.numel() for p in method.parameters() if p.requires_grad)

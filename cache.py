@@ -28,7 +28,7 @@ import torch
 import data
 import distributed
 from errors import RunError
-from features import Features, Progress, read_ahead
+from features import Features, Progress, precision, read_ahead
 
 
 # ---------------------------------------------------------------------------
@@ -297,11 +297,14 @@ def cache_key(**parts):
     return f"{parts.get('dataset')}-{parts.get('split')}-{parts.get('modality')}-" + hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
-def feature_key(encoder, inputs, **key_parts):
+def feature_key(encoder, inputs, device="cpu", **key_parts):
     """The cache key of encoder's features of inputs: its name, weights fingerprint, layer and
-    preprocessing, what the inputs are (data.identity) and the caller's parts (dataset, split, modality)."""
+    preprocessing, the precision it runs in on device (fp32 on a CPU, bf16 / fp16 autocast on a GPU:
+    features that differ in their last bits are not the same features), what the inputs are
+    (data.identity) and the caller's parts (dataset, split, modality)."""
     return cache_key(encoder=encoder.name, weights=getattr(encoder, "fingerprint", None), layer=encoder.layer,
-                     preprocess=encoder.preprocess, n=len(inputs), data=data.identity(inputs), **key_parts)
+                     preprocess=encoder.preprocess, precision=precision(device), n=len(inputs),
+                     data=data.identity(inputs), **key_parts)
 
 
 class StoredFeatures:
@@ -525,7 +528,7 @@ def extract(encoder, inputs, cache_dir, batch_size=None, device="cpu", **key_par
     batch_size: None = EXTRACT_BATCH (ALIGN_EXTRACT_BATCH, default 256).
     """
     batch_size = batch_size or EXTRACT_BATCH
-    key = feature_key(encoder, inputs, **key_parts)
+    key = feature_key(encoder, inputs, device, **key_parts)
     path = Path(cache_dir) / "features" / f"{key}.pt"
     folder = Path(cache_dir) / "features" / key
     if distributed.world() > 1:                             # torchrun: every rank calls extract() in the same order

@@ -21,9 +21,9 @@ What each stage does under N ranks (docs/scaling.md):
    their single-process gradient, and so do parameters the loss uses directly (a learned
    temperature): DDP's average over the ranks is the single-process gradient (up to float
    summation order), every rank holds it and takes the same step.
-3. Closed-form fits (CSA, ASIF: rank 0 fits on the full pooled matrices, broadcast_state
-   sends the result), evaluation, figures, checkpoints and metrics: rank 0 (align.py);
-   after training the group ends (finish) and rank 0 goes on as a single process.
+3. Closed-form fits (CSA, ASIF: rank 0 fits on the full pooled matrices, after the group has
+   ended), evaluation, figures, checkpoints and metrics: rank 0 (align.py); after training
+   the group ends (finish) and rank 0 goes on as a single process.
    --resume: every rank loads rank 0's checkpoint.
 
 Deviations / choices:
@@ -44,7 +44,9 @@ Deviations / choices:
 5. Every rank must run the same settings: same_everywhere compares them (a hash, then the
    differing values) before any work and before training; a mismatch stops every rank with
    one line, where it would otherwise deadlock in a collective. A collective waits at most
-   TIMEOUT (30 min: longer than rank 0's longest lone step, a one-file extraction or a fit).
+   TIMEOUT (30 min: longer than rank 0's longest lone step, a one-file extraction or a fit). A
+   method that trains on rank 0 alone ends the group before its training: a fit of any length
+   never runs into the timeout of the ranks that wait (NCCL would end the job after TIMEOUT).
 6. A split method needs at least one pair of every global batch on every rank: a global
    batch smaller than the number of ranks is refused (check_batch), not run with empty slices.
 """
@@ -64,6 +66,7 @@ from errors import RunError
 
 TIMEOUT = timedelta(minutes=30)   # the longest a collective waits (choice 5)
 _print = builtins.print
+_ended = None                     # after end_group(): True on rank 0 (it goes on alone), False elsewhere
 
 
 def world():
@@ -95,7 +98,13 @@ def setup(device):
 def finish():
     """End the group after training: True on rank 0, which goes on alone (evaluation, results)."""
     if world() == 1:
-        return True
+        return _ended is not False                              # a rank > 0 that left before training: False
+    return end_group()
+
+
+def end_group():
+    """All ranks leave the group now; True on rank 0. Rank 0 then runs as one process."""
+    global _ended
     r = rank()
     # a barrier first: a rank that tears the group down while another still has gloo work in flight
     # aborts at exit ("terminate called without an active exception", seen once in CI under load);
@@ -103,7 +112,8 @@ def finish():
     dist.barrier()
     dist.destroy_process_group()
     builtins.print = _print
-    return r == 0
+    _ended = r == 0
+    return _ended
 
 
 def leave(stop):
@@ -262,8 +272,9 @@ class Training:
             print(f"[distributed] each of {self.n} ranks takes {lo if lo == hi else f'{lo}-{hi}'} rows of every "
                   f"global batch of {batch_size}; the loss sees the whole batch")
         else:
-            self.active = rank() == 0
             print(f"[distributed] {type(method).__name__} trains on rank 0 alone: {why}; the other ranks stop here")
+            self.active = end_group()                          # no rank waits in a collective meanwhile (choice 5)
+            self.n = 1
 
     def rows(self, idx):
         """This rank's slice of the global batch idx (B,): near-equal parts, in rank order."""

@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from cache import folder_fingerprint
-from features import Features
+from features import Features, autocast_dtype
 
 
 
@@ -138,9 +138,8 @@ POSITIONS_AFTER_PAD = {"roberta", "xlm-roberta", "mpnet"}  # position ids count 
 
 def autocast(device):
     """bf16 (or fp16) autocast on CUDA, nothing on the CPU."""
-    if str(device).startswith("cuda"):
-        return torch.autocast("cuda", dtype=torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16)
-    return contextlib.nullcontext()
+    dtype = autocast_dtype(device)
+    return contextlib.nullcontext() if dtype is None else torch.autocast("cuda", dtype=dtype)
 
 
 # JPEG decode + resize threads (PIL releases the GIL): all cores, at most 32; ALIGN_IMAGE_THREADS sets it
@@ -540,8 +539,8 @@ class HFImageEncoder:
             raise SystemExit(f"error: the head of {self.name} reads {self.classifier.in_features} features, not the "
                              f"{self.dim}-d pooled vector (DINOv2 heads read [CLS; mean patch]); its rows are not "
                              f"in the image space. Use a BEiT / ViT / DeiT classifier or torchvision/resnet50.")
-        return self.classifier.weight.detach().float().clone(), self.classifier.bias.detach().float().clone(), \
-            list(self.class_names)
+        return self.classifier.weight.detach().float().cpu().clone(), \
+            self.classifier.bias.detach().float().cpu().clone(), list(self.class_names)   # host rows, wherever it ran
 
 
 class HFTextEncoder:
@@ -791,8 +790,8 @@ class TorchvisionEncoder:
             return {l: f.float().mean((2, 3)) for l, f in self.maps(self.transform(images), device).items()}
 
     def head(self):
-        return self.model.fc.weight.detach().float().clone(), self.model.fc.bias.detach().float().clone(), \
-            list(self.class_names)
+        return self.model.fc.weight.detach().float().cpu().clone(), \
+            self.model.fc.bias.detach().float().cpu().clone(), list(self.class_names)     # host rows, wherever it ran
 
 
 def load_torchvision(name, layer=-1, weights="DEFAULT"):

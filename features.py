@@ -76,6 +76,20 @@ class Features:
 # ---------------------------------------------------------------------------
 # Moving batches to the device, and reading them ahead
 # ---------------------------------------------------------------------------
+def autocast_dtype(device):
+    """The encoders' autocast dtype on device: bf16 where the GPU computes it natively (Ampere and
+    later), fp16 on older GPUs (V100, T4 emulate bf16, slowly), None (fp32) on the CPU."""
+    if not str(device).startswith("cuda"):
+        return None
+    return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+
+
+def precision(device):
+    """How features are computed on device, for the cache key: "fp32" or e.g. "cuda autocast bfloat16"."""
+    dtype = autocast_dtype(device)
+    return "fp32" if dtype is None else f"cuda autocast {str(dtype).removeprefix('torch.')}"
+
+
 def batch_to(f, device, dtype=torch.float32):
     """A batch of Features on device, floats as dtype. On CUDA the host tensors are pinned
     (page-locked) and copied with non_blocking=True, so the copy overlaps the GPU's work; fp16

@@ -355,10 +355,11 @@ def analyses_table(d):
 
 # ---------------------------------------------------------------- the analyses of a run (align.py --analyses)
 
-def class_name_features(F, names, args):
-    """Text features of the raw class names of the image encoder's head (weight recycling §4), fp32."""
-    return cache.extract(F["text_encoder"], names, args.cache_dir, dataset=args.data, split="head",
-                         modality="classnames").to("cpu")
+def class_name_features(F, names, args, device="cpu"):
+    """Text features of the raw class names of the image encoder's head (weight recycling §4), fp32 on
+    the host; the text encoder runs on device, where the run's other features were extracted."""
+    return cache.extract(F["text_encoder"], names, args.cache_dir, device=device, dataset=args.data,
+                         split="head", modality="classnames").to("cpu")
 
 
 def analysis_features(s, img):
@@ -415,7 +416,7 @@ def recycling_analyses(F, args, device):
         return {}
     W, b, names = F["image_encoder"].head()
     label_sets = [k for k, s in F["sets"].items() if isinstance(s, data.LabelSet)]
-    names_txt = class_name_features(F, names, args)
+    names_txt = class_name_features(F, names, args, device)
     mlp = weight_aligned_mlp(W, names_txt)
     results = {}
     for name in label_sets:

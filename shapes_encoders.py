@@ -246,7 +246,8 @@ class ShapesImageEncoder:
 
     def head(self):
         import data
-        return self.model.head.weight[:-1].detach().clone(), self.model.head.bias[:-1].detach().clone(), list(data.CLASS_NAMES)
+        head = self.model.head                           # host rows, wherever the encoder ran (Module.to is in place)
+        return head.weight[:-1].detach().cpu().clone(), head.bias[:-1].detach().cpu().clone(), list(data.CLASS_NAMES)
 
     @torch.no_grad()
     def pooled_layers(self, images, device="cpu"):

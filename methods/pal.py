@@ -252,6 +252,9 @@ class PAL(nn.Module):
         alpha_v = cap(relative(Z_v, self.A_v), mask_v, self.tau_p)[1][:, 1:]    # (n, H*W, K)
         alpha_l = cap(relative(txt.tokens[:n], self.A_l), txt.mask[:n], self.tau_p)[1]
         contribution = F.normalize(p_v[:n], dim=-1) * F.normalize(p_l[:n], dim=-1)  # (n, K)
+        # the figures are drawn on the host (PIL, next to the pixels): one crossing here
+        alpha_v, alpha_l, contribution = alpha_v.cpu(), alpha_l.cpu(), contribution.cpu()
+        txt_mask = txt.mask[:n].cpu()
         for i in range(n):
             ks = contribution[i].topk(n_anchors).indices.tolist()
             heatmaps, word_lists = [], []
@@ -259,8 +262,8 @@ class PAL(nn.Module):
                 a = alpha_v[i, :, k].reshape(H, W)                             # over the patch grid
                 heatmaps.append(a / a.max().clamp_min(1e-12))                  # scaled to its maximum
                 word_lists.append([words[i][t] for t in range(alpha_l.shape[1])
-                                   if txt.mask[i, t] and alpha_l[i, t, k] > 0.5])
-            caption = " ".join(w for w, m in zip(words[i], txt.mask[i].tolist()) if m)
+                                   if txt_mask[i, t] and alpha_l[i, t, k] > 0.5])
+            caption = " ".join(w for w, m in zip(words[i], txt_mask[i].tolist()) if m)
             draw_anchor_figure(images[i], heatmaps, ks, word_lists, caption,
                                out_dir / f"pal_anchors_{i}.png")
         return metrics

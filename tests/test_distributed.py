@@ -134,7 +134,7 @@ def flat(d, prefix=""):
 def test_torchrun_two_ranks_match_one_process_for_pal_and_csa(cache, tmp_path):
     """torchrun with 2 ranks (gloo) == one process: PAL splits every global batch of 256 into 2 x 128
     (DDP; every split_loss method takes this path: test_split_step_gives_the_single_process_loss_and_gradients),
-    CSA fits on rank 0 and broadcasts. Same metrics (1e-6) and trained parameters (1e-4);
+    CSA fits on rank 0 once the group has ended. Same metrics (1e-6) and trained parameters (1e-4);
     rank 0 alone writes and prints (one [config] line); --resume under torchrun finds the finished run."""
     (tmp_path / "driver.py").write_text(DRIVER)
     r = subprocess.run([sys.executable, str(tmp_path / "driver.py"), str(ROOT), str(tmp_path / "one"),
@@ -251,3 +251,30 @@ def test_a_rank_killed_mid_extraction_then_a_rerun_resumes_to_the_same_shards(ca
     assert r.stdout.count("[features]") == 12 + 60 - len(done)
     got = files(c)
     assert got.keys() == one_rank_shards.keys() and all(got[k] == one_rank_shards[k] for k in got)
+
+
+def rank_alone(r, port, out):
+    """One rank of 2 with a collective timeout of 2 s: a method that trains on rank 0 alone, for longer."""
+    import time
+    from datetime import timedelta
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r))
+    torch.set_num_threads(1)
+    distributed.TIMEOUT = timedelta(seconds=2)
+    distributed.setup("cpu")
+    dd = distributed.Training(METHODS["cov"](16, 12), B)            # CoV: its loss reads regions(), not split
+    if dd.active:
+        time.sleep(5)                                                # rank 0's lone fit, past the timeout
+    (out / f"rank{r}.json").write_text(json.dumps(dict(active=dd.active, goes_on=distributed.finish(),
+                                                       world=distributed.world())))
+
+
+@pytest.mark.slow
+def test_a_lone_fit_on_rank_0_outlasts_the_collective_timeout(tmp_path):
+    """Rank 0 training alone (CoV, CSA under torchrun) leaves the group first: the other ranks wait in
+    no collective, so a fit longer than TIMEOUT ends normally, and only rank 0 goes on to evaluate."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(rank_alone, args=(port, tmp_path), nprocs=2)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks == [dict(active=True, goes_on=True, world=1), dict(active=False, goes_on=False, world=1)]
