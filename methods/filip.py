@@ -79,4 +79,4 @@ class FILIP(nn.Module):
         l_i2t = F.cross_entropy(s_i2t / self.tau, target)         # image -> its caption
         l_t2i = F.cross_entropy(s_t2i.T / self.tau, target)       # caption -> its image
         loss = (l_i2t + l_t2i) / 2
-        return loss, {"nce": loss.item()}
+        return loss, {"nce": loss.detach()}

@@ -122,7 +122,7 @@ class LinearRS(nn.Module):
         lam_t = self.lam * min(1.0, self.step.item() / self.warmup)   # linear warm-up
         if self.training:
             self.step += 1
-        return nce + lam_t * r_s, {"nce": nce.item(), "r_s": r_s.item(), "lambda": lam_t}
+        return nce + lam_t * r_s, {"nce": nce.detach(), "r_s": r_s.detach(), "lambda": lam_t}
 
 
 class MLPRS(LinearRS):
@@ -137,4 +137,4 @@ class MLPRS(LinearRS):
 
     def loss(self, img, txt):
         loss, logs = super().loss(img, txt)
-        return loss, {**logs, "gate": torch.sigmoid(self.g_v.alpha).item()}
+        return loss, {**logs, "gate": torch.sigmoid(self.g_v.alpha).detach()}
