@@ -575,6 +575,25 @@ def fit_or_train(method, img, txt, args, out, device, settings, negatives):
     return result
 
 
+FINITE_EVERY = 50  # steps between the host's looks at the loss (on a GPU each is a sync), and each epoch's end
+
+
+def stop_if_not_finite(losses, epoch, first, ckpt, saved, lr):
+    """Raise FloatingPointError at the first non-finite loss of losses (steps first + 1, first + 2, ...),
+    with where it happened and what to do; one host sync. Steps after it have run, on NaN weights, but
+    no checkpoint was written since: the run stops before its epoch's checkpoint, metrics or method.pt."""
+    if not losses:
+        return
+    losses = torch.stack(losses)                                         # (n,)
+    finite = torch.isfinite(losses).tolist()                             # the one copy to the host
+    if not all(finite):
+        i = finite.index(False)
+        raise FloatingPointError(
+            f"loss is {losses[i].item()} at epoch {epoch + 1}, step {first + i + 1}. "
+            f"The last good checkpoint is {ckpt if saved else 'not written yet'}. "
+            f"Try a lower --lr (now {lr:g}), then rerun with --resume.")
+
+
 def train(method, img, txt, args, out, device, settings=None, negatives=None):
     """Mini-batch training of method.loss with the method's optimiser, a cosine schedule,
     a checkpoint each epoch, --resume, and a clear stop on a non-finite loss.
@@ -615,7 +634,9 @@ def train(method, img, txt, args, out, device, settings=None, negatives=None):
         method.train()
         g = torch.Generator().manual_seed(args.seed * 100003 + epoch)  # the order: (seed, epoch) only
         order = torch.randperm(len(img), generator=g)
-        t_epoch, total = time.time(), 0.0
+        t_epoch = time.time()
+        total = torch.zeros((), dtype=torch.float64, device=device)  # the epoch's loss, summed on the device
+        sums, pending, first = {}, [], 0                             # logs' sums; losses not yet checked
         index_batches = (dd.rows(order[step * batch_size:(step + 1) * batch_size])  # this rank's slice
                          for step in range(steps_per_epoch))
         batches = features.batch_loader(img, txt, index_batches, device)
@@ -626,21 +647,23 @@ def train(method, img, txt, args, out, device, settings=None, negatives=None):
                 neg = features.batch_to(negatives[0][j.clamp(min=0).flatten()], device)
                 loss = loss + hard_negative_loss(method, img_b, txt_b, neg, (j >= 0).to(device),
                                                  contrastive_scale(method))
-            if not torch.isfinite(loss):
-                raise FloatingPointError(
-                    f"loss is {loss.item()} at epoch {epoch + 1}, step {step + 1}. "
-                    f"The last good checkpoint is "
-                    f"{ckpt if epoch > start or start > 0 else 'not written yet'}. "
-                    f"Try a lower --lr (now {lr:g}), then rerun with --resume.")
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if d.get("grad_clip"):
                 torch.nn.utils.clip_grad_norm_(params, d["grad_clip"])
             opt.step()
             sched.step()
-            total += loss.item()
-        dt = time.time() - t_epoch
-        print(f"[train] epoch {epoch + 1:3d}/{epochs}  loss {total / max(1, steps_per_epoch):.4f}  "
+            total += loss.detach()                        # queued on the device: no host sync a step
+            pending.append(loss.detach())
+            for k, v in logs.items():
+                sums[k] = sums.get(k, 0) + v
+            if len(pending) == FINITE_EVERY:              # the host looks every FINITE_EVERY steps ...
+                stop_if_not_finite(pending, epoch, first, ckpt, epoch > start or start > 0, lr)
+                pending, first = [], step + 1
+        stop_if_not_finite(pending, epoch, first, ckpt, epoch > start or start > 0, lr)  # ... and at the end
+        dt, n = time.time() - t_epoch, max(1, steps_per_epoch)
+        means = "".join(f"  {k} {float(v) / n:.4f}" for k, v in sums.items())
+        print(f"[train] epoch {epoch + 1:3d}/{epochs}  loss {total.item() / n:.4f}{means}  "
               f"{steps_per_epoch / max(dt, 1e-9):.1f} steps/s  {time.time() - t0:.0f}s")
         last = float(loss.item())
         if distributed.rank() == 0:

@@ -6,6 +6,7 @@ StoredFeatures. Every file is written atomically under a per-key lock, read with
 torch.load(weights_only=True), and keyed by every setting plus the encoder's weights
 fingerprint, so a changed setting or new weights never read stale features.
 """
+import concurrent.futures
 import contextlib
 import errno
 import hashlib
@@ -491,31 +492,61 @@ def encoded_batches(encoder, inputs, starts, stop, batch_size, device):
         yield encoder.encode_prepared(x, device)
 
 
-def write_shards(encoder, inputs, folder, key, plan, shards, batch_size, device, first=None, log=print, t0=None):
+def write_shard(folder, s, parts, key):
+    """Shard s of folder from its encoded batches (fp16 Features): the real tokens, ragged (sum of lengths, D),
+    as .npy with its checksum, then the metadata, whose atomic rename marks the shard done."""
+    f = Features.cat(parts)
+    tokens = folder / f"{s:05d}.tokens.npy"
+    with atomic_target(tokens) as tmp:
+        with open(tmp, "wb") as fh:
+            np.save(fh, f.tokens[f.mask].numpy())                                # (sum of lengths, D), ragged
+        st, crc = tmp.stat(), file_crc(tmp)                                       # read back from the page cache
+    written = {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "crc": crc}
+    atomic_save({"key": key, "lengths": f.mask.sum(1), "pooled": f.pooled, "grid": f.grid,
+                 "tokens_file": written}, folder / f"{s:05d}.pt")
+    return s
+
+
+def half(f):
+    """f with fp16 tokens and pooled, what the cache stores (cast at once: the host holds no fp32 copy)."""
+    return replace(f, tokens=f.tokens.half(), pooled=f.pooled.half())
+
+
+def write_shards(encoder, inputs, folder, key, plan, shards, batch_size, device, first=None, log=print, t0=None,
+                 writer=True):
     """Encode and write the given shards of plan (those not done before: resume). first: shard 0's first batch,
-    encoded since t0 (the rate counts it)."""
+    encoded since t0 (the rate counts it).
+    writer: shard n is written (gathered, saved, checksummed: write_shard) in a writer thread while this thread
+    encodes shard n + 1, so the device is not idle through the host's work (on the CPU too: np.save and
+    the checksum release the GIL); peak RAM ~ 2 shards. writer=False: one after the other, the same files."""
     rows = plan["rows_per_shard"]
     todo = [s for s in shards if not shard_done(folder, s, key, log)]           # resume: intact ones kept
     total = sum(min((s + 1) * rows, len(inputs)) - s * rows for s in todo)
     progress = Progress(f"[features] {folder.name}:", total, log=log, t0=t0)
-    half = lambda f: replace(f, tokens=f.tokens.half(), pooled=f.pooled.half())  # fp16 at once: peak RAM ~ 2 shards
-    for s in todo:
-        meta = folder / f"{s:05d}.pt"
+
+    def encoded(s):                                                               # shard s's batches, fp16
         start, stop = s * rows, min((s + 1) * rows, len(inputs))
         rest = range(start + batch_size if (start == 0 and first is not None) else start, stop, batch_size)
         parts = [half(first)] if (start == 0 and first is not None) else []
-        parts += [half(f) for f in encoded_batches(encoder, inputs, rest, stop, batch_size, device)]
-        f = Features.cat(parts)
-        tokens = folder / f"{s:05d}.tokens.npy"
-        with atomic_target(tokens) as tmp:
-            with open(tmp, "wb") as fh:
-                np.save(fh, f.tokens[f.mask].numpy())                            # (sum of lengths, D), ragged
-            st, crc = tmp.stat(), file_crc(tmp)                                   # read back from the page cache
-        written = {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "crc": crc}
-        atomic_save({"key": key, "lengths": f.mask.sum(1), "pooled": f.pooled, "grid": f.grid,
-                     "tokens_file": written}, meta)                              # marks it done
+        return s, parts + [half(f) for f in encoded_batches(encoder, inputs, rest, stop, batch_size, device)]
+
+    def written(s):
         progress.tag = f"[features] {folder.name}: shard {s + 1}/{plan['n_shards']},"
-        progress.update(stop - start, force=True)
+        progress.update(min((s + 1) * rows, len(inputs)) - s * rows, force=True)
+
+    if not writer:
+        for s in todo:
+            written(write_shard(folder, *encoded(s), key))
+        return
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shard-writer") as pool:
+        pending = None                                     # the shard being written (its future)
+        for s in todo:
+            s, parts = encoded(s)                          # the forward of shard s, while shard s - 1 is written
+            if pending is not None:
+                written(pending.result())                  # a writer's error is raised here
+            pending = pool.submit(write_shard, folder, s, parts, key)
+        if pending is not None:                            # (on an error above, leaving the pool still
+            written(pending.result())                      # finishes the shard handed over: it is whole)
 
 
 def extract(encoder, inputs, cache_dir, batch_size=None, device="cpu", **key_parts):
@@ -543,7 +574,7 @@ def extract(encoder, inputs, cache_dir, batch_size=None, device="cpu", **key_par
         if (folder / "plan.json").exists():                                      # a large set: done or interrupted
             return extract_shards(encoder, inputs, folder, key, batch_size, device)
         t0 = time.time()
-        first = encoder.encode(inputs[:batch_size], device)
+        first = half(encoder.encode(inputs[:batch_size], device))   # fp16 as the later batches: no fp32 peak
         if len(inputs) * 2 * first.tokens.shape[1] * first.tokens.shape[2] > MEMMAP_BYTES:
             return extract_shards(encoder, inputs, folder, key, batch_size, device, first, t0=t0)
         feats = extract_file(encoder, inputs, path, key, batch_size, device, first, t0=t0)
@@ -554,10 +585,10 @@ def extract_file(encoder, inputs, path, key, batch_size, device, first, t0=None,
     """Encode a set that fits one file (first: its first batch, encoded already since t0) and save it atomically."""
     progress = Progress(f"[features] {key}:", len(inputs), log=log, t0=t0)
     progress.update(len(first))
-    parts = [first]
+    parts = [half(first)]                                   # fp16 at once, every batch: the cat stays fp16
     for f in encoded_batches(encoder, inputs, range(batch_size, len(inputs), batch_size), len(inputs), batch_size,
                              device):
-        parts.append(f)
+        parts.append(half(f))
         progress.update(len(f))
     progress.close()
     feats = Features.cat(parts)

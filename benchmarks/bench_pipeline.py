@@ -49,7 +49,7 @@ import similarity  # noqa: E402
 from features import Features  # noqa: E402
 
 SIZES = {  # rows, tokens, dim of (a); images, model (hidden, layers, heads) of (b); pairs, text layers of (c); (d)
-    "tiny": dict(rows=128, T=17, D=32, batch=32, images=4, ext_batch=2, hidden=32, layers=2, heads=2, pairs=24, t_layers=2,
+    "tiny": dict(rows=128, T=17, D=32, batch=32, images=4, ext_batch=2, shard_rows=4, hidden=32, layers=2, heads=2, pairs=24, t_layers=2,
                  t_dim=32, n_img=6, n_txt=24, ev_T=17, ev_D=32, K=32),
     "cpu": dict(rows=2048, T=257, D=256, batch=128, images=48, ext_batch=8, hidden=192, layers=6, heads=3, pairs=300,
                 t_layers=6, t_dim=96, n_img=64, n_txt=320, ev_T=65, ev_D=96, K=128),
@@ -175,6 +175,14 @@ def bench_extraction(z, work, device, repeats, sync):
     def pipeline():
         cache.extract(enc, images, work / f"extract{next(runs)}", batch_size=B, device=device,
                       dataset="bench", split="extract", modality="image")
+    T, D = (224 // 14) ** 2 + 1, z["hidden"]                                # the cache's rows: 257 tokens x hidden
+    rows = z.get("shard_rows") or B * max(1, cache.SHARD_BYTES // (2 * T * D * B))   # as cache.shard_plan plans
+    g = torch.Generator().manual_seed(0)
+    shard = [Features(tokens=torch.randn(b, T, D, generator=g).half(), mask=torch.ones(b, T, dtype=torch.bool),
+                      pooled=torch.randn(b, D, generator=g).half(), grid=(16, 16))
+             for b in [B] * (rows // B) + ([rows % B] if rows % B else [])]
+    (work / "shard").mkdir(exist_ok=True)
+    host_work = lambda: cache.write_shard(work / "shard", 0, shard, "bench")  # cat, gather, np.save, checksum
     model_only()                                                            # warm-up (kernels, allocator)
     d_t, d_min = timed(decode, repeats, sync)
     m_t, m_min = timed(model_only, repeats, sync)
@@ -187,7 +195,12 @@ def bench_extraction(z, work, device, repeats, sync):
     print(f"    model images/s           {n / m_t:10.1f}  [{n / m_min:.1f}]")
     print(f"    pipeline images/s        {n / p_t:10.1f}  [{n / p_min:.1f}]   ratio to the slower {n / p_t / bound:.2f} "
           f"(target >= 0.8)")
+    h_t, h_min = timed(host_work, repeats, lambda: None)
+    f_t = rows * m_t / n                                                    # the forward of a shard's rows
+    print(f"    host work per shard s    {h_t:10.3f}  [{h_min:.3f}]   {rows} rows x {T} x {D} fp16 (cat, gather, save, "
+          f"checksum: the writer thread's); forward per shard s {f_t:.3f}")
     return {"decode_images_s": {"value": n / d_t, "ratio": n / d_t / bound},
+            "host_per_shard_s": {"value": h_t, "ratio": h_t / f_t},
             "model_images_s": {"value": n / m_t, "ratio": n / m_t / bound},
             "pipeline_images_s": {"value": n / p_t, "ratio": n / p_t / bound}}
 

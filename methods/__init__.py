@@ -13,7 +13,9 @@ The interface (duck-typed; align.py and evaluate.py use only this):
                                                        # then range) and --batch-size / --lr / ... before anything
                                                        # runs. Loop default: batch_size "[2, inf)" (contrastive).
     method.fit(img, txt)            # optional: closed-form methods (CSA, ASIF); img, txt = Features of all train pairs
-    method.loss(img, txt) -> (loss, logs)   # optional: trained methods; img, txt = Features of a batch of pairs
+    method.loss(img, txt) -> (loss, logs)   # optional: trained methods; img, txt = Features of a batch of pairs;
+                                            # logs {name: 0-dim detached tensor or float}, no host sync:
+                                            # align.py prints their epoch means
     method.embed_image(img) -> emb  # (B, K) global, or (B, Q, K) token-level (CoV)
     method.embed_text(txt)  -> emb  # (B, K) global, or (B, L, K) token-level; padded words exactly 0
     method.score(img_emb, txt_emb) -> (N_img, N_txt)   # higher = more similar

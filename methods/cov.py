@@ -272,18 +272,18 @@ class CoV(nn.Module):
         w = self.embed_text(txt)                                 # (B, L, K)
         S = max_sum(r, w)                                        # Eq. (6), (B, B)
         l_g = info_nce_of_logits(S / self.tau_g)                 # (L_t2v + L_v2t) / 2
-        loss, logs = self.lambda_g * l_g, {"nce": l_g.item()}
+        loss, logs = self.lambda_g * l_g, {"nce": l_g.detach()}
         if self.use_v2v:
             rr = r @ r.transpose(1, 2) / self.tau_1              # r_i . r_j / tau_1, (B, Q, Q)
             target = torch.arange(rr.shape[1], device=rr.device).expand(len(rr), -1)
             l_v = F.cross_entropy(rr.flatten(0, 1), target.flatten())  # Eq. (5)
-            loss, logs["v2v"] = loss + self.lambda_v * l_v, l_v.item()
+            loss, logs["v2v"] = loss + self.lambda_v * l_v, l_v.detach()
         if self.use_conc:
             # EXERCISE 5 (CoV Eq. 4): L_conc = the spread of the FULL softmax attention attn (B, Q, N), mean over
             #   queries and batch
             l_c = self.spread(attn, img.grid).mean()             # Eq. (4), mean over queries and batch
             # END EXERCISE 5
-            loss, logs["conc"] = loss + self.lambda_c * l_c, l_c.item()
+            loss, logs["conc"] = loss + self.lambda_c * l_c, l_c.detach()
         return loss, logs
 
     @staticmethod

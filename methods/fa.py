@@ -142,4 +142,4 @@ class FA(nn.Module):
         with torch.no_grad():
             self.tau.clamp_(0.001, 0.5)                                     # as the code, each step
         loss = info_nce(self.embed_image(img), self.embed_text(txt), self.tau)  # Eq. (5)
-        return loss, {"nce": loss.item(), "tau": self.tau.item()}
+        return loss, {"nce": loss.detach(), "tau": self.tau.detach()}

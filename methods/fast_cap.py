@@ -39,7 +39,7 @@ class ChunkedCAP(torch.autograd.Function):
     with torch.autograd.gradcheck in float64."""
 
     @staticmethod
-    def forward(ctx, Z, A, mask, tau_p, V, chunk, keep):
+    def forward(ctx, Z, A, mask, tau_p, V, chunk, keep, padded):
         (B, T, _), K = Z.shape, len(A)
         log2e = 1 / math.log(2)
         A_s = A * (log2e / tau_p)                                     # (K, D): S = Z A_s^T = R log2(e) / tau_p
@@ -50,7 +50,7 @@ class ChunkedCAP(torch.autograd.Function):
             b = min(chunk, B - i)
             S = torch.matmul(Z[i:i + chunk], A_s.T, out=S_all[i:i + b] if keep else work[0, :b])  # Eq. (4), (b, T, K)
             logits = S
-            if not mask[i:i + chunk].all():                           # padding: -inf before the softmax
+            if any(padded[i:i + chunk]):                              # padding: -inf before the softmax
                 bias = S.new_zeros(b, T, 1).masked_fill_(~mask[i:i + chunk, :, None], float("-inf"))
                 logits = torch.add(S, bias, out=work[1, :b])
             m = logits.amax(dim=1, keepdim=True)                      # (b, 1, K)
@@ -67,7 +67,7 @@ class ChunkedCAP(torch.autograd.Function):
         if keep:
             ctx.save_for_backward(Z, A, mask, p, Y, S_all, torch.cat(m_all), torch.cat(sum_all),
                                   *([] if V is None else [V]))
-        ctx.tau_p, ctx.chunk, ctx.has_V = tau_p, chunk, V is not None
+        ctx.tau_p, ctx.chunk, ctx.has_V, ctx.padded = tau_p, chunk, V is not None, padded
         return p, Y
 
     @staticmethod
@@ -83,7 +83,7 @@ class ChunkedCAP(torch.autograd.Function):
         for i in range(0, B, chunk):
             b = min(chunk, B - i)
             S, logits = S_all[i:i + b], S_all[i:i + b]                # (b, T, K)
-            if not mask[i:i + chunk].all():
+            if any(ctx.padded[i:i + chunk]):
                 bias = S.new_zeros(b, T, 1).masked_fill_(~mask[i:i + chunk, :, None], float("-inf"))
                 logits = torch.add(S, bias, out=work[0, :b])
             alpha = torch.sub(logits, m_all[i:i + b], out=work[0, :b]).exp2_().div_(sum_all[i:i + b])  # Eq. (5)
@@ -101,21 +101,33 @@ class ChunkedCAP(torch.autograd.Function):
             dA.addmm_(dR.flatten(0, 1).T, Z[i:i + chunk].flatten(0, 1))
             if dZ is not None:
                 dZ[i:i + chunk] = dR @ A
-        return dZ, dA, None, None, dV, None, None
+        return dZ, dA, None, None, dV, None, None, None
 
 
-def chunked_cap(Z, A, mask, tau_p, V=None, chunk_elements=2 ** 18):
+CHUNK_ELEMENTS = {"cpu": 2 ** 18,   # 1 MB of float32: a core's L2 cache here
+                  "gpu": 2 ** 26}   # 256 MiB: a COCO batch (256 x 256 patches x K 512 = 2^25) in one chunk
+
+
+def chunked_cap(Z, A, mask, tau_p, V=None, chunk_elements=None):
     """p (B, K) = cap(relative(Z, A), mask, tau_p)[0], and Y = alpha^T V (B, K, c) if V is given, in chunks
-    of about chunk_elements (b, T, K) entries (1 MB of float32, a core's L2 cache here). Tokens padded in
-    every row of the batch (the image's global slot, choice 2) are dropped first: they weigh 0 anyway."""
-    real = mask.any(dim=0)                                            # (T,)
-    if not real.all():
-        t = real.nonzero()[:, 0]
-        t = slice(t[0], t[-1] + 1) if real[t[0]:t[-1] + 1].all() else t  # a view where it can be
+    of about chunk_elements (b, T, K) entries (None: CHUNK_ELEMENTS of Z's device: a CPU's cache, or on a GPU
+    the whole batch, whose time goes to launching kernels, not to memory traffic). Tokens padded in every
+    row of the batch (the image's global slot, choice 2) are dropped first: they weigh 0 anyway.
+    What the chunks need to know of the mask comes to the host in one copy (on a GPU, one sync a call)."""
+    T = Z.shape[1]
+    real = mask.any(dim=0)                                            # (T,) a token some row has
+    padded = (~mask & real).any(dim=1)                                # (B,) a row with padding among those
+    flags = torch.cat([real, padded]).tolist()                        # the one copy to the host
+    real, padded = flags[:T], tuple(flags[T:])
+    if not all(real):
+        t = [j for j, r in enumerate(real) if r]
+        t = slice(t[0], t[-1] + 1) if t[-1] - t[0] + 1 == len(t) else torch.tensor(t, device=Z.device)  # a view where it can be
         Z, mask, V = Z[:, t], mask[:, t], V if V is None else V[:, t]
+    if chunk_elements is None:
+        chunk_elements = CHUNK_ELEMENTS["cpu" if Z.device.type == "cpu" else "gpu"]
     chunk = max(1, chunk_elements // (Z.shape[1] * A.shape[0]))
     keep = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (Z, A, V))
     Z = F.normalize(Z, dim=-1)                                        # unit rows
-    if not mask.all():
+    if any(padded):
         Z = Z * mask[..., None]                                       # padding exactly 0
-    return ChunkedCAP.apply(Z, F.normalize(A, dim=-1), mask, tau_p, V, chunk, keep)
+    return ChunkedCAP.apply(Z, F.normalize(A, dim=-1), mask, tau_p, V, chunk, keep, padded)

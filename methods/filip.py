@@ -77,4 +77,4 @@ class FILIP(nn.Module):
     def loss(self, img, txt):
         s_i2t, s_t2i = token_max(self.embed_image(img), self.embed_text(txt))  # (B, B) each
         loss = info_nce_of_logits(s_i2t / self.tau, s_t2i / self.tau)   # image -> its caption, caption -> its image
-        return loss, {"nce": loss.item()}
+        return loss, {"nce": loss.detach()}

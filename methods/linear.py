@@ -50,4 +50,4 @@ class Linear(nn.Module):
 
     def loss(self, img, txt):
         loss = info_nce(self.embed_image(img), self.embed_text(txt), self.tau)
-        return loss, {"nce": loss.item()}
+        return loss, {"nce": loss.detach()}

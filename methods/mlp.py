@@ -70,4 +70,4 @@ class MLP(nn.Module):
     def loss(self, img, txt):
         cos = (self.embed_text(txt) * self.embed_image(img)).sum(-1)     # (B,) cos(g_bar(y_i), x_i)
         loss = (1 - cos).mean()
-        return loss, {"cos": cos.mean().item()}
+        return loss, {"cos": cos.mean().detach()}

@@ -231,7 +231,7 @@ class PAL(nn.Module):
 
     def loss(self, img, txt):
         loss = info_nce(self.embed_image(img), self.embed_text(txt), self.tau)  # Eq. (8)
-        return loss, {"nce": loss.item()}
+        return loss, {"nce": loss.detach()}
 
     @torch.no_grad()
     def analyse(self, img, txt, images, words, out_dir, n_figures=4, n_anchors=3):

@@ -161,5 +161,5 @@ class PALRel(nn.Module):
 
     def loss(self, img, txt):
         loss = info_nce(self.embed_image(img), self.embed_text(txt), self.tau)  # Eq. (8) on s / tau
-        return loss, {"nce": loss.item(), "U_norm": self.U.norm().item(), "V_norm": self.V.norm().item(),
-                      **({"u_norm": self.u.norm().item()} if self.u is not None else {})}
+        return loss, {"nce": loss.detach(), "U_norm": self.U.detach().norm(), "V_norm": self.V.detach().norm(),
+                      **({"u_norm": self.u.detach().norm()} if self.u is not None else {})}

@@ -91,4 +91,4 @@ class SAIL(nn.Module):
     def loss(self, img, txt):
         t = self.log_t.exp()
         loss = siglip_loss(self.embed_image(img), self.embed_text(txt), t, self.b)
-        return loss, {"siglip": loss.item(), "t": t.item(), "b": self.b.item()}
+        return loss, {"siglip": loss.detach(), "t": t.detach(), "b": self.b.detach()}

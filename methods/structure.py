@@ -119,10 +119,10 @@ class LinearRS(nn.Module):
         h_v, h_l = self.embed_image(img), self.embed_text(txt)
         nce = info_nce(h_v, h_l, self.tau)
         r_s = (structure_reg(img.pooled, h_v, self.tau) + structure_reg(txt.pooled, h_l, self.tau)) / 2
-        lam_t = self.lam * min(1.0, self.step.item() / self.warmup)   # linear warm-up
+        lam_t = (self.lam * (self.step.double() / self.warmup).clamp(max=1.0)).float()  # linear warm-up, on the device
         if self.training:
             self.step += 1
-        return nce + lam_t * r_s, {"nce": nce.item(), "r_s": r_s.item(), "lambda": lam_t}
+        return nce + lam_t * r_s, {"nce": nce.detach(), "r_s": r_s.detach(), "lambda": lam_t}
 
 
 class MLPRS(LinearRS):
@@ -137,4 +137,4 @@ class MLPRS(LinearRS):
 
     def loss(self, img, txt):
         loss, logs = super().loss(img, txt)
-        return loss, {**logs, "gate": torch.sigmoid(self.g_v.alpha).item()}
+        return loss, {**logs, "gate": torch.sigmoid(self.g_v.alpha).detach()}

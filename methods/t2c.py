@@ -51,4 +51,4 @@ class T2C(nn.Module):
 
     def loss(self, img, txt):
         loss = F.mse_loss(self.map_text(txt), self.embed_image(img))    # mean over B x D_v entries
-        return loss, {"mse": loss.item()}
+        return loss, {"mse": loss.detach()}

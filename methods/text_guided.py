@@ -115,4 +115,4 @@ class TextGuided(nn.Module):
         S = text_guided_score(self.embed_image(img), self.embed_text(txt), self.tau_a)  # (B, B)
         logits = S / self.tau
         loss = info_nce_of_logits(logits)                                # symmetric InfoNCE (losses.py)
-        return loss, {"nce": loss.item()}
+        return loss, {"nce": loss.detach()}

@@ -74,3 +74,67 @@ def assert_same(got, want, what, atol=None, rtol=None):
         raise AssertionError(f"{what}: {int(bad.sum())} of {bad.numel()} entries differ, by up to "
                              f"{diff.flatten()[worst].item():.3g} (at {list(at)}: {g.flatten()[worst].item():.4g} "
                              f"instead of {w.flatten()[worst].item():.4g})")
+
+
+class HostSyncs:
+    """Counts the calls that make the host wait for a GPU's queue, on any device (a CPU here).
+
+    Two means, because a CPU tensor reaches the host in two ways:
+    - aten ops, seen through a TorchDispatchMode (every op passes it, the autograd backward's too):
+      _local_scalar_dense (what .item(), bool(), int() and float() of a tensor and `if tensor:` become),
+      and the ops whose output size depends on values (nonzero, masked_select, unique, boolean indexing:
+      index / index_put with a bool index), which CUDA computes by copying a count back;
+    - Tensor.tolist, Tensor.numpy and Tensor.__array__, which on a CPU read memory without an aten op
+      (on CUDA each is a copy to the host), patched for the duration.
+    A .cpu() copy is not counted: on a CPU it is no copy, and the code here sends results to the host only
+    at the boundaries named in the device rule (a method and its features live on --device; what leaves
+    for PIL, numpy or JSON crosses with .cpu()).
+    `calls` lists what was counted, in order; `where` the innermost Python frame of each, as "file:line"
+    relative to the repository (or torch's own file): a test can leave out tensors that stay on the host
+    on a GPU too (the optimiser's step count, a batch's rows indexed in the cache before the copy)."""
+
+    VALUE_SIZED = {"nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_consecutive",
+                   "unique_dim", "argwhere", "repeat_interleave"}
+
+    def __init__(self):
+        self.calls, self.where = [], []
+
+    def count(self, name):
+        import traceback
+        root = str(Path(__file__).resolve().parents[1]) + "/"
+        for f in reversed(traceback.extract_stack()[:-1]):
+            if f.filename != __file__ and not any(
+                    x in f.filename for x in ("_python_dispatch", "torch/_dynamo/", "torch/_compile.py")):
+                break
+        self.calls.append(name)
+        self.where.append(f"{f.filename.removeprefix(root)}:{f.lineno}")
+
+    def __len__(self):
+        return len(self.calls)
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.overloadpacket.__name__
+                if name == "_local_scalar_dense" or name in HostSyncs.VALUE_SIZED or (
+                        name in ("index", "index_put", "index_put_") and any(
+                            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] or ())):
+                    counter.count(name)
+                return func(*args, **(kwargs or {}))
+
+        self.mode, self.saved = Mode(), {n: getattr(torch.Tensor, n) for n in ("tolist", "numpy", "__array__")}
+        for n, f in self.saved.items():
+            def counted(t, *a, _f=f, _n=n, **kw):
+                counter.count(_n)
+                return _f(t, *a, **kw)
+            setattr(torch.Tensor, n, counted)
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+        for n, f in self.saved.items():
+            setattr(torch.Tensor, n, f)

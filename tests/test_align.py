@@ -73,6 +73,39 @@ def test_nan_loss_stops_with_epoch_and_step_and_keeps_the_checkpoint(tmp_path):
     assert saved["epoch"] == 0 and all(torch.isfinite(v).all() for v in saved["method"].values())
 
 
+def test_training_loop_waits_on_the_host_per_epoch_not_per_step(tmp_path, capsys):
+    """A GPU runs ahead of the host only if the loop never waits for it: the loss is summed on the device,
+    its finiteness looked at every FINITE_EVERY steps and at the epoch's end, the logs printed as epoch
+    means. Counted with conftest.HostSyncs, the syncs in the loop's own lines and the method's loss (what
+    runs on the training device); the optimiser's step count and the host-side row indexing stay on the host
+    on a GPU too."""
+    from conftest import HostSyncs
+    img, txt = planted_pairs(512)                  # batch 16: 32 steps an epoch
+    torch.manual_seed(0)
+    with HostSyncs() as syncs:
+        align.train(Linear(8, 6, K=4), img, txt, loop_args(epochs=2), tmp_path, "cpu")
+    on_device = [w for w in syncs.where if w.startswith(("align.py", "methods/", "distributed.py"))]
+    assert len(on_device) <= 2 * 4, f"{len(on_device)} host syncs in 64 steps: {on_device[:12]}"
+    epochs = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[train] epoch")]
+    assert len(epochs) == 2 and all(" nce " in line for line in epochs), epochs   # the logs' epoch means
+    nce = [float(line.split(" nce ")[1].split()[0]) for line in epochs]
+    loss = [float(line.split(" loss ")[1].split()[0]) for line in epochs]
+    assert nce == loss                                     # Linear's loss is its InfoNCE
+
+
+def test_nan_loss_stops_within_finite_every_steps_at_its_first_step(tmp_path, monkeypatch):
+    """Between two looks the loop runs on (on NaN weights after a NaN step); the error still names the
+    first non-finite step, and no checkpoint of that epoch is written."""
+    monkeypatch.setattr(align, "FINITE_EVERY", 4)
+    img, txt = planted_pairs(256)                  # batch 16: 16 steps an epoch
+    m = StopAtCall(8, 6, K=4, n=22, nan=True)      # call 22 = epoch 2, step 6: seen after step 8
+    with pytest.raises(FloatingPointError, match=r"loss is nan at epoch 2, step 6\. The last good checkpoint is "):
+        align.train(m, img, txt, loop_args(), tmp_path, "cpu")
+    assert m.calls == 16 + 8                       # steps 7 and 8 ran, not step 9
+    saved = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert saved["epoch"] == 0 and all(torch.isfinite(v).all() for v in saved["method"].values())
+
+
 class CountingEncoder:
     name, layer, preprocess = "counting", -1, "none"
 

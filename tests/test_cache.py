@@ -98,3 +98,60 @@ def test_the_training_loop_streams_batches_from_the_memmap(tmp_path, monkeypatch
     args = argparse.Namespace(epochs=2, batch_size=8, lr=1e-2, weight_decay=0.0, seed=0, resume=False)
     result = align.train(method, img, txt, args, tmp_path, "cpu")
     assert result["final_loss"] is not None and result["final_loss"] == result["final_loss"]  # finite, ran
+
+
+def test_the_writer_thread_writes_the_serial_path_s_shards_beside_the_forward(tmp_path, monkeypatch):
+    """Shard n is written in a writer thread while shard n + 1 is encoded: the same files as one after the
+    other, and the forward of shard 1 runs before shard 0's write is done."""
+    import threading
+    n = 30                                                                # 3 shards of 12 / 12 / 6 rows
+    shard_rows(monkeypatch, 12)
+    inputs = list(range(n))
+
+    class Watched(FakeEncoder):
+        def encode(self, items, device="cpu"):
+            if items[0] == 12:
+                shard_1_encoding.set()
+            return super().encode(items, device)
+
+    serial_write, threads = cache.write_shard, []
+
+    def write_shard(folder, s, parts, key):
+        threads.append(threading.current_thread().name)
+        if s == 0 and threads[-1] != "MainThread":
+            assert shard_1_encoding.wait(10), "shard 1 was not encoded while shard 0 was written"
+        return serial_write(folder, s, parts, key)
+
+    monkeypatch.setattr(cache, "write_shard", write_shard)
+    files = {}
+    for writer in (False, True):
+        shard_1_encoding = threading.Event()
+        folder = tmp_path / str(writer) / "k"
+        plan = cache.shard_plan(Watched(), inputs, folder, "k", 4, "cpu")
+        cache.write_shards(Watched(), inputs, folder, "k", plan, range(plan["n_shards"]), 4, "cpu", writer=writer)
+        metas = [torch.load(folder / f"{s:05d}.pt", weights_only=True) for s in range(3)]
+        files[writer] = ([(folder / f"{s:05d}.tokens.npy").read_bytes() for s in range(3)],
+                         [(m["lengths"], m["pooled"], m["tokens_file"]["crc"]) for m in metas])
+    assert threads[:3] == ["MainThread"] * 3 and all(t.startswith("shard-writer") for t in threads[3:])
+    assert len(threads) == 6 and files[True][0] == files[False][0]
+    for (l1, p1, c1), (l2, p2, c2) in zip(*(files[w][1] for w in (True, False))):
+        assert torch.equal(l1, l2) and torch.equal(p1, p2) and p1.dtype == torch.float16 and c1 == c2
+
+
+@pytest.mark.parametrize("rows", [None, 12])                             # one file; shards
+def test_extraction_concatenates_fp16_batches_never_fp32(tmp_path, monkeypatch, rows):
+    """Every batch is cast to fp16 as it comes (the first from encode() included), so the host never holds
+    an fp32 copy of a set or a shard: each Features.cat of extracted batches is fp16."""
+    if rows:
+        shard_rows(monkeypatch, rows)
+    cat, dtypes = Features.cat, []
+
+    def watched(parts):
+        out = cat(parts)
+        dtypes.append((out.tokens.dtype, out.pooled.dtype))
+        return out
+
+    monkeypatch.setattr(Features, "cat", staticmethod(watched))
+    f = extract(FakeEncoder(), 30, tmp_path)                              # FakeEncoder: fp32, as encode() on a CPU
+    assert dtypes and set(dtypes) == {(torch.float16, torch.float16)}, dtypes
+    assert torch.equal(f[:].tokens, FakeEncoder().encode(range(30)).tokens.half())

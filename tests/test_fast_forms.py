@@ -162,3 +162,30 @@ def test_text_guided_score_matches_v_hat_formed_values_and_gradients():
         assert torch.allclose(b.grad, a.grad, atol=1e-5)
     m = TextGuided(8, 8, K=8, score_chunk=2 * 3 * 6)                           # score() in chunks of 2 pairs
     assert torch.allclose(m.score(v, w), S0.detach(), atol=1e-6)
+
+
+@needs_fast
+def test_pal_loss_and_backward_at_coco_size_waits_on_the_host_at_most_10_times():
+    """One PAL training step at COCO's token count (257 image tokens: a 16 x 16 grid + the global slot;
+    K = 512, batch 256; D small, it does not change the count): every host sync counted (conftest.HostSyncs).
+    On a GPU each one stalls the queue; a chunk loop with one per chunk made it ~300."""
+    from conftest import HostSyncs
+    B = 256
+    img = random_features(B, 257, 16, grid=(16, 16), seed=1)
+    txt = random_features(B, 32, 16, lengths=[8 + i % 25 for i in range(B)], seed=2)   # padded words
+    m = PAL(16, 16, K=512)
+    with HostSyncs() as syncs:
+        loss, logs = m.loss(img, txt)
+        loss.backward()
+    assert len(syncs) <= 10, f"{len(syncs)} host syncs: {syncs.calls[:20]}"
+    assert m.A_v.grad.abs().sum() > 0 and m.A_l.grad.abs().sum() > 0
+    assert all(isinstance(v, torch.Tensor) and v.dim() == 0 and not v.requires_grad for v in logs.values())
+
+
+@needs_fast
+def test_chunk_is_sized_for_the_device():
+    """A CPU's chunk fits its L2 cache (2 COCO samples); a GPU's takes a whole COCO batch in one chunk."""
+    from methods.fast_cap import CHUNK_ELEMENTS
+    T, K = 256, 512                                                            # COCO patches, PAL's K
+    assert CHUNK_ELEMENTS["cpu"] // (T * K) == 2
+    assert CHUNK_ELEMENTS["gpu"] // (T * K) >= 256

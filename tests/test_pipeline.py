@@ -108,10 +108,13 @@ def test_bench_pipeline_prints_every_figure_at_a_tiny_size(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for label in ("reader rows/s", "numpy fancy-index rows/s", "loader rows/s", "decode images/s", "model images/s",
                   "pipeline images/s", "layer selection s", "naive layer selection s", "rerun (cached) s", "scoring alone s",
-                  "evaluation"):
+                  "evaluation", "host work per shard s"):
         assert label in r.stdout, (label, r.stdout)
+    host = next(line for line in r.stdout.splitlines() if "host work per shard s" in line)
+    assert "4 rows x 257 x 32 fp16" in host and "forward per shard s" in host, host   # next to the forward's time
     figures = json.loads((tmp_path / "out.json").read_text())
     assert {"reader", "extraction", "layers", "evaluation"} <= set(figures)
+    assert "host_per_shard_s" in figures["extraction"]
     assert all(v["value"] > 0 and v["ratio"] > 0 for section in figures.values() for v in section.values())
 
 

@@ -65,7 +65,7 @@ def test_shapes_and_gradient_flow(cls):
     for name, p in m.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
         assert p.grad.abs().sum() > 0, name
-    assert all(isinstance(v, float) for v in logs.values())
+    assert all(isinstance(v, float) or (v.dim() == 0 and not v.requires_grad) for v in logs.values())  # no host sync
 
 
 @pytest.mark.parametrize("cls", SMALL, ids=lambda c: c.__name__)
