@@ -7,6 +7,7 @@ pair is seen before alignment (the post-hoc setting). Both are
 pretrained on first use and cached; load_shapes_encoders returns them frozen, as
 encoders with the same interface as the real ones in encoders.py.
 """
+import copy
 import os
 import time
 from pathlib import Path
@@ -214,6 +215,10 @@ def pretrain_image_encoder(seed=0, max_steps=1500, target_acc=0.95, log=print, p
     return model, acc
 
 
+# EXACT_FORWARD: the features are computed in float64 and stored in float16. Another CPU's kernels
+# (AVX-512, AVX2, none) sum in another order: in float32 that flipped the float16 rounding of about
+# 1 value in 1,300 (up to 2 ulp of float16), in float64 the difference is 2^-29 times smaller, below
+# any float16 rounding step, so every machine caches the same features.
 class ShapesImageEncoder:
     """The frozen tiny CNN as an encoder: images -> Features (mean token + 8x8 patch tokens).
 
@@ -226,9 +231,10 @@ class ShapesImageEncoder:
 
     def __init__(self, model, layer=-1):
         self.model, self.layer = model.eval(), layer
+        self.model64 = copy.deepcopy(self.model).double()   # encode's forward (EXACT_FORWARD)
         # the feature cache key holds the name: the position-aware CNN gets its own
         self.name = SHAPES_CNN_VERSION if model.pos else "shapes-cnn"
-        self.preprocess = "uint8/255, mean 0.5, std 0.25"
+        self.preprocess = "uint8/255, mean 0.5, std 0.25; float64 forward"
         self.fingerprint = state_fingerprint(model.state_dict())
 
     @property
@@ -237,7 +243,8 @@ class ShapesImageEncoder:
 
     @torch.no_grad()
     def encode(self, images, device="cpu"):
-        fmap = self.model.to(device)(shapes_pixels(torch.as_tensor(images).to(device)), self.layer)  # (B, D, H, W)
+        pixels = shapes_pixels(torch.as_tensor(images).to(device)).double()
+        fmap = self.model64.to(device)(pixels, self.layer).float()          # (B, D, H, W), EXACT_FORWARD
         B, D, H, W = fmap.shape
         patches = fmap.flatten(2).transpose(1, 2)                            # (B, H*W, D)
         tokens = torch.cat([patches.mean(1, keepdim=True), patches], 1)     # (B, 1 + H*W, D)
@@ -267,15 +274,17 @@ class ShapesTextEncoder:
 
     def __init__(self, model, tokenizer, layer=-1):
         self.model, self.tokenizer, self.layer = model.eval(), tokenizer, layer
+        self.model64 = copy.deepcopy(self.model).double()   # encode's forward (EXACT_FORWARD)
         self.dim = model.embed.embedding_dim
-        self.preprocess = f"lowercase words; {TOKEN_RULE}"
+        self.preprocess = f"lowercase words; {TOKEN_RULE}; float64 forward"
         self.fingerprint = state_fingerprint(model.state_dict(), tokenizer.vocab)
 
     @torch.no_grad()
     def encode(self, texts, device="cpu"):
         ids, real = self.tokenizer(texts)
-        h = self.model.to(device)(ids.to(device), real.to(device), self.layer).cpu() * real[..., None]  # (B, L, D)
-        pooled = h.sum(1) / real.sum(1, keepdim=True)                # over [CLS] + words
+        h = self.model64.to(device)(ids.to(device), real.to(device), self.layer).cpu() * real[..., None]  # (B, L, D)
+        pooled = (h.sum(1) / real.sum(1, keepdim=True)).float()      # over [CLS] + words
+        h = h.float()
         tokens, mask = word_tokens(h, real, ids == CLS)              # the words (token contract)
         return Features(tokens=tokens, mask=mask, pooled=pooled)
 
