@@ -60,6 +60,7 @@ def main():
     ap.add_argument("--other", default="default", choices=sorted(MKL),
                     help="the other kernels: ATEN_CPU_CAPABILITY (and the matching MKL_ENABLE_INSTRUCTIONS)")
     ap.add_argument("--skip-default", action="store_true", help="only the course sheet's three runs")
+    ap.add_argument("--keep", default=None, help="keep each setting's cache and runs in KEEP/<setting> (else a temporary folder)")
     args = ap.parse_args()
     runs = {k: v for k, v in RUNS.items() if not (args.skip_default and k == "default")}
     base = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")}
@@ -68,8 +69,11 @@ def main():
     got = {}
     for setting, env in settings.items():
         with tempfile.TemporaryDirectory() as tmp:                  # a fresh cache per setting
+            folder = Path(args.keep) / setting if args.keep else Path(tmp)
+            if folder.exists() and any(folder.iterdir()):
+                raise SystemExit(f"error: {folder} is not empty: the runs need a fresh cache")
             for name, a in runs.items():
-                got[setting, name], sec = run(name, a, env, Path(tmp))
+                got[setting, name], sec = run(name, a, env, folder)
                 print(f"[{setting:>7}] {name:<10} {sec:6.0f} s  rsum {got[setting, name]['retrieval']['rsum']:.2f}",
                       flush=True)
     differ = 0
