@@ -3,9 +3,10 @@
 A 4-layer CNN trained as a supervised per-patch classifier on labelled Shapes
 images (its head rows are what weight recycling reuses) and a 2-layer word
 transformer trained by masked-word prediction on captions alone: no image-text
-pair is seen before alignment (the post-hoc setting). Both are
-pretrained on first use and cached; load_shapes_encoders returns them frozen, as
-encoders with the same interface as the real ones in encoders.py.
+pair is seen before alignment (the post-hoc setting). The default pair (seed 0)
+ships in weights/ (SHIPPED); other seeds are pretrained on first use and cached;
+load_shapes_encoders returns them frozen, as encoders with the same interface as
+the real ones in encoders.py.
 """
 import copy
 import os
