@@ -322,7 +322,7 @@ def load_inputs(args, device):
     """The data sets and their checks, the encoders, the head rows when the run aligns on them,
     and the layers of --select-layers: everything before the features are extracted. The data
     come first: a fault in a data folder stops the run before an encoder loads or pretrains."""
-    sets = data.DATASETS[args.data](**({"root": args.data_root} if args.data != "shapes" else {}))
+    sets = cache.shapes_world(args.cache_dir) if args.data == "shapes" else data.DATASETS[args.data](root=args.data_root)
     for split, s in sets.items():
         if hasattr(s, "captions"):
             check_texts(s.captions, f"{args.data}/{split}")

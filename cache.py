@@ -632,6 +632,37 @@ def extract_ranks(encoder, inputs, path, folder, key, batch_size, device, cache_
 
 
 # ---------------------------------------------------------------------------
+# The Shapes world, cached like the features
+# ---------------------------------------------------------------------------
+# data.shapes_world renders 8,480 images (about 5 s of one core); the first run writes
+# its sets to <cache-dir>/world/, keyed by the sizes, the seed and the bytes of data.py
+# (the code that draws and renders it), so an edit to the world never reads a stale one.
+def world_key(seed, sizes):
+    source = hashlib.sha1(Path(data.__file__).read_bytes()).hexdigest()[:12]
+    return cache_key(dataset="shapes", split="world", modality="all", seed=seed, data_py=source, **sizes)
+
+
+def shapes_world(cache_dir, seed=0, **sizes):
+    """data.shapes_world(seed, **sizes), read from cache_dir/world when built before (same sets, same
+    tensors), else built and written there (atomic, checksummed)."""
+    key = world_key(seed, sizes)
+    path = Path(cache_dir) / "world" / f"{key}.pt"
+    if path in _WORLDS:
+        return _WORLDS[path]
+    saved = safe_load(path, expect_key=key)
+    if saved is None:
+        sets = data.shapes_world(seed, **sizes)
+        atomic_save({"key": key, "sets": {name: (type(s).__name__, vars(s)) for name, s in sets.items()}}, path)
+    else:
+        kinds = {k.__name__: k for k in (data.PairSet, data.LabelSet, data.MaskSet, data.BindingSet)}
+        sets = {name: kinds[kind](**fields) for name, (kind, fields) in saved["sets"].items()}
+    _WORLDS[path] = sets
+    return sets
+
+
+_WORLDS = {}  # built or read once per process (tests run align.main many times); read-only
+
+# ---------------------------------------------------------------------------
 # Weights fingerprints: what the feature cache is keyed by, besides the name
 # ---------------------------------------------------------------------------
 # The same name can hold other weights (a re-pretrained tiny encoder, another

@@ -3,10 +3,12 @@
 A 4-layer CNN trained as a supervised per-patch classifier on labelled Shapes
 images (its head rows are what weight recycling reuses) and a 2-layer word
 transformer trained by masked-word prediction on captions alone: no image-text
-pair is seen before alignment (the post-hoc setting). Both are
-pretrained on first use and cached; load_shapes_encoders returns them frozen, as
-encoders with the same interface as the real ones in encoders.py.
+pair is seen before alignment (the post-hoc setting). The default pair (seed 0)
+ships in weights/ (SHIPPED); other seeds are pretrained on first use and cached;
+load_shapes_encoders returns them frozen, as encoders with the same interface as
+the real ones in encoders.py.
 """
+import copy
 import os
 import time
 from pathlib import Path
@@ -15,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cache import atomic_save, file_lock, fits, load_plain, safe_load, state_fingerprint
+from cache import atomic_save, atomic_target, file_lock, fits, load_plain, safe_load, state_fingerprint
 from encoders import TOKEN_RULE, word_positions, word_tokens
 from features import Features
 
@@ -214,6 +216,10 @@ def pretrain_image_encoder(seed=0, max_steps=1500, target_acc=0.95, log=print, p
     return model, acc
 
 
+# EXACT_FORWARD: the features are computed in float64 and stored in float16. Another CPU's kernels
+# (AVX-512, AVX2, none) sum in another order: in float32 that flipped the float16 rounding of about
+# 1 value in 1,300 (up to 2 ulp of float16), in float64 the difference is 2^-29 times smaller, below
+# any float16 rounding step, so every machine caches the same features.
 class ShapesImageEncoder:
     """The frozen tiny CNN as an encoder: images -> Features (mean token + 8x8 patch tokens).
 
@@ -226,9 +232,10 @@ class ShapesImageEncoder:
 
     def __init__(self, model, layer=-1):
         self.model, self.layer = model.eval(), layer
+        self.model64 = copy.deepcopy(self.model).double()   # encode's forward (EXACT_FORWARD)
         # the feature cache key holds the name: the position-aware CNN gets its own
         self.name = SHAPES_CNN_VERSION if model.pos else "shapes-cnn"
-        self.preprocess = "uint8/255, mean 0.5, std 0.25"
+        self.preprocess = "uint8/255, mean 0.5, std 0.25; float64 forward"
         self.fingerprint = state_fingerprint(model.state_dict())
 
     @property
@@ -237,7 +244,8 @@ class ShapesImageEncoder:
 
     @torch.no_grad()
     def encode(self, images, device="cpu"):
-        fmap = self.model.to(device)(shapes_pixels(torch.as_tensor(images).to(device)), self.layer)  # (B, D, H, W)
+        pixels = shapes_pixels(torch.as_tensor(images).to(device)).double()
+        fmap = self.model64.to(device)(pixels, self.layer).float()          # (B, D, H, W), EXACT_FORWARD
         B, D, H, W = fmap.shape
         patches = fmap.flatten(2).transpose(1, 2)                            # (B, H*W, D)
         tokens = torch.cat([patches.mean(1, keepdim=True), patches], 1)     # (B, 1 + H*W, D)
@@ -268,15 +276,17 @@ class ShapesTextEncoder:
 
     def __init__(self, model, tokenizer, layer=-1):
         self.model, self.tokenizer, self.layer = model.eval(), tokenizer, layer
+        self.model64 = copy.deepcopy(self.model).double()   # encode's forward (EXACT_FORWARD)
         self.dim = model.embed.embedding_dim
-        self.preprocess = f"lowercase words; {TOKEN_RULE}"
+        self.preprocess = f"lowercase words; {TOKEN_RULE}; float64 forward"
         self.fingerprint = state_fingerprint(model.state_dict(), tokenizer.vocab)
 
     @torch.no_grad()
     def encode(self, texts, device="cpu"):
         ids, real = self.tokenizer(texts)
-        h = self.model.to(device)(ids.to(device), real.to(device), self.layer).cpu() * real[..., None]  # (B, L, D)
-        pooled = h.sum(1) / real.sum(1, keepdim=True)                # over [CLS] + words
+        h = self.model64.to(device)(ids.to(device), real.to(device), self.layer).cpu() * real[..., None]  # (B, L, D)
+        pooled = (h.sum(1) / real.sum(1, keepdim=True)).float()      # over [CLS] + words
+        h = h.float()
         tokens, mask = word_tokens(h, real, ids == CLS)              # the words (token contract)
         return Features(tokens=tokens, mask=mask, pooled=pooled)
 
@@ -360,7 +370,58 @@ def pretrain_both(seed, pos, folder, log=print):
             outs[w].unlink(missing_ok=True)
 
 
+# The default pair (seed 0, no position code) is shipped in the repository: a float32 state_dict of
+# each, made by pretrain_both on one thread each and checked by its sha256, so no run depends on how
+# another CPU's kernels round a 1,100-step pretraining (another AVX or MKL code path pretrains other
+# weights; alignment from the same weights prints the same figures). `python shapes_encoders.py
+# --remake` pretrains them again and prints the line below for the new file.
+SHIPPED = Path(__file__).resolve().parent / "weights" / "shapes-encoders-seed0.pt"
+SHIPPED_SHA256 = "fd4539c55fd5a89ab49a80158e14634fe35ad106bc175e9eb4d13e8f9f0a0691"
+
+
+def sha256(path):
+    import hashlib
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def load_shipped(path=SHIPPED, expect=SHIPPED_SHA256):
+    """The shipped weights {"image", "text", "vocab", "acc"}, refused unless their sha256 is `expect`."""
+    if not Path(path).is_file():
+        raise SystemExit(f"error: {path} is missing: the tiny encoders' weights are part of the repository "
+                         f"(git checkout -- weights/), or remake them: python shapes_encoders.py --remake")
+    got = sha256(path)
+    if got != expect:
+        raise SystemExit(f"error: {path} has sha256 {got[:12]}..., not the {expect[:12]}... this code ships; restore "
+                         f"it (git checkout -- weights/) or remake it: python shapes_encoders.py --remake")
+    return load_plain(path)
+
+
+def remake(seed=0, out=SHIPPED, log=print):
+    """Pretrain the default pair again (pretrain_both) and write it to out; returns its sha256."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        done = pretrain_both(seed, False, tmp, log)
+    # a plain file (no run-dependent key or checksum): its bytes are a function of the weights alone
+    with atomic_target(out) as t, open(t, "wb") as f:
+        torch.save({"image": done["image"]["state"], "text": done["text"]["state"], "vocab": done["text"]["vocab"],
+                    "acc": {"image": done["image"]["acc"], "text": done["text"]["acc"]}}, f)
+    digest = sha256(out)
+    log(f"[encoders] wrote {out}: held-out accuracy image {100 * done['image']['acc']:.1f}%, "
+        f"text {100 * done['text']['acc']:.1f}%\nSHIPPED_SHA256 = \"{digest}\"  (shapes_encoders.py)")
+    return digest
+
+
 def _load_shapes_encoders(cache_dir, seed, image_layer, text_layer, log, image_pos):
+    if seed == 0 and not image_pos:                       # the shipped pair
+        import data
+        w = load_shipped()
+        image_model, tok = TinyImageEncoder(len(data.CLASS_NAMES)), WordTokenizer(w["vocab"])
+        text_model = TinyTextEncoder(len(tok.vocab))
+        image_model.load_state_dict(w["image"])
+        text_model.load_state_dict(w["text"])
+        for p in list(image_model.parameters()) + list(text_model.parameters()):
+            p.requires_grad_(False)  # frozen: the post-hoc setting
+        return ShapesImageEncoder(image_model.eval(), image_layer), ShapesTextEncoder(text_model.eval(), tok, text_layer)
     tag = SHAPES_CNN_VERSION if image_pos else "shapes-cnn"
     path_i = Path(cache_dir) / "encoders" / f"{tag}-seed{seed}.pt"
     path_t = Path(cache_dir) / "encoders" / f"shapes-text-seed{seed}.pt"
@@ -390,3 +451,15 @@ def _load_shapes_encoders(cache_dir, seed, image_layer, text_layer, log, image_p
     for p in list(image_model.parameters()) + list(text_model.parameters()):
         p.requires_grad_(False)  # frozen: the post-hoc setting
     return ShapesImageEncoder(image_model, image_layer), ShapesTextEncoder(text_model, tok, text_layer)
+
+
+if __name__ == "__main__":
+    import argparse
+    ap = argparse.ArgumentParser(description="The tiny Shapes encoders' shipped weights.")
+    ap.add_argument("--remake", action="store_true", help=f"pretrain the default pair again and write {SHIPPED.name}")
+    ap.add_argument("--out", default=str(SHIPPED), help="where --remake writes them")
+    args = ap.parse_args()
+    if args.remake:
+        remake(out=args.out)
+    else:
+        print(f"{SHIPPED}: sha256 {sha256(SHIPPED)} (this code ships {SHIPPED_SHA256})")

@@ -99,10 +99,10 @@ def plant_tiny_encoders(folder, seed, vocab):
     """Random-init tiny encoders saved as the cache's pretrained checkpoints (as a re-pretraining would)."""
     torch.manual_seed(seed)
     image, text = shapes_encoders.TinyImageEncoder(len(data.CLASS_NAMES)), shapes_encoders.TinyTextEncoder(len(vocab))
-    cache.atomic_save({"key": "shapes-cnn-0", "state": image.state_dict(), "acc": 0.0},
-                      folder / "encoders" / "shapes-cnn-seed0.pt")
-    cache.atomic_save({"key": "shapes-text-0", "state": text.state_dict(), "vocab": vocab, "acc": 0.0},
-                      folder / "encoders" / "shapes-text-seed0.pt")
+    cache.atomic_save({"key": "shapes-cnn-1", "state": image.state_dict(), "acc": 0.0},   # seed 1: cached
+                      folder / "encoders" / "shapes-cnn-seed1.pt")                      # (seed 0 ships)
+    cache.atomic_save({"key": "shapes-text-1", "state": text.state_dict(), "vocab": vocab, "acc": 0.0},
+                      folder / "encoders" / "shapes-text-seed1.pt")
 
 
 def test_changed_tiny_encoder_weights_never_read_old_features(tmp_path):
@@ -111,7 +111,7 @@ def test_changed_tiny_encoder_weights_never_read_old_features(tmp_path):
     got = []
     for seed in (0, 1):                                       # the same names, other weights
         plant_tiny_encoders(tmp_path, seed, vocab)
-        img_enc, txt_enc = shapes_encoders.load_shapes_encoders(tmp_path, log=lambda s: None)
+        img_enc, txt_enc = shapes_encoders.load_shapes_encoders(tmp_path, seed=1, log=lambda s: None)
         img = cache.extract(img_enc, images, tmp_path, dataset="t", split="s", modality="image")
         txt = cache.extract(txt_enc, texts, tmp_path, dataset="t", split="s", modality="text")
         assert torch.equal(img.tokens, img_enc.encode(images).tokens.half())   # this encoder's own features
@@ -450,9 +450,11 @@ def test_a_read_only_or_full_cache_is_one_error_naming_it_before_any_work(shared
 def test_a_planted_pickle_in_the_cache_is_refused_and_never_run(shared, tmp_path):
     marker = tmp_path / "MARKER"
     folder = fresh_cache(tmp_path / "cache", shared)
-    torch.save({"key": "shapes-cnn-0", "state": RunsCode(marker)}, folder / "encoders" / "shapes-cnn-seed0.pt")
+    world = folder / "world" / f"{cache.world_key(0, {})}.pt"          # the cached Shapes world
+    world.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"key": cache.world_key(0, {}), "sets": RunsCode(marker)}, world)
     r = run(folder, tmp_path / "out", *RUN)
-    one_line_error(r, "refusing to load", "shapes-cnn-seed0.pt")
+    one_line_error(r, "refusing to load", world.name)
     assert not marker.exists()
     enc = shapes_encoders.ShapesTextEncoder(shapes_encoders.TinyTextEncoder(6), shapes_encoders.WordTokenizer(shapes_encoders.SPECIALS + ["a", "b"]))
     (folder / "features").mkdir()

@@ -268,18 +268,18 @@ def test_a_cached_encoder_checkpoint_of_other_shapes_is_rebuilt(tmp_path, monkey
     import shapes_encoders as se
     torch.manual_seed(0)
     small = se.TinyImageEncoder(len(data.CLASS_NAMES), D=16)
-    cache.atomic_save({"key": "shapes-cnn-0", "state": small.state_dict(), "acc": 0.9},
-                      tmp_path / "encoders" / "shapes-cnn-seed0.pt")
+    cache.atomic_save({"key": "shapes-cnn-1", "state": small.state_dict(), "acc": 0.9},   # seed 1 (seed 0 ships)
+                      tmp_path / "encoders" / "shapes-cnn-seed1.pt")
     calls = []
     fresh_image = se.TinyImageEncoder(len(data.CLASS_NAMES))
     monkeypatch.setattr(se, "pretrain_image_encoder", lambda *a, **k: calls.append("image") or (fresh_image, 0.5))
     vocab = se.SPECIALS + ["a", "dog"]
     monkeypatch.setattr(se, "pretrain_text_encoder", lambda *a, **k: calls.append("text") or
                         (se.TinyTextEncoder(len(vocab)), se.WordTokenizer(vocab), 0.5))
-    image, _ = se.load_shapes_encoders(tmp_path, log=lambda s: None)
+    image, _ = se.load_shapes_encoders(tmp_path, seed=1, log=lambda s: None)
     assert "holds weights of other shapes" in capsys.readouterr().out and calls == ["image", "text"]
     assert image.dim == 96
-    saved = cache.safe_load(tmp_path / "encoders" / "shapes-cnn-seed0.pt", expect_key="shapes-cnn-0")
+    saved = cache.safe_load(tmp_path / "encoders" / "shapes-cnn-seed1.pt", expect_key="shapes-cnn-1")
     assert saved["state"]["head.weight"].shape == fresh_image.head.weight.shape   # the rebuilt one replaced it
 
 

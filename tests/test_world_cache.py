@@ -1,0 +1,57 @@
+"""The Shapes world cached like the features: built once, read back equal, keyed by what builds it."""
+import shutil
+
+import torch
+
+import cache
+import data
+
+SMALL = dict(n_train=12, n_test=4, n_cls=4, n_seg=4, n_bind=4)
+
+
+def same_sets(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert type(a[name]) is type(b[name]), name
+        for field, v in vars(a[name]).items():
+            w = getattr(b[name], field)
+            assert torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w, (name, field)
+
+
+def test_the_world_is_written_once_and_read_back_without_rendering(tmp_path, monkeypatch):
+    built = cache.shapes_world(tmp_path, 0, **SMALL)
+    files = list((tmp_path / "world").glob("*.pt"))
+    assert len(files) == 1
+    cache._WORLDS.clear()                                           # as a new process would start
+    monkeypatch.setattr(data, "shapes_world", lambda *a, **k: (_ for _ in ()).throw(AssertionError("rendered")))
+    read = cache.shapes_world(tmp_path, 0, **SMALL)
+    same_sets(read, built)
+
+
+def test_the_world_matches_a_fresh_build_and_other_settings_get_other_files(tmp_path):
+    read = cache.shapes_world(tmp_path, 1, **SMALL)
+    cache._WORLDS.clear()
+    same_sets(cache.shapes_world(tmp_path, 1, **SMALL), data.shapes_world(1, **SMALL))
+    cache.shapes_world(tmp_path, 2, **SMALL)
+    cache.shapes_world(tmp_path, 1, **dict(SMALL, n_test=5))
+    assert len(list((tmp_path / "world").glob("*.pt"))) == 3
+    assert read["test"].captions == data.shapes_world(1, **SMALL)["test"].captions
+
+
+def test_an_edit_to_data_py_changes_the_key(tmp_path, monkeypatch):
+    before = cache.world_key(0, SMALL)
+    edited = tmp_path / "data.py"
+    shutil.copy(data.__file__, edited)
+    edited.write_text(edited.read_text() + "\n# an edit\n")
+    monkeypatch.setattr(data, "__file__", str(edited))
+    assert cache.world_key(0, SMALL) != before
+
+
+def test_a_corrupt_world_file_is_rebuilt(tmp_path):
+    cache.shapes_world(tmp_path, 0, **SMALL)
+    f, = (tmp_path / "world").glob("*.pt")
+    raw = bytearray(f.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    cache._WORLDS.clear()
+    same_sets(cache.shapes_world(tmp_path, 0, **SMALL), data.shapes_world(0, **SMALL))
