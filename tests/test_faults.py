@@ -481,7 +481,7 @@ def test_the_readme_table_and_this_module_name_the_same_tests():
     section = (ROOT / "docs" / "faults.md").read_text().split("## Flags, runs and the cache")[1].split("\n## ")[0]
     rows = [l for l in section.splitlines() if l.startswith("| ") and not l.startswith("| When")]
     named = {t for row in rows for t in re.findall(r"`(test_\w+)`", row.rsplit("|", 2)[1])}
-    assert len(rows) == 14 and all(re.findall(r"`test_\w+`", row) for row in rows)
+    assert rows and all(re.findall(r"`test_\w+`", row) for row in rows)
     mine = {n for n in globals() if n.startswith("test_")} - {"test_the_readme_table_and_this_module_name_the_same_tests"}
     assert named == mine
 
