@@ -225,16 +225,17 @@ def file_lock(path, log=print):
 def hold_folder(folder, flag):
     """Hold `folder` (an output folder) for this run: a second run given the same folder stops at
     once with one line naming the run that holds it, instead of mixing its files with this one's.
-    The lock file (folder/.lock) says who holds it; the kernel releases the lock when a process
-    dies, so a killed run never blocks the next. A no-op where fcntl is missing (Windows)."""
+    The lock file (<parent>/.<name>.lock, beside the folder: nothing is written into it) says who
+    holds it; the kernel releases the lock when a process dies, so a killed run never blocks the
+    next. A no-op where fcntl is missing (Windows)."""
     try:
         import fcntl
     except ImportError:
         yield
         return
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / ".lock", "a+") as f:
+    folder, real = Path(folder), Path(folder).resolve()
+    real.parent.mkdir(parents=True, exist_ok=True)
+    with open(real.parent / f".{real.name}.lock", "a+") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -252,17 +253,19 @@ def hold_folder(folder, flag):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def check_writable(folder, flag):
+def check_writable(folder, flag, create=True):
     """Stop with one line naming the folder when it cannot be written (read-only, full, not a
-    folder), before any long work: a probe file of 1 MB is written, synced and removed."""
+    folder), before any long work: a probe file of 1 MB is written, synced and removed.
+    create=False (--out): nothing is made; the probe goes into the nearest folder that exists."""
     folder = Path(folder)
     taken = next((p for p in [folder, *folder.parents] if p.exists()), None)  # the nearest part that exists
     if taken is not None and not taken.is_dir():
         raise SystemExit(f"error: {flag} {folder}: {taken} is a file, not a folder; pass {flag} a folder "
                          f"(or move the file away)")
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-probe-") as f:
+        if create:
+            folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder if create else taken or ".", prefix=".write-probe-") as f:
             f.write(b"\0" * 2**20)
             f.flush()
             os.fsync(f.fileno())

@@ -539,7 +539,7 @@ def rgb(img):
 def file_scan(paths):
     """(identity, missing, empty) of image files: a hash of every path, size and mtime, one stat each."""
     lines, missing, empty = [], [], []
-    for p in map(os.path.abspath, paths):
+    for p in map(os.path.realpath, paths):              # a file by its real path: a symlinked root is the same data
         try:
             st = os.stat(p)
         except OSError:
@@ -725,7 +725,7 @@ def check_listed_once(entries, image_dir, path, splits=("train", "test")):
     for i, e in enumerate(entries):
         if e["split"] not in splits:
             continue
-        f = os.path.normpath(os.path.abspath(entry_path(image_dir, e)))
+        f = os.path.realpath(entry_path(image_dir, e))      # a symlink to a training image is that image
         j = seen.setdefault(f, i)
         if j != i:
             why = "a test image that is also a training image inflates the test numbers" \
@@ -764,6 +764,18 @@ def check_root(name, root):
         split_file_folder(root, "coco", "dataset_coco.json", COCO_LAYOUT, COCO_URL, "COCO")
     if name == "flickr":
         split_file_folder(root, "flickr30k", "dataset_flickr30k.json", FLICKR_LAYOUT, FLICKR_URL, "Flickr30K")
+
+
+def data_folder(name, root):
+    """What a --data-root names, by the real path of the data (symlinks followed): <root> and
+    <root>/coco (for COCO; flickr30k for Flickr) are the same data. None for shapes."""
+    if name == "shapes" or root is None:
+        return None
+    real = os.path.realpath(root)
+    sub = {"coco": "coco", "flickr": "flickr30k"}.get(name)
+    if sub and os.path.basename(real) == sub and not os.path.isdir(os.path.join(real, sub)):
+        real = os.path.dirname(real)
+    return real
 
 
 def karpathy_dataset(root, sub, split_file, image_dir, layout, url, name):

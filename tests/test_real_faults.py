@@ -766,23 +766,30 @@ def test_a_run_on_other_data_never_overwrites_the_results_in_its_out(tmp_path, m
     assert f"--out {out} holds the results of a run on other data (coco in {tmp_path / 'a'}; this run: coco in " \
            f"{tmp_path / 'b'})" in one_line(e)
     assert (out / "metrics.json").read_bytes() == first and "[data]" not in capsys.readouterr().out
-    args = align.parse_args(["--data", "coco", "--data-root", str(tmp_path / "a"), "--method", "linear"])
-    align.check_out_data(args, out)                                    # the same data: a rerun replaces them
-    align.check_out_data(align.parse_args(["--data", "coco", "--data-root", str(tmp_path / "b"), "--resume"]), out)
+    same = ["--data", "coco", "--data-root", str(tmp_path / "a"), "--threads", "1", "--epochs", "1", "--method",
+            "linear", "--image-encoder", str(models / "dinov2"), "--text-encoder", str(models / "bert")]
+    align.check_out_data(align.parse_args(same + ["--no-figures"]), out)   # the same settings: a rerun replaces them
+    align.check_out_data(align.parse_args([*same[:3], str(tmp_path / "a" / "coco"), *same[4:]]), out)  # <root>/coco
+    with pytest.raises(SystemExit, match="holds the results of a run on other data"):   # --resume: the same rule
+        align.check_out_data(align.parse_args([*same[:3], str(tmp_path / "b"), *same[4:], "--resume"]), out)
 
 
 def test_a_run_of_another_method_never_overwrites_the_results_in_its_out(tmp_path):
     """--out of a PAL run given to a linear run: it replaced PAL's config, metrics and method.pt and
-    left PAL's figures and checkpoint beside them. Refused; a rerun of PAL (other hyperparameters too)
-    replaces its own results, and --resume checks its checkpoint instead."""
+    left PAL's figures and checkpoint beside them. Refused, with --resume too; a rerun of PAL with
+    other hyperparameters is refused the same way (other settings); the same settings replace them."""
     out = tmp_path / "out"
     out.mkdir()
     (out / "config.json").write_text(json.dumps(dict(vars(align.parse_args([])), out=str(out))))   # a PAL run's
+    for extra in ([], ["--resume"]):
+        with pytest.raises(SystemExit) as e:
+            align.check_out_data(align.parse_args(["--method", "linear", *extra]), out)
+        assert f"--out {out} holds the results of a pal run (this run: linear); pass another --out" in one_line(e)
     with pytest.raises(SystemExit) as e:
-        align.check_out_data(align.parse_args(["--method", "linear"]), out)
-    assert f"--out {out} holds the results of a pal run (this run: linear); pass another --out" in one_line(e)
-    align.check_out_data(align.parse_args(["--hp", "K=64"]), out)                       # a rerun replaces them
-    align.check_out_data(align.parse_args(["--method", "linear", "--resume"]), out)
+        align.check_out_data(align.parse_args(["--hp", "K=64"]), out)
+    assert "holds the results of a run with other settings (hp [] there, ['K=64'] now); pass another --out " \
+           f"(e.g. --out {out}-2)" in one_line(e)
+    align.check_out_data(align.parse_args(["--threads", "1", "--no-figures", "--out", "x"]), out)   # a rerun
 
 
 @pytest.mark.parametrize("encoder, says", [
