@@ -103,7 +103,8 @@ def test_resume_refuses_a_checkpoint_of_another_data_root_or_other_captions(mode
     other = tmp_path / "other"
     shutil.copytree(coco, other)
     capsys.readouterr()
-    with pytest.raises(SystemExit, match=r"--resume: .*other settings: data_root '.*coco.*' there, '.*other' now"):
+    with pytest.raises(SystemExit, match=r"--out .* holds the results of a run on other data \(coco in .*coco.*; this "
+                                         r"run: coco in .*other\)"):     # --resume follows --out's rule
         align.main([*coco_run(models, other, tmp_path, "--out", str(out)), *QUICK, "--method", "linear",
                     "--epochs", "2", "--resume"])
     assert "[features]" not in capsys.readouterr().out
@@ -122,6 +123,54 @@ def test_resume_refuses_a_checkpoint_of_another_data_root_or_other_captions(mode
 
 
 # ----------------------------------------------------------------------------- one --out, one run
+def files_of(folder):
+    return {p.name: p.read_bytes() for p in Path(folder).iterdir()}
+
+
+@pytest.mark.slow
+def test_a_finished_out_is_replaced_only_by_a_rerun_of_the_same_settings(models, coco, tmp_path, capsys,
+                                                                         monkeypatch):
+    """Another layer, other epochs with --resume, other data with --resume on a closed form (no
+    checkpoint to compare): each refused before any work, naming what differs and a free --out; a
+    rerun that fails mid-training (a NaN loss) leaves every file as it was; a rerun replaces."""
+    out = tmp_path / "o"
+    go = lambda *extra, root=coco: align.main([*coco_run(models, root, tmp_path, "--out", str(out)), *QUICK,
+                                               "--epochs", "1", *extra])
+    go("--method", "linear")
+    first = files_of(out)
+    assert set(first) == {"config.json", "metrics.json", "method.pt", "checkpoint.pt"}   # no .lock inside
+    capsys.readouterr()
+    for extra, says in ((["--image-layer", "1"], "image_layer -1 there, 1 now"),
+                        (["--epochs", "3", "--resume"], "epochs 1 there, 3 now")):
+        with pytest.raises(SystemExit) as e:
+            go("--method", "linear", *extra)
+        assert f"--out {out} holds the results of a run with other settings ({says}); pass another --out (e.g. " \
+               f"--out {out}-2)" in str(e.value)
+        assert "[features]" not in capsys.readouterr().out and files_of(out) == first
+    nan = lambda self, img, txt: (torch.tensor(float("nan"), requires_grad=True), {})
+    monkeypatch.setattr(METHODS["linear"], "loss", nan)
+    with pytest.raises(SystemExit, match="loss is nan"):
+        go("--method", "linear")                                      # the same settings, failing mid-run
+    assert files_of(out) == first
+    monkeypatch.undo()
+    go("--method", "linear", "--resume")                              # a rerun of the same settings replaces them
+    assert json.loads(files_of(out)["metrics.json"])["retrieval"] == json.loads(first["metrics.json"])["retrieval"]
+    other = tmp_path / "other"
+    shutil.copytree(coco, other)
+    go("--method", "csa", "--out", str(tmp_path / "c"))
+    with pytest.raises(SystemExit, match="holds the results of a run on other data"):
+        align.main([*coco_run(models, other, tmp_path, "--out", str(tmp_path / "c")), *QUICK, "--epochs", "1",
+                    "--method", "csa", "--resume"])
+
+
+def test_a_failed_check_leaves_no_out_folder(models, coco, tmp_path):
+    """A check that fails after the folders are checked (here: --analyses with a backbone) creates
+    nothing: no <out>/, no .lock in it."""
+    with pytest.raises(SystemExit, match="--analyses"):
+        align.main([*coco_run(models, coco, tmp_path, "--out", str(tmp_path / "new" / "o")), *QUICK, "--analyses"])
+    assert not (tmp_path / "new" / "o").exists()
+
+
 def test_a_second_run_on_the_same_out_refuses_naming_the_running_one(cache_dir, tmp_path, capsys):
     (tmp_path / "config.json").write_text("the running run's")
     with cache.hold_folder(tmp_path, "--out"):                       # the first run, still going
