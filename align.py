@@ -306,11 +306,12 @@ def seed_everything(seed):
 # Data and frozen features
 # ---------------------------------------------------------------------------
 def check_texts(texts, where):
-    """An empty caption has no tokens to align: stop with where it is, before any encoder runs."""
-    empty = [i for i, t in enumerate(texts) if not t or not t.strip()]
-    if empty:
-        raise RunError(f"{len(empty)} empty caption(s) in {where} (first at index {empty[0]}); "
-                       f"give them text or remove them from the annotation file")
+    """An empty caption (no visible character) has no tokens to align, one that is not valid Unicode
+    cannot be tokenized (data.text_fault): stop with where it is, before any encoder runs."""
+    bad = [(i, data.text_fault(t or "")) for i, t in enumerate(texts) if data.text_fault(t or "")]
+    if bad:
+        raise RunError(f"{len(bad)} caption(s) in {where} with no text to align (the first, at index "
+                       f"{bad[0][0]}, {bad[0][1]}); give them text or remove them from the annotation file")
 
 
 def load_inputs(args, device):

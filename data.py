@@ -25,6 +25,7 @@ import json
 import os
 import re
 import stat
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -734,6 +735,19 @@ def check_listed_once(entries, image_dir, path, splits=("train", "test")):
                              f"the same image {f} ({why}); remove one of the two entries")
 
 
+def text_fault(text):
+    """Why a caption is no text to align, or None: "is empty" when it holds no visible character
+    (spaces, zero-width or control characters alone tokenize to nothing), "holds a lone surrogate"
+    when it is not valid Unicode (a JSON "\\ud83d" without its pair: tokenizers refuse it)."""
+    bad = next((i for i, c in enumerate(text) if unicodedata.category(c) == "Cs"), None)
+    if bad is not None:
+        return (f"holds a lone surrogate {ascii(text[bad])} at character {bad} (half of an emoji?), so it is "
+                f"not valid Unicode text")
+    if all(unicodedata.category(c)[0] in "ZC" for c in text):
+        return "is empty"
+    return None
+
+
 def karpathy_pairs(entries, image_dir, n_captions, listed_in=None):
     """PairSet of Karpathy-split entries: the first n_captions captions of each image (images without one left out)."""
     kept = [e for e in entries if e["sentences"]]
@@ -741,8 +755,9 @@ def karpathy_pairs(entries, image_dir, n_captions, listed_in=None):
     for i, e in enumerate(kept):
         paths.append(entry_path(image_dir, e))
         for k, s in enumerate(e["sentences"][:n_captions]):
-            if not s["raw"].strip():                    # no token to align; said here, where the entry is known
-                raise SystemExit(f"error: {listed_in}: {e['split']} image {e['filename']}: sentences[{k}] is empty; "
+            why = text_fault(s["raw"])                  # no token to align; said here, where the entry is known
+            if why:
+                raise SystemExit(f"error: {listed_in}: {e['split']} image {e['filename']}: sentences[{k}] {why}; "
                                  f"give it text or remove that sentence")
             captions.append(s["raw"].strip())
             txt_to_img.append(i)

@@ -1037,3 +1037,44 @@ def test_macos_metadata_files_in_the_ade_annotations_are_not_taken_for_masks(tmp
         (folder / f"._{mask.name}").write_bytes(b"\0\5\26\7 Mac OS X metadata")
     masks = data.segmentation_set("ade20k", tmp_path)
     assert len(masks.images) == 2
+
+
+# ----------------------------------------------------------------------------- text that is not text, one file two names
+@pytest.mark.parametrize("raw, says", [
+    ("\u200b", "sentences[1] is empty"), ("\x07", "sentences[1] is empty"), ("\ufeff \u200b", "sentences[1] is empty"),
+    ("\ud83d a dog on the grass", "sentences[1] holds a lone surrogate '\\ud83d' at character 0")])
+def test_a_caption_of_invisible_characters_or_a_lone_surrogate_is_one_line(tmp_path, raw, says):
+    """Zero-width or control characters alone passed the empty-caption check and tokenized to
+    nothing (rc 0); a lone surrogate (a JSON "\\ud83d" without its pair) was a TypeError from the
+    tokenizer. Both are one line naming the image, when the data loads."""
+    write_karpathy(tmp_path / "coco")
+    split_file = entries_of(tmp_path)
+    [e for e in split_file["images"] if e["split"] == "test"][1]["sentences"][1]["raw"] = raw
+    (tmp_path / "coco" / "dataset_coco.json").write_text(json.dumps(split_file))   # ascii escapes, as json writes
+    with pytest.raises(SystemExit) as e:
+        data.coco(tmp_path)
+    assert f"test image test_1.jpg: {says}" in one_line(e)
+    with pytest.raises(SystemExit, match=r"1 caption\(s\) in coco/test with no text to align"):
+        align.check_texts(["a dog", raw], "coco/test")
+
+
+def test_a_test_image_that_is_a_symlink_to_a_training_image_is_overlap(tmp_path):
+    """Paths were compared by abspath: a test image linked to a training image was not caught."""
+    write_karpathy(tmp_path / "coco")
+    link = tmp_path / "coco" / "val2014" / "test_2.jpg"
+    link.unlink()
+    link.symlink_to(tmp_path / "coco" / "train2014" / "train_5.jpg")
+    with pytest.raises(SystemExit) as e:
+        data.coco(tmp_path)
+    assert "are the same image" in one_line(e) and "a test image that is also a training image" in str(e.value)
+
+
+def test_a_data_root_is_the_data_however_its_path_is_spelled(tmp_path):
+    """<root>/coco for <root>, or a symlink to <root>: the same data folder and the same data_hash
+    (the real paths of the files), so no 'other data' refusal and no features extracted again."""
+    write_karpathy(tmp_path / "root" / "coco")
+    (tmp_path / "link").symlink_to(tmp_path / "root")
+    spellings = [tmp_path / "root", tmp_path / "root" / "coco", tmp_path / "link", tmp_path / "link" / "coco"]
+    assert {data.data_folder("coco", p) for p in spellings} == {str(tmp_path / "root")}
+    assert len({data.identity(data.coco(p)["train"]) for p in spellings}) == 1
+    assert data.data_folder("coco", tmp_path / "elsewhere") == str(tmp_path / "elsewhere")
