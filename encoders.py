@@ -408,7 +408,9 @@ def load_weights(cls, source, flag, reads_pooler=False):
     other = sorted((k, list(a), list(b)) for k, a, b in info.get("mismatched_keys", []))  # (name, file, config)
     if other:
         k, there, here = other[0]
-        hint = "id2label / num_labels?" if k.startswith("classifier") else "hidden_size?"
+        hint = "id2label / num_labels?" if k.startswith("classifier") else \
+            "image_size / patch_size?" if "patch_embeddings" in k or "position_embeddings" in k and "image" in flag \
+            else "hidden_size?"
         raise SystemExit(f"error: {flag} {source}: its config.json does not describe its weights: tensors of other "
                          f"shapes ({len(other)}; e.g. {k} is {there} in the file, {here} by config.json); config.json "
                          f"belongs to another model ({hint}): copy it again from the model's download")
@@ -716,7 +718,7 @@ def load_hf_text(name, layer=-1):
         raise SystemExit(f"error: --text-encoder {name}: its tokenizer cannot encode a caption ({type(e).__name__}: "
                          f"{first_line(e)}); its tokenizer files (vocab, tokenizer_config.json) are broken or belong "
                          f"to another model: copy them again from the model's download") from None
-    ids = tokenizer("a man and a dog on the grass")["input_ids"]
+    ids = tokenizer("a man and a dog on the grass", truncation=True, max_length=enc.max_length)["input_ids"]
     words = [i for i in ids if i not in set(tokenizer.all_special_ids)]
     if not words or (tokenizer.unk_token_id is not None and set(words) == {tokenizer.unk_token_id}):
         raise SystemExit(f"error: --text-encoder {name}: its tokenizer reads every word of \"a man and a dog on the "

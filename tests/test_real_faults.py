@@ -1078,3 +1078,36 @@ def test_a_data_root_is_the_data_however_its_path_is_spelled(tmp_path):
     assert {data.data_folder("coco", p) for p in spellings} == {str(tmp_path / "root")}
     assert len({data.identity(data.coco(p)["train"]) for p in spellings}) == 1
     assert data.data_folder("coco", tmp_path / "elsewhere") == str(tmp_path / "elsewhere")
+
+
+def test_a_config_without_image_size_names_image_size_and_patch_size(tmp_path, models):
+    """A DINOv2 config.json without image_size (transformers' default 518 -> more position rows
+    than saved): the hint named hidden_size, which is right; the cause is the image / patch size."""
+    folder = copy_folder(models / "dinov2", tmp_path / "dinov2")
+    config = json.loads((folder / "config.json").read_text())
+    del config["image_size"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit) as e:
+        encoders.load_hf_image(str(folder))
+    assert "position_embeddings" in one_line(e) and "(image_size / patch_size?)" in str(e.value)
+
+
+def test_the_tokenizer_self_check_truncates_to_the_models_length(tmp_path, models, capfd):
+    """A tokenizer of max length 8: its self-check caption (9 tokens) printed transformers' "Token
+    indices sequence length is longer than ..." on every correct run."""
+    folder = copy_folder(models / "bert", tmp_path / "bert")
+    tc = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(dict(tc, model_max_length=8)))
+    import logging
+    from transformers.utils.logging import get_logger
+    heard = []
+    handler = logging.Handler()
+    handler.emit = lambda record: heard.append(record.getMessage())
+    get_logger("transformers").addHandler(handler)
+    try:
+        enc = encoders.load_hf_text(str(folder))
+    finally:
+        get_logger("transformers").removeHandler(handler)
+    assert enc.max_length == 8
+    assert not any("longer than the specified maximum" in m for m in heard), heard
+    assert "longer than the specified maximum" not in capfd.readouterr().err
