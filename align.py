@@ -202,11 +202,14 @@ def check_flags(args, method_cls):
         raise RunError(f"--select-pairs {args.select_pairs}: score the layers on at least "
                        f"{MIN_SELECT_PAIRS} training pairs (mutual kNN needs neighbours, CKA more "
                        f"than one sample)")
-    refused = getattr(method_cls, "refuses_align_data", {})
-    if args.align_data in refused:
-        raise RunError(f"--method {args.method} --align-data {args.align_data}: "
-                       f"{refused[args.align_data]}; align {args.method} on pairs, or the head rows "
+    refused, mode = getattr(method_cls, "refuses_align_data", {}), aligned_on(args)
+    if mode in refused:
+        given = f"--align-data {args.align_data}" + (" --num-pairs 0 (the head rows alone)"
+                                                     if mode != args.align_data else "")
+        raise RunError(f"--method {args.method} {given}: "
+                       f"{refused[mode]}; align {args.method} on pairs, or the head rows "
                        f"with another method (README)")
+    check_pair_count(args, method_cls)
     contrastive = hasattr(method_cls, "contrastive_scale")
     if args.hard_negatives and (args.align_data != "pairs" or not contrastive):
         raise RunError(f"--hard-negatives needs a contrastive trained method (one with a "
@@ -223,6 +226,24 @@ def check_flags(args, method_cls):
                 "one gives loss 0 and nothing learns)"
             raise RunError(f"{flag} {value}: {method_cls.__name__} takes {name} "
                            f"{describe(ranges[name])}{why}")
+
+
+def aligned_on(args):
+    """What the run aligns on: --align-data, but "weights" for weights+pairs with --num-pairs 0."""
+    return "weights" if args.align_data == "weights+pairs" and args.num_pairs == 0 else args.align_data
+
+
+def check_pair_count(args, method_cls):
+    """--num-pairs that leaves no pairs, or fewer than the smallest batch the method trains on:
+    refused before any features are extracted (head rows may add more: weights+pairs is let be)."""
+    if args.num_pairs is None or args.align_data != "pairs":
+        return
+    if args.num_pairs == 0:
+        raise RunError("--num-pairs 0 leaves no alignment data; add the head rows with --align-data weights")
+    low = getattr(method_cls, "ranges", {}).get("batch_size", LOOP_RANGES["batch_size"])
+    if hasattr(method_cls, "loss") and not in_range(args.num_pairs, low):
+        raise RunError(f"--num-pairs {args.num_pairs}: a batch of {args.num_pairs} pair(s) ({args.num_pairs} "
+                       f"alignment pairs): {method_cls.__name__} takes batch_size {describe(low)}; use more pairs")
 
 
 def check_places(args, out):
@@ -410,8 +431,7 @@ def weight_pairs(args, F):
 def head_row_hp(args, method_cls, hp, image_enc):
     """hp, plus the interface's head_rows keyword (methods/__init__.py) when the method takes it and
     aligns on head rows alone: what the image encoder's head reads."""
-    alone = args.align_data == "weights" or args.align_data == "weights+pairs" and args.num_pairs == 0
-    if alone and "head_rows" in hp_names(method_cls):
+    if aligned_on(args) == "weights" and "head_rows" in hp_names(method_cls):
         return {"head_rows": getattr(image_enc, "head_reads", "pooled"), **hp}
     return hp
 

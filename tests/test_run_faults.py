@@ -163,6 +163,18 @@ def test_a_finished_out_is_replaced_only_by_a_rerun_of_the_same_settings(models,
                     "--method", "csa", "--resume"])
 
 
+def test_too_few_pairs_and_head_rows_alone_for_pal_rel_are_refused_before_any_work(cache_dir, tmp_path, capsys):
+    """--num-pairs 1 with PAL was refused after all four feature sets were extracted; pal_rel on the
+    head rows alone (weights+pairs --num-pairs 0) extracted them, then a TypeError (no patch grid)."""
+    text = refused(capsys, cache_dir, tmp_path / "o", "--method", "pal", "--num-pairs", "1")
+    assert "--num-pairs 1: a batch of 1 pair(s) (1 alignment pairs): PAL takes batch_size in [2, inf)" in text
+    text = refused(capsys, cache_dir, tmp_path / "o", "--method", "pal_rel", "--align-data", "weights+pairs",
+                   "--num-pairs", "0")
+    assert text.startswith("error: --method pal_rel --align-data weights+pairs --num-pairs 0 (the head rows alone): "
+                           "its relation term (R1) reads the patch grid's positions")
+    assert not (tmp_path / "o").exists()
+
+
 def test_a_failed_check_leaves_no_out_folder(models, coco, tmp_path):
     """A check that fails after the folders are checked (here: --analyses with a backbone) creates
     nothing: no <out>/, no .lock in it."""
