@@ -394,6 +394,25 @@ def extract_features(args, F, device):
     return out
 
 
+def check_features_vary(args, F):
+    """Refuse training features whose pooled vectors are the same for every input (a ViT's CLS token
+    at --image-layer 0 has seen no patch yet): every method would run at chance, CSA's Cholesky
+    would fail on a zero covariance."""
+    for modality, flag, enc, what in (("image", "--image-layer", "image_encoder", "image"),
+                                      ("text", "--text-layer", "text_encoder", "caption")):
+        f = F.get(("train", modality))
+        if f is None or len(f) < 2:
+            continue
+        p = f.pooled.float()                                                   # (N, D)
+        spread = (p - p[0]).abs().max().item()
+        if spread <= 1e-6 * max(p.abs().max().item(), 1e-12):
+            layer = F[enc].layer
+            raise RunError(f"{flag} {getattr(args, flag[2:].replace('-', '_'))}: the pooled vectors of "
+                           f"{getattr(args, enc)} at layer {layer} are the same for every training {what} "
+                           f"(spread {spread:.1g}), so no method can tell them apart; pick a later {flag} "
+                           f"(-1 = the last)")
+
+
 def data_identity(args, sets):
     """What the training data is: the data folder by its real path and data.identity of the training set
     (its files by path, size and time, its captions, their image links)."""
@@ -725,6 +744,7 @@ def main(argv=None):
             known = {k: loop[k] for k in ("lr", "weight_decay", "seed")}
             load_checkpoint(ckpt, {**settings, **known})
         F.update(extract_features(args, F, device))
+        check_features_vary(args, F)                # a layer whose pooled vector ignores its input
         img, txt = alignment_data(args, F)
         seed_everything(args.seed)
         method = method_cls(img.pooled.shape[-1], txt.pooled.shape[-1], **hp).to(device)

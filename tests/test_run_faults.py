@@ -175,6 +175,19 @@ def test_too_few_pairs_and_head_rows_alone_for_pal_rel_are_refused_before_any_wo
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["linear", "csa"])
+def test_a_layer_whose_pooled_vector_ignores_the_image_is_refused(models, coco, tmp_path, method):
+    """--image-layer 0 on DINOv2: the CLS token before any block is the same for every image, so
+    linear ran at chance with rc 0 (t2i_r1 0.0) and CSA stopped in linalg.cholesky. One line."""
+    with pytest.raises(SystemExit) as e:
+        align.main([*coco_run(models, coco, tmp_path, "--out", str(tmp_path / "o")), *QUICK, "--epochs", "1",
+                    "--method", method, "--image-layer", "0"])
+    assert str(e.value).startswith(f"error: --image-layer 0: the pooled vectors of {models / 'dinov2'} at layer 0 "
+                                   f"are the same for every training image (spread 0)")
+    assert not (tmp_path / "o").exists()
+
+
 def test_a_failed_check_leaves_no_out_folder(models, coco, tmp_path):
     """A check that fails after the folders are checked (here: --analyses with a backbone) creates
     nothing: no <out>/, no .lock in it."""
