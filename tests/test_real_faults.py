@@ -1111,3 +1111,21 @@ def test_the_tokenizer_self_check_truncates_to_the_models_length(tmp_path, model
     assert enc.max_length == 8
     assert not any("longer than the specified maximum" in m for m in heard), heard
     assert "longer than the specified maximum" not in capfd.readouterr().err
+
+
+def test_a_non_square_crop_is_cropped_as_the_models_processor_crops(tmp_path, models):
+    """crop_size {"height": 32, "width": 48} was cropped 32 x 32; the model's own processor gives
+    32 x 48. The pixels are the processor's, and the patch grid is 4 x 6."""
+    from PIL import Image
+    from transformers import AutoImageProcessor
+    folder = copy_folder(models / "dinov2", tmp_path / "dinov2")
+    pc = json.loads((folder / "preprocessor_config.json").read_text())
+    pc["crop_size"], pc["size"] = {"height": 32, "width": 48}, {"shortest_edge": 52}
+    (folder / "preprocessor_config.json").write_text(json.dumps(pc))
+    enc = encoders.load_hf_image(str(folder))
+    img = Image.fromarray(np.random.default_rng(0).integers(0, 256, (60, 80, 3), dtype=np.uint8))
+    ours = enc.transform([img])
+    theirs = AutoImageProcessor.from_pretrained(str(folder))(images=[img], return_tensors="pt")["pixel_values"]
+    assert ours.shape == theirs.shape == (1, 3, 32, 48)
+    assert (ours - theirs).abs().max() < 0.05                      # resampling rounds (uint8), nothing more
+    assert enc.encode([img]).grid == (4, 6)
