@@ -491,6 +491,23 @@ def encoded_batches(encoder, inputs, starts, stop, batch_size, device):
         yield encoder.encode_prepared(x, device)
 
 
+FP16_MAX = 65504.0   # the largest finite float16: the cache stores tokens and pooled vectors as fp16
+
+
+def check_fp16(f, encoder):
+    """Features f as they go into the cache: a value beyond fp16's range (already inf once cast) is
+    one line naming the encoder and its layer, never an inf in the cache and a NaN loss later."""
+    for name in ("tokens", "pooled"):
+        x = getattr(f, name)
+        x = x[f.mask] if name == "tokens" and f.mask is not None else x
+        big = ~torch.isfinite(x) | (x.abs() > FP16_MAX) if x.dtype != torch.float16 else ~torch.isfinite(x)
+        if big.any():
+            raise RunError(f"{getattr(encoder, 'name', type(encoder).__name__)} (layer {getattr(encoder, 'layer', '?')}) "
+                           f"gives {int(big.sum())} {name} value(s) beyond {FP16_MAX:g}, the largest fp16 value the "
+                           f"feature cache stores (they would be inf); pick another --image-layer / --text-layer, "
+                           f"or a model whose activations stay in fp16's range")
+
+
 def write_shards(encoder, inputs, folder, key, plan, shards, batch_size, device, first=None, log=print, t0=None):
     """Encode and write the given shards of plan (those not done before: resume). first: shard 0's first batch,
     encoded since t0 (the rate counts it)."""
@@ -506,6 +523,7 @@ def write_shards(encoder, inputs, folder, key, plan, shards, batch_size, device,
         parts = [half(first)] if (start == 0 and first is not None) else []
         parts += [half(f) for f in encoded_batches(encoder, inputs, rest, stop, batch_size, device)]
         f = Features.cat(parts)
+        check_fp16(f, encoder)
         tokens = folder / f"{s:05d}.tokens.npy"
         with atomic_target(tokens) as tmp:
             with open(tmp, "wb") as fh:
@@ -561,6 +579,7 @@ def extract_file(encoder, inputs, path, key, batch_size, device, first, t0=None,
         progress.update(len(f))
     progress.close()
     feats = Features.cat(parts)
+    check_fp16(feats, encoder)
     atomic_save({"key": key, "tokens": feats.tokens.half(), "mask": feats.mask, "pooled": feats.pooled.half(),
                  "grid": feats.grid}, path)
     return feats

@@ -1129,3 +1129,21 @@ def test_a_non_square_crop_is_cropped_as_the_models_processor_crops(tmp_path, mo
     assert ours.shape == theirs.shape == (1, 3, 32, 48)
     assert (ours - theirs).abs().max() < 0.05                      # resampling rounds (uint8), nothing more
     assert enc.encode([img]).grid == (4, 6)
+
+
+@pytest.mark.parametrize("shards", [False, True])
+def test_activations_beyond_fp16_are_one_line_naming_the_layer(tmp_path, models, monkeypatch, shards):
+    """Activations above 65504 became inf in the fp16 cache with no word; token methods then stopped
+    with "loss is nan ... Try a lower --lr", the wrong advice. Now one line when the file or shard is
+    written, naming the encoder and its layer; nothing is cached."""
+    if shards:
+        monkeypatch.setattr(cache, "MEMMAP_BYTES", 0)
+        monkeypatch.setattr(cache, "SHARD_BYTES", 4096)
+    enc = encoders.load_hf_text(str(models / "bert"))
+    encode = enc.encode
+    monkeypatch.setattr(enc, "encode", lambda texts, device="cpu": (lambda f: Features(
+        tokens=f.tokens * 1e6, mask=f.mask, pooled=f.pooled, grid=f.grid))(encode(texts, device)))
+    with pytest.raises(SystemExit) as e:
+        extract(enc, ["a dog sits on the cat.", "the man rides a red dog."] * 4, tmp_path)
+    assert f"{enc.name} (layer -1) gives" in one_line(e) and "tokens value(s) beyond 65504" in str(e.value)
+    assert not list((tmp_path / "features").glob("*.pt"))
