@@ -674,6 +674,7 @@ def train(method, img, txt, args, out, device, settings=None, negatives=None):
               f"{steps_per_epoch / max(dt, 1e-9):.1f} steps/s  {time.time() - t0:.0f}s")
         last = float(loss.item())
         if distributed.rank() == 0:
+            ckpt.parent.mkdir(parents=True, exist_ok=True)      # partial(out): --out is untouched until the end
             cache.atomic_save({"method": method.state_dict(), "opt": opt.state_dict(),
                                "sched": sched.state_dict(), "epoch": epoch,
                                "rng": torch.get_rng_state(), "loss": last, "settings": settings}, ckpt)
