@@ -765,6 +765,7 @@ def main(argv=None):
         if distributed.rank() == 0:                 # written once, after every check and every choice
             outfolder.begin(out, json.loads(json.dumps(config, default=str)), args.resume)
             cache.atomic_write_text(json.dumps(config, indent=2, default=str), work / "config.json")
+        distributed.barrier()                       # torchrun: no rank reads the checkpoint before it is there
         negatives = F.get(("train", "negatives"))
         metrics = {"train": fit_or_train(method, img, txt, args, out, device, settings, negatives)}
         if not distributed.finish():                # torchrun: the group ends; rank 0 goes on alone

@@ -102,7 +102,8 @@ def begin(out, config, resume):
         shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)
     if resume and not (work / "checkpoint.pt").exists() and (Path(out) / "checkpoint.pt").is_file():
-        shutil.copy2(Path(out) / "checkpoint.pt", work / "checkpoint.pt")   # a finished run's, continued
+        shutil.copy2(Path(out) / "checkpoint.pt", work / ".checkpoint.pt.copy")   # a finished run's, continued
+        os.replace(work / ".checkpoint.pt.copy", work / "checkpoint.pt")            # whole or not at all
     return work
 
 
