@@ -5,9 +5,9 @@
 
 Writes <out>/config.json (every setting as resolved), <out>/metrics.json, <out>/method.pt
 (the method's state_dict), <out>/checkpoint.pt (each epoch, for --resume) and figures
-(PNG) of methods that draw them. Every check runs before any long work, and nothing is
-written to <out> before every check has passed. align.py knows a method only through
-the interface in methods/__init__.py.
+(PNG) of methods that draw them. Every check runs before any long work; the run writes into
+.<name>.partial beside <out> and moves its files into <out> only when it has finished
+(outfolder.py). align.py knows a method only through the interface in methods/__init__.py.
 """
 import argparse
 import ast
@@ -41,6 +41,7 @@ import distributed
 import encoders
 import evaluate
 import features
+import outfolder
 import recycling
 from errors import RunError
 from exercises.table import refuse_blank_exercises
@@ -59,7 +60,13 @@ def parse_args(argv=None):
     arg("--data-root", type=path, default="data", help="folder holding real datasets (unused by shapes)")
     arg("--cache-dir", type=path, default=".cache",
         help="where pretrained tiny encoders and features are cached")
-    arg("--out", type=path, default=None, help="output folder (default: results/<method>-<data>-seed<seed>)")
+    arg("--out", type=path, default=None,
+        help="output folder (default: results/<method>-<data>-seed<seed>). A finished --out is replaced "
+             "only by a rerun of the same settings (all of config.json but out, resume, threads, "
+             "cache_dir, figures); any other run is refused before any work, naming what differs and "
+             "an --out to use; nothing is written into --out until the run has finished (it writes "
+             "into .<name>.partial beside it), so a run that fails leaves the previous results as "
+             "they were")
     arg("--device", default="auto", choices=["auto", "cpu", "cuda"],
         help="auto = cuda when available")
     arg("--threads", type=int, default=0,
@@ -101,7 +108,9 @@ def parse_args(argv=None):
         help="also run the weight-recycling analyses of the image head")
     arg("--figures", action=argparse.BooleanOptionalAction, default=True,
         help="draw the method's figures")
-    arg("--resume", action="store_true", help="continue from <out>/checkpoint.pt")
+    arg("--resume", action="store_true",
+        help="continue the checkpoint of an unfinished run of the same settings (.<name>.partial/"
+             "checkpoint.pt beside --out, else <out>/checkpoint.pt)")
     return p.parse_args(argv)
 
 
@@ -193,11 +202,14 @@ def check_flags(args, method_cls):
         raise RunError(f"--select-pairs {args.select_pairs}: score the layers on at least "
                        f"{MIN_SELECT_PAIRS} training pairs (mutual kNN needs neighbours, CKA more "
                        f"than one sample)")
-    refused = getattr(method_cls, "refuses_align_data", {})
-    if args.align_data in refused:
-        raise RunError(f"--method {args.method} --align-data {args.align_data}: "
-                       f"{refused[args.align_data]}; align {args.method} on pairs, or the head rows "
+    refused, mode = getattr(method_cls, "refuses_align_data", {}), aligned_on(args)
+    if mode in refused:
+        given = f"--align-data {args.align_data}" + (" --num-pairs 0 (the head rows alone)"
+                                                     if mode != args.align_data else "")
+        raise RunError(f"--method {args.method} {given}: "
+                       f"{refused[mode]}; align {args.method} on pairs, or the head rows "
                        f"with another method (README)")
+    check_pair_count(args, method_cls)
     contrastive = hasattr(method_cls, "contrastive_scale")
     if args.hard_negatives and (args.align_data != "pairs" or not contrastive):
         raise RunError(f"--hard-negatives needs a contrastive trained method (one with a "
@@ -216,6 +228,24 @@ def check_flags(args, method_cls):
                            f"{describe(ranges[name])}{why}")
 
 
+def aligned_on(args):
+    """What the run aligns on: --align-data, but "weights" for weights+pairs with --num-pairs 0."""
+    return "weights" if args.align_data == "weights+pairs" and args.num_pairs == 0 else args.align_data
+
+
+def check_pair_count(args, method_cls):
+    """--num-pairs that leaves no pairs, or fewer than the smallest batch the method trains on:
+    refused before any features are extracted (head rows may add more: weights+pairs is let be)."""
+    if args.num_pairs is None or args.align_data != "pairs":
+        return
+    if args.num_pairs == 0:
+        raise RunError("--num-pairs 0 leaves no alignment data; add the head rows with --align-data weights")
+    low = getattr(method_cls, "ranges", {}).get("batch_size", LOOP_RANGES["batch_size"])
+    if hasattr(method_cls, "loss") and not in_range(args.num_pairs, low):
+        raise RunError(f"--num-pairs {args.num_pairs}: a batch of {args.num_pairs} pair(s) ({args.num_pairs} "
+                       f"alignment pairs): {method_cls.__name__} takes batch_size {describe(low)}; use more pairs")
+
+
 def check_places(args, out):
     """The device, the encoder paths, the data root and the folders the run writes, before any work."""
     device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
@@ -225,40 +255,26 @@ def check_places(args, out):
     encoders.check_path(args.text_encoder, "--text-encoder")
     data.check_root(args.data, args.data_root)      # a wrong --data-root, before the encoders load or pretrain
     cache.check_writable(args.cache_dir, "--cache-dir")
-    cache.check_writable(out, "--out")
+    cache.check_writable(out, "--out", create=False)   # nothing in --out yet
     check_out_data(args, out)
     return device
 
 
-OUT_FILES = ("config.json", "metrics.json", "method.pt", "checkpoint.pt")   # what a run writes into --out
+def given_settings(args):
+    """The flags as given, but those that only say where and how the run writes (outfolder.OUTPUT_ONLY);
+    the data root by the real path of the data it holds (data.data_folder), not by its spelling."""
+    given = {k: v for k, v in vars(args).items() if k not in outfolder.OUTPUT_ONLY}
+    if "data_root" in given:
+        given["data_root"] = data.data_folder(args.data, args.data_root)
+    return given
 
 
 def check_out_data(args, out):
-    """A finished run in --out on other data (another --data or --data-root) or of another --method is
-    never overwritten by this one: one line naming both (the default --out names the method, the set
-    and the seed, not the folder). A rerun (same data, same method) replaces it; --resume checks its
-    checkpoint instead."""
-    for name in OUT_FILES:              # a folder of that name: the run would end, its work done, at the rename
-        if (out / name).is_dir():
-            raise RunError(f"--out {out} holds a folder {name}, where this run writes a file; move it away, or "
-                           f"pass another --out")
-    if args.resume or not (out / "config.json").is_file():
-        return
-    try:
-        old = json.loads((out / "config.json").read_text())
-    except (OSError, ValueError):
-        return
-    if not isinstance(old, dict) or "data" not in old:
-        return                                      # not a config of this program: nothing to compare
-    where = lambda name, root: name if name == "shapes" else f"{name} in {Path(root).resolve()}"
-    then = where(old["data"], old.get("data_root") or "data")
-    now = where(args.data, args.data_root)
-    if then != now:
-        raise RunError(f"--out {out} holds the results of a run on other data ({then}; this run: {now}); "
-                       f"pass another --out, or delete {out} to replace them")
-    if old.get("method", args.method) != args.method:   # its figures and checkpoint would stay beside this run's
-        raise RunError(f"--out {out} holds the results of a {old['method']} run (this run: {args.method}); pass "
-                       f"another --out, or delete {out} to replace them")
+    """--out holds no finished run of other settings (outfolder's rule), checked on the flags as given,
+    before any work."""
+    given = given_settings(args)
+    flags_of = lambda config: given_settings(argparse.Namespace(**{k: config.get(k) for k in vars(args)}))
+    outfolder.check_out(out, given, flags_of)
 
 
 def memory_bytes(device):
@@ -311,11 +327,12 @@ def seed_everything(seed):
 # Data and frozen features
 # ---------------------------------------------------------------------------
 def check_texts(texts, where):
-    """An empty caption has no tokens to align: stop with where it is, before any encoder runs."""
-    empty = [i for i, t in enumerate(texts) if not t or not t.strip()]
-    if empty:
-        raise RunError(f"{len(empty)} empty caption(s) in {where} (first at index {empty[0]}); "
-                       f"give them text or remove them from the annotation file")
+    """An empty caption (no visible character) has no tokens to align, one that is not valid Unicode
+    cannot be tokenized (data.text_fault): stop with where it is, before any encoder runs."""
+    bad = [(i, data.text_fault(t or "")) for i, t in enumerate(texts) if data.text_fault(t or "")]
+    if bad:
+        raise RunError(f"{len(bad)} caption(s) in {where} with no text to align (the first, at index "
+                       f"{bad[0][0]}, {bad[0][1]}); give them text or remove them from the annotation file")
 
 
 def load_inputs(args, device):
@@ -377,11 +394,29 @@ def extract_features(args, F, device):
     return out
 
 
+def check_features_vary(args, F):
+    """Refuse training features whose pooled vectors are the same for every input (a ViT's CLS token
+    at --image-layer 0 has seen no patch yet): every method would run at chance, CSA's Cholesky
+    would fail on a zero covariance."""
+    for modality, flag, enc, what in (("image", "--image-layer", "image_encoder", "image"),
+                                      ("text", "--text-layer", "text_encoder", "caption")):
+        f = F.get(("train", modality))
+        if f is None or len(f) < 2:
+            continue
+        p = f.pooled.float()                                                   # (N, D)
+        spread = (p - p[0]).abs().max().item()
+        if spread <= 1e-6 * max(p.abs().max().item(), 1e-12):
+            layer = F[enc].layer
+            raise RunError(f"{flag} {getattr(args, flag[2:].replace('-', '_'))}: the pooled vectors of "
+                           f"{getattr(args, enc)} at layer {layer} are the same for every training {what} "
+                           f"(spread {spread:.1g}), so no method can tell them apart; pick a later {flag} "
+                           f"(-1 = the last)")
+
+
 def data_identity(args, sets):
-    """What the training data is: the resolved --data-root and data.identity of the training set
+    """What the training data is: the data folder by its real path and data.identity of the training set
     (its files by path, size and time, its captions, their image links)."""
-    root = None if args.data == "shapes" else str(Path(args.data_root).resolve())
-    return dict(data_root=root, data_hash=data.identity(sets["train"]))
+    return dict(data_root=data.data_folder(args.data, args.data_root), data_hash=data.identity(sets["train"]))
 
 
 def alignment_data(args, F, device="cpu"):
@@ -415,8 +450,7 @@ def weight_pairs(args, F, device="cpu"):
 def head_row_hp(args, method_cls, hp, image_enc):
     """hp, plus the interface's head_rows keyword (methods/__init__.py) when the method takes it and
     aligns on head rows alone: what the image encoder's head reads."""
-    alone = args.align_data == "weights" or args.align_data == "weights+pairs" and args.num_pairs == 0
-    if alone and "head_rows" in hp_names(method_cls):
+    if aligned_on(args) == "weights" and "head_rows" in hp_names(method_cls):
         return {"head_rows": getattr(image_enc, "head_reads", "pooled"), **hp}
     return hp
 
@@ -611,9 +645,9 @@ def train(method, img, txt, args, out, device, settings=None, negatives=None):
     params = [p for p in method.parameters() if p.requires_grad]
     opt = opt_cls(params, lr=lr, weight_decay=wd, betas=d.get("betas", (0.9, 0.999)))
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, epochs * steps_per_epoch))
-    start, ckpt, last = 0, out / "checkpoint.pt", None
-    if args.resume and ckpt.exists():
-        state = load_checkpoint(ckpt, settings)
+    start, ckpt, last = 0, outfolder.partial(out) / "checkpoint.pt", None   # written each epoch
+    if args.resume and outfolder.checkpoint(out).exists():
+        state = load_checkpoint(outfolder.checkpoint(out), settings)
         method.load_state_dict(state["method"])
         opt.load_state_dict(state["opt"])
         sched.load_state_dict(state["sched"])
@@ -621,7 +655,7 @@ def train(method, img, txt, args, out, device, settings=None, negatives=None):
         if str(device).startswith("cuda") and state.get("cuda_rng") is not None:
             torch.cuda.set_rng_state(state["cuda_rng"])  # dropout of the method's device tensors draws here
         start, last = state["epoch"] + 1, state.get("loss")
-        print(f"[train] resumed from {ckpt} after epoch {start}")
+        print(f"[train] resumed from {outfolder.checkpoint(out)} after epoch {start}")
     elif args.resume:
         print(f"[train] --resume: no checkpoint at {ckpt} yet; starting at epoch 1")
     dd = distributed.Training(method, batch_size, negatives is not None)  # torchrun: rows, the loss
@@ -667,6 +701,7 @@ def train(method, img, txt, args, out, device, settings=None, negatives=None):
               f"{steps_per_epoch / max(dt, 1e-9):.1f} steps/s  {time.time() - t0:.0f}s")
         last = float(loss.item())
         if distributed.rank() == 0:
+            ckpt.parent.mkdir(parents=True, exist_ok=True)      # partial(out): --out is untouched until the end
             cache.atomic_save({"method": method.state_dict(), "opt": opt.state_dict(),
                                "sched": sched.state_dict(), "epoch": epoch,
                                "rng": torch.get_rng_state(), "loss": last, "settings": settings,
@@ -733,11 +768,13 @@ def main(argv=None):
         hp = head_row_hp(args, method_cls, hp, F["image_encoder"])
         probe = check_memory(args, method_cls, hp, input_dims(F, device), device)
         settings = run_settings(args, method_cls, hp, F)
-        if args.resume and (out / "checkpoint.pt").exists():  # a wrong one stops before the features
+        ckpt = outfolder.checkpoint(out)
+        if args.resume and ckpt.exists():                     # a wrong one stops before the features
             loop = loop_settings(args, probe.defaults)        # epochs, batch: known after the features
             known = {k: loop[k] for k in ("lr", "weight_decay", "seed")}
-            load_checkpoint(out / "checkpoint.pt", {**settings, **known})
+            load_checkpoint(ckpt, {**settings, **known})
         F.update(extract_features(args, F, device))
+        check_features_vary(args, F)                # a layer whose pooled vector ignores its input
         img, txt = alignment_data(args, F, device)
         seed_everything(args.seed)
         method = method_cls(img.pooled.shape[-1], txt.pooled.shape[-1], **hp).to(device)
@@ -750,22 +787,27 @@ def main(argv=None):
                       image_layer=settings["image_layer_used"],
                       text_layer=settings["text_layer_used"],
                       data_root=settings["data_root"] or args.data_root,
-                      data_hash=settings["data_hash"], method_defaults=method.defaults)
+                      data_hash=settings["data_hash"], method_defaults=method.defaults,
+                      given=given_settings(args))
         print("[config] " + json.dumps(config, default=str))
+        work = outfolder.partial(out)               # the run writes here; moved into --out when done
         if distributed.rank() == 0:                 # written once, after every check and every choice
-            cache.atomic_write_text(json.dumps(config, indent=2, default=str), out / "config.json")
+            outfolder.begin(out, json.loads(json.dumps(config, default=str)), args.resume)
+            cache.atomic_write_text(json.dumps(config, indent=2, default=str), work / "config.json")
+        distributed.barrier()                       # torchrun: no rank reads the checkpoint before it is there
         negatives = F.get(("train", "negatives"))
         metrics = {"train": fit_or_train(method, img, txt, args, out, device, settings, negatives)}
         if not distributed.finish():                # torchrun: the group ends; rank 0 goes on alone
             return {}
-        cache.atomic_save(method.state_dict(), out / "method.pt")
-        metrics.update(evaluate_all(method, F, args, out, device))
+        cache.atomic_save(method.state_dict(), work / "method.pt")
+        metrics.update(evaluate_all(method, F, args, work, device))
         metrics["layers"] = {"image": config["image_layer"], "text": config["text_layer"]}
-        cache.atomic_write_text(json.dumps(metrics, indent=2), out / "metrics.json")  # before all else
+        cache.atomic_write_text(json.dumps(metrics, indent=2), work / "metrics.json")  # before all else
         print(evaluate.results_table(metrics))
         if args.analyses:
             metrics["recycling"] = recycling.recycling_analyses(F, args, device)
-            cache.atomic_write_text(json.dumps(metrics, indent=2), out / "metrics.json")
+            cache.atomic_write_text(json.dumps(metrics, indent=2), work / "metrics.json")
+        outfolder.finish(out)                       # the previous results stay until this line
         print(f"[done] results in {out}/")
         return metrics
 
@@ -785,8 +827,9 @@ def cli():
     except KeyboardInterrupt:
         args = parse_args()
         out = Path(args.out or f"results/{args.method}-{args.data}-seed{args.seed}")
-        print(f"\ninterrupted: finished work is kept (cached features, and {out}/checkpoint.pt after "
-              f"each finished epoch); rerun the same command with --resume to go on from there",
+        print(f"\ninterrupted: finished work is kept (cached features, and {outfolder.partial(out)}/checkpoint.pt "
+              f"after each finished epoch; {out} is as it was); rerun the same command with --resume to go on "
+              f"from there",
               file=sys.stderr)
         sys.exit(130)
 

@@ -226,16 +226,17 @@ def file_lock(path, log=print):
 def hold_folder(folder, flag):
     """Hold `folder` (an output folder) for this run: a second run given the same folder stops at
     once with one line naming the run that holds it, instead of mixing its files with this one's.
-    The lock file (folder/.lock) says who holds it; the kernel releases the lock when a process
-    dies, so a killed run never blocks the next. A no-op where fcntl is missing (Windows)."""
+    The lock file (<parent>/.<name>.lock, beside the folder: nothing is written into it) says who
+    holds it; the kernel releases the lock when a process dies, so a killed run never blocks the
+    next. A no-op where fcntl is missing (Windows)."""
     try:
         import fcntl
     except ImportError:
         yield
         return
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / ".lock", "a+") as f:
+    folder, real = Path(folder), Path(folder).resolve()
+    real.parent.mkdir(parents=True, exist_ok=True)
+    with open(real.parent / f".{real.name}.lock", "a+") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -253,17 +254,19 @@ def hold_folder(folder, flag):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def check_writable(folder, flag):
+def check_writable(folder, flag, create=True):
     """Stop with one line naming the folder when it cannot be written (read-only, full, not a
-    folder), before any long work: a probe file of 1 MB is written, synced and removed."""
+    folder), before any long work: a probe file of 1 MB is written, synced and removed.
+    create=False (--out): nothing is made; the probe goes into the nearest folder that exists."""
     folder = Path(folder)
     taken = next((p for p in [folder, *folder.parents] if p.exists()), None)  # the nearest part that exists
     if taken is not None and not taken.is_dir():
         raise SystemExit(f"error: {flag} {folder}: {taken} is a file, not a folder; pass {flag} a folder "
                          f"(or move the file away)")
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-probe-") as f:
+        if create:
+            folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder if create else taken or ".", prefix=".write-probe-") as f:
             f.write(b"\0" * 2**20)
             f.flush()
             os.fsync(f.fileno())
@@ -492,10 +495,28 @@ def encoded_batches(encoder, inputs, starts, stop, batch_size, device):
         yield encoder.encode_prepared(x, device)
 
 
+FP16_MAX = 65504.0   # the largest finite float16: the cache stores tokens and pooled vectors as fp16
+
+
+def check_fp16(f, encoder):
+    """Features f as they go into the cache: a value beyond fp16's range (already inf once cast) is
+    one line naming the encoder and its layer, never an inf in the cache and a NaN loss later."""
+    for name in ("tokens", "pooled"):
+        x = getattr(f, name)
+        x = x[f.mask] if name == "tokens" and f.mask is not None else x
+        big = ~torch.isfinite(x) | (x.abs() > FP16_MAX) if x.dtype != torch.float16 else ~torch.isfinite(x)
+        if big.any():
+            raise RunError(f"{getattr(encoder, 'name', type(encoder).__name__)} (layer {getattr(encoder, 'layer', '?')}) "
+                           f"gives {int(big.sum())} {name} value(s) beyond {FP16_MAX:g}, the largest fp16 value the "
+                           f"feature cache stores (they would be inf); pick another --image-layer / --text-layer, "
+                           f"or a model whose activations stay in fp16's range")
+
+
 def write_shard(folder, s, parts, key):
     """Shard s of folder from its encoded batches (fp16 Features): the real tokens, ragged (sum of lengths, D),
     as .npy with its checksum, then the metadata, whose atomic rename marks the shard done."""
     f = Features.cat(parts)
+    check_fp16(f, encoder)
     tokens = folder / f"{s:05d}.tokens.npy"
     with atomic_target(tokens) as tmp:
         with open(tmp, "wb") as fh:
@@ -592,6 +613,7 @@ def extract_file(encoder, inputs, path, key, batch_size, device, first, t0=None,
         progress.update(len(f))
     progress.close()
     feats = Features.cat(parts)
+    check_fp16(feats, encoder)
     atomic_save({"key": key, "tokens": feats.tokens.half(), "mask": feats.mask, "pooled": feats.pooled.half(),
                  "grid": feats.grid}, path)
     return feats

@@ -25,6 +25,7 @@ import json
 import os
 import re
 import stat
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -539,7 +540,7 @@ def rgb(img):
 def file_scan(paths):
     """(identity, missing, empty) of image files: a hash of every path, size and mtime, one stat each."""
     lines, missing, empty = [], [], []
-    for p in map(os.path.abspath, paths):
+    for p in map(os.path.realpath, paths):              # a file by its real path: a symlinked root is the same data
         try:
             st = os.stat(p)
         except OSError:
@@ -725,13 +726,26 @@ def check_listed_once(entries, image_dir, path, splits=("train", "test")):
     for i, e in enumerate(entries):
         if e["split"] not in splits:
             continue
-        f = os.path.normpath(os.path.abspath(entry_path(image_dir, e)))
+        f = os.path.realpath(entry_path(image_dir, e))      # a symlink to a training image is that image
         j = seen.setdefault(f, i)
         if j != i:
             why = "a test image that is also a training image inflates the test numbers" \
                 if e["split"] != entries[j]["split"] else "each image is listed once, with all its captions"
             raise SystemExit(f"error: {path}: images[{j}] ({entries[j]['split']}) and images[{i}] ({e['split']}) are "
                              f"the same image {f} ({why}); remove one of the two entries")
+
+
+def text_fault(text):
+    """Why a caption is no text to align, or None: "is empty" when it holds no visible character
+    (spaces, zero-width or control characters alone tokenize to nothing), "holds a lone surrogate"
+    when it is not valid Unicode (a JSON "\\ud83d" without its pair: tokenizers refuse it)."""
+    bad = next((i for i, c in enumerate(text) if unicodedata.category(c) == "Cs"), None)
+    if bad is not None:
+        return (f"holds a lone surrogate {ascii(text[bad])} at character {bad} (half of an emoji?), so it is "
+                f"not valid Unicode text")
+    if all(unicodedata.category(c)[0] in "ZC" for c in text):
+        return "is empty"
+    return None
 
 
 def karpathy_pairs(entries, image_dir, n_captions, listed_in=None):
@@ -741,8 +755,9 @@ def karpathy_pairs(entries, image_dir, n_captions, listed_in=None):
     for i, e in enumerate(kept):
         paths.append(entry_path(image_dir, e))
         for k, s in enumerate(e["sentences"][:n_captions]):
-            if not s["raw"].strip():                    # no token to align; said here, where the entry is known
-                raise SystemExit(f"error: {listed_in}: {e['split']} image {e['filename']}: sentences[{k}] is empty; "
+            why = text_fault(s["raw"])                  # no token to align; said here, where the entry is known
+            if why:
+                raise SystemExit(f"error: {listed_in}: {e['split']} image {e['filename']}: sentences[{k}] {why}; "
                                  f"give it text or remove that sentence")
             captions.append(s["raw"].strip())
             txt_to_img.append(i)
@@ -764,6 +779,18 @@ def check_root(name, root):
         split_file_folder(root, "coco", "dataset_coco.json", COCO_LAYOUT, COCO_URL, "COCO")
     if name == "flickr":
         split_file_folder(root, "flickr30k", "dataset_flickr30k.json", FLICKR_LAYOUT, FLICKR_URL, "Flickr30K")
+
+
+def data_folder(name, root):
+    """What a --data-root names, by the real path of the data (symlinks followed): <root> and
+    <root>/coco (for COCO; flickr30k for Flickr) are the same data. None for shapes."""
+    if name == "shapes" or root is None:
+        return None
+    real = os.path.realpath(root)
+    sub = {"coco": "coco", "flickr": "flickr30k"}.get(name)
+    if sub and os.path.basename(real) == sub and not os.path.isdir(os.path.join(real, sub)):
+        real = os.path.dirname(real)
+    return real
 
 
 def karpathy_dataset(root, sub, split_file, image_dir, layout, url, name):

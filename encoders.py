@@ -162,7 +162,12 @@ class ImagePreprocess:
     """
 
     def __init__(self, resize=256, crop=224, mean=IMAGENET_MEAN, std=IMAGENET_STD, resample=3):
-        self.resize, self.crop, self.resample = resize, crop, resample
+        # crop: a side, or (height, width) as a processor's crop_size {"height", "width"} gives it
+        self.crop_hw = tuple(crop) if isinstance(crop, (tuple, list)) else (crop, crop)
+        self.crop = crop if not isinstance(crop, (tuple, list)) or crop[0] != crop[1] else crop[0]
+        if isinstance(self.crop, list):
+            self.crop = tuple(self.crop)
+        self.resize, self.resample = resize, resample
         self.mean, self.std = torch.tensor(mean).view(3, 1, 1), torch.tensor(std).view(3, 1, 1)
 
     def __repr__(self):  # goes into the cache key
@@ -175,15 +180,16 @@ class ImagePreprocess:
             img = Image.fromarray(img.permute(1, 2, 0).numpy())
         img = img.convert("RGB")
         w, h = img.size
-        if w == h or self.resize is None:
-            img = img.resize((self.crop, self.crop), self.resample)
+        ch, cw = self.crop_hw
+        if self.resize is None or w == h and ch == cw:
+            img = img.resize((cw, ch), self.resample)
         else:
             r = self.resize / min(w, h)
-            img = img.resize((max(self.crop, round(w * r)), max(self.crop, round(h * r))), self.resample)
+            img = img.resize((max(cw, round(w * r)), max(ch, round(h * r))), self.resample)
             w, h = img.size
-            left, top = (w - self.crop) // 2, (h - self.crop) // 2
-            img = img.crop((left, top, left + self.crop, top + self.crop))
-        return torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1)   # (3, crop, crop) uint8
+            left, top = (w - cw) // 2, (h - ch) // 2
+            img = img.crop((left, top, left + cw, top + ch))
+        return torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1)   # (3, crop_h, crop_w) uint8
 
     def uint8(self, images):
         """(B, 3, crop, crop) uint8: decoded, resized and cropped in IMAGE_THREADS threads, not normalised."""
@@ -222,7 +228,7 @@ def hf_preprocess(source, config, flag="--image-encoder"):
                              f"({type(e).__name__}: {first_line(e)}); copy it again from the model's download") from None
         return ImagePreprocess(round(size * 256 / 224), size)  # a hub model without one: the ViT default
     crop = p.crop_size if getattr(p, "do_center_crop", False) else p.size
-    crop = crop["height"] if crop.get("height") else crop["shortest_edge"]
+    crop = (crop["height"], crop["width"]) if crop.get("height") else crop["shortest_edge"]   # (h, w): not squared
     resize = p.size["shortest_edge"] if p.size.get("shortest_edge") else None  # None: fixed height x width
     per_channel = lambda v: (float(v),) * 3 if isinstance(v, (int, float)) else tuple(v)  # one number: every channel
     mean, std = per_channel(p.image_mean), per_channel(p.image_std)
@@ -407,7 +413,9 @@ def load_weights(cls, source, flag, reads_pooler=False):
     other = sorted((k, list(a), list(b)) for k, a, b in info.get("mismatched_keys", []))  # (name, file, config)
     if other:
         k, there, here = other[0]
-        hint = "id2label / num_labels?" if k.startswith("classifier") else "hidden_size?"
+        hint = "id2label / num_labels?" if k.startswith("classifier") else \
+            "image_size / patch_size?" if "patch_embeddings" in k or "position_embeddings" in k and "image" in flag \
+            else "hidden_size?"
         raise SystemExit(f"error: {flag} {source}: its config.json does not describe its weights: tensors of other "
                          f"shapes ({len(other)}; e.g. {k} is {there} in the file, {here} by config.json); config.json "
                          f"belongs to another model ({hint}): copy it again from the model's download")
@@ -488,8 +496,7 @@ class HFImageEncoder:
         final = layer in (-1, self.n_layers)
         h = (out.last_hidden_state if final else out.hidden_states[layer]).float()   # (B, T, D) as the model emits it
         patches = h[:, self.n_prefix:]                                          # (B, H*W, D)
-        H = W = math.isqrt(patches.shape[1])                                    # square inputs: crop x crop
-        assert H * W == patches.shape[1], f"{self.name}: {patches.shape[1]} patch tokens are not a square grid"
+        H, W = self.grid_of(patches.shape[1])                                   # crop_h / patch x crop_w / patch
         if final and self.final_norm is not None:                               # BEiT mean pooling, CLIP vision
             patches = self.final_norm(patches)
             pooled = out.pooler_output.float()                                  # what the head / projection reads
@@ -499,6 +506,15 @@ class HFImageEncoder:
         tokens = (tokens.half() if half else tokens).cpu()
         return Features(tokens=tokens, mask=torch.ones(tokens.shape[:2], dtype=torch.bool), pooled=tokens[:, 0],
                         grid=(H, W))
+
+    def grid_of(self, n):
+        """(H, W) of n patch tokens: the crop over the patch size (a non-square crop too), else square."""
+        (h, w), p = self.transform.crop_hw, getattr(self.model.config, "patch_size", None)
+        if isinstance(p, int) and (h // p) * (w // p) == n:
+            return h // p, w // p
+        H = math.isqrt(n)
+        assert H * H == n, f"{self.name}: {n} patch tokens are not a square grid"
+        return H, H
 
     def encode(self, images, device="cpu"):
         return self.layer_features(self.forward(images, device), self.layer)
@@ -647,9 +663,9 @@ def load_hf_image(name, layer=-1):
                          f"read as RGB (3 channels) here; use a model that takes RGB images")
     transform = hf_preprocess(source, model.config)
     size = getattr(model.config, "image_size", transform.crop)
-    if transform.crop != size and not config.model_type.startswith("dinov2"):   # DINOv2 interpolates its positions
-        raise SystemExit(f"error: --image-encoder {name}: its preprocessor_config.json crops {transform.crop} x "
-                         f"{transform.crop} but the model takes {size} x {size} images (config.json image_size) and "
+    if transform.crop_hw != (size, size) and not config.model_type.startswith("dinov2"):   # DINOv2 interpolates its positions
+        raise SystemExit(f"error: --image-encoder {name}: its preprocessor_config.json crops {transform.crop_hw[0]} x "
+                         f"{transform.crop_hw[1]} but the model takes {size} x {size} images (config.json image_size) and "
                          f"cannot interpolate its position embeddings; set crop_size to {size} there")
     enc = HFImageEncoder(name, model, transform, layer, classifier, names)
     enc.fingerprint = hf_fingerprint(source, model)
@@ -715,7 +731,7 @@ def load_hf_text(name, layer=-1):
         raise SystemExit(f"error: --text-encoder {name}: its tokenizer cannot encode a caption ({type(e).__name__}: "
                          f"{first_line(e)}); its tokenizer files (vocab, tokenizer_config.json) are broken or belong "
                          f"to another model: copy them again from the model's download") from None
-    ids = tokenizer("a man and a dog on the grass")["input_ids"]
+    ids = tokenizer("a man and a dog on the grass", truncation=True, max_length=enc.max_length)["input_ids"]
     words = [i for i in ids if i not in set(tokenizer.all_special_ids)]
     if not words or (tokenizer.unk_token_id is not None and set(words) == {tokenizer.unk_token_id}):
         raise SystemExit(f"error: --text-encoder {name}: its tokenizer reads every word of \"a man and a dog on the "

@@ -15,6 +15,7 @@ import torch
 
 import align
 import cache
+import outfolder
 from conftest import random_features
 from methods.linear import Linear
 
@@ -69,7 +70,7 @@ def test_nan_loss_stops_with_epoch_and_step_and_keeps_the_checkpoint(tmp_path):
     m = StopAtCall(8, 6, K=4, n=6, nan=True)
     with pytest.raises(FloatingPointError, match=r"epoch 2, step 2"):
         align.train(m, img, txt, loop_args(), tmp_path, "cpu")
-    saved = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    saved = torch.load(outfolder.partial(tmp_path) / "checkpoint.pt", weights_only=True)   # where --resume reads it
     assert saved["epoch"] == 0 and all(torch.isfinite(v).all() for v in saved["method"].values())
 
 

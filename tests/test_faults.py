@@ -24,6 +24,7 @@ import align
 import cache
 import data
 import encoders
+import outfolder
 import shapes_encoders
 from conftest import interrupted, random_features
 from methods.linear import Linear
@@ -314,15 +315,16 @@ def test_ctrl_c_mid_training_then_resume_matches_an_uninterrupted_run(reference,
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
-        wait_for(p, lambda: (tmp_path / "out" / "checkpoint.pt").exists())  # epoch 1 of 3 saved
+        wait_for(p, lambda: (outfolder.partial(tmp_path / "out") / "checkpoint.pt").exists())  # epoch 1 of 3 saved
         p.send_signal(signal.SIGINT)
         err = p.communicate(timeout=60)[1].strip()
     finally:
         p.kill()
     assert p.returncode != 0 and not (tmp_path / "out" / "metrics.json").exists()
     assert "Traceback" not in err and len(err.splitlines()) == 1, err[-3000:]      # one line: how to go on
-    assert err.startswith("interrupted:") and "--resume" in err and str(tmp_path / "out" / "checkpoint.pt") in err
-    assert torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=True)["epoch"] < 2
+    ckpt = outfolder.partial(tmp_path / "out") / "checkpoint.pt"                 # --out is untouched until the end
+    assert err.startswith("interrupted:") and "--resume" in err and str(ckpt) in err
+    assert torch.load(ckpt, weights_only=True)["epoch"] < 2
     r = run(shared, tmp_path / "out", *RUN, "--resume")
     assert r.returncode == 0 and "[train] resumed from" in r.stdout, r.stderr[-3000:]
     assert metrics(tmp_path / "out") == reference[1]

@@ -769,23 +769,30 @@ def test_a_run_on_other_data_never_overwrites_the_results_in_its_out(tmp_path, m
     assert f"--out {out} holds the results of a run on other data (coco in {tmp_path / 'a'}; this run: coco in " \
            f"{tmp_path / 'b'})" in one_line(e)
     assert (out / "metrics.json").read_bytes() == first and "[data]" not in capsys.readouterr().out
-    args = align.parse_args(["--data", "coco", "--data-root", str(tmp_path / "a"), "--method", "linear"])
-    align.check_out_data(args, out)                                    # the same data: a rerun replaces them
-    align.check_out_data(align.parse_args(["--data", "coco", "--data-root", str(tmp_path / "b"), "--resume"]), out)
+    same = ["--data", "coco", "--data-root", str(tmp_path / "a"), "--threads", "1", "--epochs", "1", "--method",
+            "linear", "--image-encoder", str(models / "dinov2"), "--text-encoder", str(models / "bert")]
+    align.check_out_data(align.parse_args(same + ["--no-figures"]), out)   # the same settings: a rerun replaces them
+    align.check_out_data(align.parse_args([*same[:3], str(tmp_path / "a" / "coco"), *same[4:]]), out)  # <root>/coco
+    with pytest.raises(SystemExit, match="holds the results of a run on other data"):   # --resume: the same rule
+        align.check_out_data(align.parse_args([*same[:3], str(tmp_path / "b"), *same[4:], "--resume"]), out)
 
 
 def test_a_run_of_another_method_never_overwrites_the_results_in_its_out(tmp_path):
     """--out of a PAL run given to a linear run: it replaced PAL's config, metrics and method.pt and
-    left PAL's figures and checkpoint beside them. Refused; a rerun of PAL (other hyperparameters too)
-    replaces its own results, and --resume checks its checkpoint instead."""
+    left PAL's figures and checkpoint beside them. Refused, with --resume too; a rerun of PAL with
+    other hyperparameters is refused the same way (other settings); the same settings replace them."""
     out = tmp_path / "out"
     out.mkdir()
     (out / "config.json").write_text(json.dumps(dict(vars(align.parse_args([])), out=str(out))))   # a PAL run's
+    for extra in ([], ["--resume"]):
+        with pytest.raises(SystemExit) as e:
+            align.check_out_data(align.parse_args(["--method", "linear", *extra]), out)
+        assert f"--out {out} holds the results of a pal run (this run: linear); pass another --out" in one_line(e)
     with pytest.raises(SystemExit) as e:
-        align.check_out_data(align.parse_args(["--method", "linear"]), out)
-    assert f"--out {out} holds the results of a pal run (this run: linear); pass another --out" in one_line(e)
-    align.check_out_data(align.parse_args(["--hp", "K=64"]), out)                       # a rerun replaces them
-    align.check_out_data(align.parse_args(["--method", "linear", "--resume"]), out)
+        align.check_out_data(align.parse_args(["--hp", "K=64"]), out)
+    assert "holds the results of a run with other settings (hp [] there, ['K=64'] now); pass another --out " \
+           f"(e.g. --out {out}-2)" in one_line(e)
+    align.check_out_data(align.parse_args(["--threads", "1", "--no-figures", "--out", "x"]), out)   # a rerun
 
 
 @pytest.mark.slow
@@ -1039,3 +1046,113 @@ def test_macos_metadata_files_in_the_ade_annotations_are_not_taken_for_masks(tmp
         (folder / f"._{mask.name}").write_bytes(b"\0\5\26\7 Mac OS X metadata")
     masks = data.segmentation_set("ade20k", tmp_path)
     assert len(masks.images) == 2
+
+
+# ----------------------------------------------------------------------------- text that is not text, one file two names
+@pytest.mark.parametrize("raw, says", [
+    ("\u200b", "sentences[1] is empty"), ("\x07", "sentences[1] is empty"), ("\ufeff \u200b", "sentences[1] is empty"),
+    ("\ud83d a dog on the grass", "sentences[1] holds a lone surrogate '\\ud83d' at character 0")])
+def test_a_caption_of_invisible_characters_or_a_lone_surrogate_is_one_line(tmp_path, raw, says):
+    """Zero-width or control characters alone passed the empty-caption check and tokenized to
+    nothing (rc 0); a lone surrogate (a JSON "\\ud83d" without its pair) was a TypeError from the
+    tokenizer. Both are one line naming the image, when the data loads."""
+    write_karpathy(tmp_path / "coco")
+    split_file = entries_of(tmp_path)
+    [e for e in split_file["images"] if e["split"] == "test"][1]["sentences"][1]["raw"] = raw
+    (tmp_path / "coco" / "dataset_coco.json").write_text(json.dumps(split_file))   # ascii escapes, as json writes
+    with pytest.raises(SystemExit) as e:
+        data.coco(tmp_path)
+    assert f"test image test_1.jpg: {says}" in one_line(e)
+    with pytest.raises(SystemExit, match=r"1 caption\(s\) in coco/test with no text to align"):
+        align.check_texts(["a dog", raw], "coco/test")
+
+
+def test_a_test_image_that_is_a_symlink_to_a_training_image_is_overlap(tmp_path):
+    """Paths were compared by abspath: a test image linked to a training image was not caught."""
+    write_karpathy(tmp_path / "coco")
+    link = tmp_path / "coco" / "val2014" / "test_2.jpg"
+    link.unlink()
+    link.symlink_to(tmp_path / "coco" / "train2014" / "train_5.jpg")
+    with pytest.raises(SystemExit) as e:
+        data.coco(tmp_path)
+    assert "are the same image" in one_line(e) and "a test image that is also a training image" in str(e.value)
+
+
+def test_a_data_root_is_the_data_however_its_path_is_spelled(tmp_path):
+    """<root>/coco for <root>, or a symlink to <root>: the same data folder and the same data_hash
+    (the real paths of the files), so no 'other data' refusal and no features extracted again."""
+    write_karpathy(tmp_path / "root" / "coco")
+    (tmp_path / "link").symlink_to(tmp_path / "root")
+    spellings = [tmp_path / "root", tmp_path / "root" / "coco", tmp_path / "link", tmp_path / "link" / "coco"]
+    assert {data.data_folder("coco", p) for p in spellings} == {str(tmp_path / "root")}
+    assert len({data.identity(data.coco(p)["train"]) for p in spellings}) == 1
+    assert data.data_folder("coco", tmp_path / "elsewhere") == str(tmp_path / "elsewhere")
+
+
+def test_a_config_without_image_size_names_image_size_and_patch_size(tmp_path, models):
+    """A DINOv2 config.json without image_size (transformers' default 518 -> more position rows
+    than saved): the hint named hidden_size, which is right; the cause is the image / patch size."""
+    folder = copy_folder(models / "dinov2", tmp_path / "dinov2")
+    config = json.loads((folder / "config.json").read_text())
+    del config["image_size"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit) as e:
+        encoders.load_hf_image(str(folder))
+    assert "position_embeddings" in one_line(e) and "(image_size / patch_size?)" in str(e.value)
+
+
+def test_the_tokenizer_self_check_truncates_to_the_models_length(tmp_path, models, capfd):
+    """A tokenizer of max length 8: its self-check caption (9 tokens) printed transformers' "Token
+    indices sequence length is longer than ..." on every correct run."""
+    folder = copy_folder(models / "bert", tmp_path / "bert")
+    tc = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(dict(tc, model_max_length=8)))
+    import logging
+    from transformers.utils.logging import get_logger
+    heard = []
+    handler = logging.Handler()
+    handler.emit = lambda record: heard.append(record.getMessage())
+    get_logger("transformers").addHandler(handler)
+    try:
+        enc = encoders.load_hf_text(str(folder))
+    finally:
+        get_logger("transformers").removeHandler(handler)
+    assert enc.max_length == 8
+    assert not any("longer than the specified maximum" in m for m in heard), heard
+    assert "longer than the specified maximum" not in capfd.readouterr().err
+
+
+def test_a_non_square_crop_is_cropped_as_the_models_processor_crops(tmp_path, models):
+    """crop_size {"height": 32, "width": 48} was cropped 32 x 32; the model's own processor gives
+    32 x 48. The pixels are the processor's, and the patch grid is 4 x 6."""
+    from PIL import Image
+    from transformers import AutoImageProcessor
+    folder = copy_folder(models / "dinov2", tmp_path / "dinov2")
+    pc = json.loads((folder / "preprocessor_config.json").read_text())
+    pc["crop_size"], pc["size"] = {"height": 32, "width": 48}, {"shortest_edge": 52}
+    (folder / "preprocessor_config.json").write_text(json.dumps(pc))
+    enc = encoders.load_hf_image(str(folder))
+    img = Image.fromarray(np.random.default_rng(0).integers(0, 256, (60, 80, 3), dtype=np.uint8))
+    ours = enc.transform([img])
+    theirs = AutoImageProcessor.from_pretrained(str(folder))(images=[img], return_tensors="pt")["pixel_values"]
+    assert ours.shape == theirs.shape == (1, 3, 32, 48)
+    assert (ours - theirs).abs().max() < 0.05                      # resampling rounds (uint8), nothing more
+    assert enc.encode([img]).grid == (4, 6)
+
+
+@pytest.mark.parametrize("shards", [False, True])
+def test_activations_beyond_fp16_are_one_line_naming_the_layer(tmp_path, models, monkeypatch, shards):
+    """Activations above 65504 became inf in the fp16 cache with no word; token methods then stopped
+    with "loss is nan ... Try a lower --lr", the wrong advice. Now one line when the file or shard is
+    written, naming the encoder and its layer; nothing is cached."""
+    if shards:
+        monkeypatch.setattr(cache, "MEMMAP_BYTES", 0)
+        monkeypatch.setattr(cache, "SHARD_BYTES", 4096)
+    enc = encoders.load_hf_text(str(models / "bert"))
+    encode = enc.encode
+    monkeypatch.setattr(enc, "encode", lambda texts, device="cpu": (lambda f: Features(
+        tokens=f.tokens * 1e6, mask=f.mask, pooled=f.pooled, grid=f.grid))(encode(texts, device)))
+    with pytest.raises(SystemExit) as e:
+        extract(enc, ["a dog sits on the cat.", "the man rides a red dog."] * 4, tmp_path)
+    assert f"{enc.name} (layer -1) gives" in one_line(e) and "tokens value(s) beyond 65504" in str(e.value)
+    assert not list((tmp_path / "features").glob("*.pt"))

@@ -106,7 +106,8 @@ def test_resume_refuses_a_checkpoint_of_another_data_root_or_other_captions(mode
     other = tmp_path / "other"
     shutil.copytree(coco, other)
     capsys.readouterr()
-    with pytest.raises(SystemExit, match=r"--resume: .*other settings: data_root '.*coco.*' there, '.*other' now"):
+    with pytest.raises(SystemExit, match=r"--out .* holds the results of a run on other data \(coco in .*coco.*; this "
+                                         r"run: coco in .*other\)"):     # --resume follows --out's rule
         align.main([*coco_run(models, other, tmp_path, "--out", str(out)), *QUICK, "--method", "linear",
                     "--epochs", "2", "--resume"])
     assert "[features]" not in capsys.readouterr().out
@@ -125,6 +126,79 @@ def test_resume_refuses_a_checkpoint_of_another_data_root_or_other_captions(mode
 
 
 # ----------------------------------------------------------------------------- one --out, one run
+def files_of(folder):
+    return {p.name: p.read_bytes() for p in Path(folder).iterdir()}
+
+
+@pytest.mark.slow
+def test_a_finished_out_is_replaced_only_by_a_rerun_of_the_same_settings(models, coco, tmp_path, capsys,
+                                                                         monkeypatch):
+    """Another layer, other epochs with --resume, other data with --resume on a closed form (no
+    checkpoint to compare): each refused before any work, naming what differs and a free --out; a
+    rerun that fails mid-training (a NaN loss) leaves every file as it was; a rerun replaces."""
+    out = tmp_path / "o"
+    go = lambda *extra, root=coco: align.main([*coco_run(models, root, tmp_path, "--out", str(out)), *QUICK,
+                                               "--epochs", "1", *extra])
+    go("--method", "linear")
+    first = files_of(out)
+    assert set(first) == {"config.json", "metrics.json", "method.pt", "checkpoint.pt"}   # no .lock inside
+    capsys.readouterr()
+    for extra, says in ((["--image-layer", "1"], "image_layer -1 there, 1 now"),
+                        (["--epochs", "3", "--resume"], "epochs 1 there, 3 now")):
+        with pytest.raises(SystemExit) as e:
+            go("--method", "linear", *extra)
+        assert f"--out {out} holds the results of a run with other settings ({says}); pass another --out (e.g. " \
+               f"--out {out}-2)" in str(e.value)
+        assert "[features]" not in capsys.readouterr().out and files_of(out) == first
+    nan = lambda self, img, txt: (torch.tensor(float("nan"), requires_grad=True), {})
+    monkeypatch.setattr(METHODS["linear"], "loss", nan)
+    with pytest.raises(SystemExit, match="loss is nan"):
+        go("--method", "linear")                                      # the same settings, failing mid-run
+    assert files_of(out) == first
+    monkeypatch.undo()
+    go("--method", "linear", "--resume")                              # a rerun of the same settings replaces them
+    assert json.loads(files_of(out)["metrics.json"])["retrieval"] == json.loads(first["metrics.json"])["retrieval"]
+    other = tmp_path / "other"
+    shutil.copytree(coco, other)
+    go("--method", "csa", "--out", str(tmp_path / "c"))
+    with pytest.raises(SystemExit, match="holds the results of a run on other data"):
+        align.main([*coco_run(models, other, tmp_path, "--out", str(tmp_path / "c")), *QUICK, "--epochs", "1",
+                    "--method", "csa", "--resume"])
+
+
+def test_too_few_pairs_and_head_rows_alone_for_pal_rel_are_refused_before_any_work(cache_dir, tmp_path, capsys):
+    """--num-pairs 1 with PAL was refused after all four feature sets were extracted; pal_rel on the
+    head rows alone (weights+pairs --num-pairs 0) extracted them, then a TypeError (no patch grid)."""
+    text = refused(capsys, cache_dir, tmp_path / "o", "--method", "pal", "--num-pairs", "1")
+    assert "--num-pairs 1: a batch of 1 pair(s) (1 alignment pairs): PAL takes batch_size in [2, inf)" in text
+    text = refused(capsys, cache_dir, tmp_path / "o", "--method", "pal_rel", "--align-data", "weights+pairs",
+                   "--num-pairs", "0")
+    assert text.startswith("error: --method pal_rel --align-data weights+pairs --num-pairs 0 (the head rows alone): "
+                           "its relation term (R1) reads the patch grid's positions")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["linear", "csa"])
+def test_a_layer_whose_pooled_vector_ignores_the_image_is_refused(models, coco, tmp_path, method):
+    """--image-layer 0 on DINOv2: the CLS token before any block is the same for every image, so
+    linear ran at chance with rc 0 (t2i_r1 0.0) and CSA stopped in linalg.cholesky. One line."""
+    with pytest.raises(SystemExit) as e:
+        align.main([*coco_run(models, coco, tmp_path, "--out", str(tmp_path / "o")), *QUICK, "--epochs", "1",
+                    "--method", method, "--image-layer", "0"])
+    assert str(e.value).startswith(f"error: --image-layer 0: the pooled vectors of {models / 'dinov2'} at layer 0 "
+                                   f"are the same for every training image (spread 0)")
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_failed_check_leaves_no_out_folder(models, coco, tmp_path):
+    """A check that fails after the folders are checked (here: --analyses with a backbone) creates
+    nothing: no <out>/, no .lock in it."""
+    with pytest.raises(SystemExit, match="--analyses"):
+        align.main([*coco_run(models, coco, tmp_path, "--out", str(tmp_path / "new" / "o")), *QUICK, "--analyses"])
+    assert not (tmp_path / "new" / "o").exists()
+
+
 @pytest.mark.slow
 def test_a_second_run_on_the_same_out_refuses_naming_the_running_one(cache_dir, tmp_path, capsys):
     (tmp_path / "config.json").write_text("the running run's")

@@ -1,0 +1,127 @@
+"""The results folder (--out): one rule, one mechanism.
+
+    A finished --out is replaced only by a rerun of the same settings (all of config.json but its
+    output-only fields); any other run is refused before any work, naming what differs and an --out
+    to use; nothing is written into --out until every check has passed, and a run that fails leaves
+    the previous results exactly as they were.
+
+How: a run writes into a sibling folder, partial(out) = <parent>/.<name>.partial (config.json,
+its checkpoint each epoch, method.pt, metrics.json, figures); only when it has finished are its
+files moved into --out, one rename each. --resume continues the
+checkpoint there (or a finished run's own checkpoint.pt). The settings compared are config.json's
+"given" field (the flags as given, the data folder by its real path) before any work, then, before
+anything is written, every resolved field (data_hash, the layers used, the loop's settings).
+"""
+import json
+import os
+import shutil
+from pathlib import Path
+
+from errors import RunError
+
+OUTPUT_ONLY = ("out", "resume", "threads", "cache_dir", "figures", "encode_threads", "train_threads",
+               "given")                     # where and how a run writes, not what it computes
+OUT_FILES = ("config.json", "metrics.json", "method.pt", "checkpoint.pt")   # what a run writes into --out
+
+
+def partial(out):
+    """Where a run writes until it has finished: a hidden sibling of --out."""
+    out = Path(out).resolve()
+    return out.parent / f".{out.name}.partial"
+
+
+def old_config(folder):
+    """config.json of a run of this program in folder, or None."""
+    try:
+        old = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return old if isinstance(old, dict) and "data" in old else None
+
+
+def settings_of(config):
+    """What a run's results depend on: config.json without its output-only fields."""
+    return {k: v for k, v in config.items() if k not in OUTPUT_ONLY}
+
+
+def differences(old, new):
+    """['name X there, Y now', ...] over the keys of either."""
+    return [f"{k} {old.get(k)!r} there, {new.get(k)!r} now" for k in sorted(set(old) | set(new))
+            if old.get(k) != new.get(k)]
+
+
+def free_name(out):
+    """An --out to suggest: out-2, out-3, ... the first that does not exist."""
+    n = 2
+    while Path(f"{out}-{n}").exists():
+        n += 1
+    return f"{out}-{n}"
+
+
+def refuse_other(out, old, new):
+    """Stop when the run in out (its settings `old`) is not a rerun of `new`: one line naming what
+    differs (the data and the method in words) and a free --out."""
+    diff = differences(settings_of(old), settings_of(new))
+    if not diff:
+        return
+    where = lambda s: s.get("data") if s.get("data") == "shapes" else f"{s.get('data')} in {s.get('data_root')}"
+    if where(old) != where(new):
+        what = f"a run on other data ({where(old)}; this run: {where(new)})"
+    elif old.get("method") != new.get("method"):
+        what = f"a {old.get('method')} run (this run: {new.get('method')})"
+    else:
+        what = f"a run with other settings ({'; '.join(diff[:4])}{'; ...' if len(diff) > 4 else ''})"
+    raise RunError(f"--out {out} holds the results of {what}; pass another --out (e.g. --out "
+                   f"{free_name(out)}), or delete {out} to replace them")
+
+
+def check_out(out, given, given_of):
+    """Before any work: a folder where a result file goes, or a finished run of other settings
+    (compared on `given`, the flags as given) in --out are refused. given_of(config): the flags of
+    a config.json written without its "given" field."""
+    out = Path(out)
+    for name in OUT_FILES:              # a folder of that name: the final rename would fail
+        if (out / name).is_dir():
+            raise RunError(f"--out {out} holds a folder {name}, where this run writes a file; move it away, or "
+                           f"pass another --out")
+    old = old_config(out)
+    if old is None:
+        return
+    then = old["given"] if isinstance(old.get("given"), dict) else given_of(old)
+    refuse_other(out, then, given)
+
+
+def begin(out, config, resume):
+    """After every check, before the first file: refuse a finished run of other resolved settings,
+    then the folder the run writes into (partial(out)), emptied unless --resume continues it."""
+    old = old_config(out)
+    if old is not None:
+        refuse_other(out, old, config)
+    work = partial(out)
+    if work.exists() and not resume:
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    if resume and not (work / "checkpoint.pt").exists() and (Path(out) / "checkpoint.pt").is_file():
+        shutil.copy2(Path(out) / "checkpoint.pt", work / ".checkpoint.pt.copy")   # a finished run's, continued
+        os.replace(work / ".checkpoint.pt.copy", work / "checkpoint.pt")            # whole or not at all
+    return work
+
+
+def checkpoint(out):
+    """The checkpoint --resume continues: the unfinished run's, else the finished run's own."""
+    for folder in (partial(out), Path(out)):
+        if (folder / "checkpoint.pt").is_file():
+            return folder / "checkpoint.pt"
+    return partial(out) / "checkpoint.pt"
+
+
+def finish(out):
+    """Move the finished run's files into --out, each by one rename (files of --out that a run does
+    not write, e.g. a user's notes, stay), then remove the emptied partial folder."""
+    out, work = Path(out), partial(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for entry in sorted(work.iterdir()):
+        if (out / entry.name).is_dir() and not (out / entry.name).is_symlink():
+            shutil.rmtree(out / entry.name)
+        os.replace(entry, out / entry.name)
+    work.rmdir()
