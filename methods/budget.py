@@ -11,13 +11,13 @@ import math
 
 import torch
 
-# Measured on the 2-core VM (README, "CPU defaults"): the tiny encoders' pretraining and
+# Measured on the 2-core VM (docs/benchmarks.md, "CPU defaults"): the tiny encoders' pretraining and
 # feature extraction (small convolutions, a 2-layer transformer) and the global methods'
 # steps (a few ms) run as fast or faster on 1 thread, and many times slower on 2 when
 # anything else holds a core; PAL's step (batch 256 x 65 tokens x K 512) gains from 2.
 BIG_STEP_GFLOP = 1.0     # a step whose forward has this many GFLOP of matrix products trains on all cores
 CPU_BUDGET_TFLOP = 2.5   # training FLOPs (3 x forward, matrix products) a default CPU run may spend: PAL's
-                         # 15 Shapes epochs = 2.46 TFLOP, seed 0's RSum within 0.2 of 20 (README, "CPU defaults")
+                         # 15 Shapes epochs = 2.46 TFLOP, seed 0's RSum within 0.2 of 20 (docs/benchmarks.md, "CPU defaults")
 MIN_STEPS = 200          # ... in at least this many optimizer steps, where halving the batch gives them
 
 

@@ -7,7 +7,7 @@ missing). Checked:
 - no machine paths: /work/, ../shared, /root/ anywhere, /tmp/ in Markdown prose;
 - every file named as `<name>.md` or `<name>.txt` exists in the repository;
 - every relative link in a Markdown file resolves to an existing file;
-- README.md has at most 250 lines.
+- README.md has at most 250 lines, and every "path.py (N lines)" it states is the file's count.
 And the figures of docs/ that a test can afford to reproduce are reproduced by their command:
 - docs/benchmarks.md, step benchmark: the GFLOP columns of both tables against the formulas of
   benchmarks/bench_steps.py (exact; the times are the machine's and are not rerun);
@@ -229,3 +229,12 @@ def test_the_csa_row_and_the_recycling_analyses_in_docs_results_are_reproduced(c
         kinds = ["percent"] * len(values) if name != "Appendix I" else ["fraction"] * len(values)
         assert len(doc) == len(values) and all(close(d, v, k, exact) for d, v, k in zip(doc, values, kinds)), \
             f"{name}: docs/results.md {doc}, the run {[round(v, 4) for v in values]}"
+
+
+def test_the_line_counts_the_readme_states_are_the_files():
+    """Every "path.py (N lines)" in README.md is the file's line count."""
+    stated = re.findall(r"((?:methods/)?[\w/]+\.py) \((\d+) lines\)", README.read_text())
+    assert len(stated) >= 8
+    wrong = [(p, int(n), len((ROOT / p).read_text().splitlines())) for p, n in stated
+             if int(n) != len((ROOT / p).read_text().splitlines())]
+    assert wrong == []
