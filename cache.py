@@ -516,7 +516,6 @@ def write_shard(folder, s, parts, key):
     """Shard s of folder from its encoded batches (fp16 Features): the real tokens, ragged (sum of lengths, D),
     as .npy with its checksum, then the metadata, whose atomic rename marks the shard done."""
     f = Features.cat(parts)
-    check_fp16(f, encoder)
     tokens = folder / f"{s:05d}.tokens.npy"
     with atomic_target(tokens) as tmp:
         with open(tmp, "wb") as fh:
@@ -549,7 +548,10 @@ def write_shards(encoder, inputs, folder, key, plan, shards, batch_size, device,
         start, stop = s * rows, min((s + 1) * rows, len(inputs))
         rest = range(start + batch_size if (start == 0 and first is not None) else start, stop, batch_size)
         parts = [half(first)] if (start == 0 and first is not None) else []
-        return s, parts + [half(f) for f in encoded_batches(encoder, inputs, rest, stop, batch_size, device)]
+        parts += [half(f) for f in encoded_batches(encoder, inputs, rest, stop, batch_size, device)]
+        for f in parts:
+            check_fp16(f, encoder)                                                # before the writer takes it
+        return s, parts
 
     def written(s):
         progress.tag = f"[features] {folder.name}: shard {s + 1}/{plan['n_shards']},"

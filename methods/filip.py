@@ -24,7 +24,6 @@ Deviations / choices:
 7. Optimiser as CoV here (Adam, lr 3e-3, weight decay 1e-4, 30 epochs, batch 128): FILIP pre-trains
    from scratch and gives no post-hoc schedule.
 """
-import torch
 import torch.nn as nn
 import torch.nn.functional as F
 

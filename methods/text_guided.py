@@ -37,7 +37,6 @@ Deviations / choices:
    L N (K + N) multiply-adds instead of 2 L N K (a training step at batch 128: 2.0 s against
    12.6 s); tests/test_fast_forms.py checks it against v_hat formed, values and gradients.
 """
-import torch
 import torch.nn as nn
 import torch.nn.functional as F
 

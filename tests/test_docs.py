@@ -15,7 +15,6 @@ And the figures of docs/ that a test can afford to reproduce are reproduced by t
   table, from one run of `python align.py --method csa --analyses --threads 1` on the session's
   encoder cache (about 30 s once the tiny encoders are pretrained).
 """
-import hashlib
 import json
 import re
 import subprocess
