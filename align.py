@@ -167,7 +167,7 @@ def parse_hp(method_cls, items):
     """--hp NAME=VALUE pairs -> kwargs, checked against the method's __init__ signature: the name,
     the default's type and the range the method declares, before anything runs."""
     params, allowed = inspect.signature(method_cls.__init__).parameters, hp_names(method_cls)
-    ranges, hp = getattr(method_cls, "ranges", {}), {}
+    ranges, hp = method_cls.ranges, {}
     for item in items:
         name, sep, text = item.partition("=")
         if not sep or name not in allowed:
@@ -202,7 +202,7 @@ def check_flags(args, method_cls):
         raise RunError(f"--select-pairs {args.select_pairs}: score the layers on at least "
                        f"{MIN_SELECT_PAIRS} training pairs (mutual kNN needs neighbours, CKA more "
                        f"than one sample)")
-    refused, mode = getattr(method_cls, "refuses_align_data", {}), aligned_on(args)
+    refused, mode = method_cls.refuses_align_data, aligned_on(args)
     if mode in refused:
         given = f"--align-data {args.align_data}" + (" --num-pairs 0 (the head rows alone)"
                                                      if mode != args.align_data else "")
@@ -210,14 +210,14 @@ def check_flags(args, method_cls):
                        f"{refused[mode]}; align {args.method} on pairs, or the head rows "
                        f"with another method (README)")
     check_pair_count(args, method_cls)
-    contrastive = hasattr(method_cls, "contrastive_scale")
+    contrastive = method_cls.contrastive_scale is not None
     if args.hard_negatives and (args.align_data != "pairs" or not contrastive):
         raise RunError(f"--hard-negatives needs a contrastive trained method (one with a "
                        f"temperature) and --align-data pairs; {args.method} with --align-data "
                        f"{args.align_data} is not one")
-    if not hasattr(method_cls, "loss"):
+    if method_cls.loss is None:
         return  # closed form: no training loop
-    ranges = {**LOOP_RANGES, **getattr(method_cls, "ranges", {})}
+    ranges = {**LOOP_RANGES, **method_cls.ranges}
     for name, flag in FLAGS.items():
         value = getattr(args, name)
         if value is not None and not in_range(value, ranges[name]):
@@ -240,8 +240,8 @@ def check_pair_count(args, method_cls):
         return
     if args.num_pairs == 0:
         raise RunError("--num-pairs 0 leaves no alignment data; add the head rows with --align-data weights")
-    low = getattr(method_cls, "ranges", {}).get("batch_size", LOOP_RANGES["batch_size"])
-    if hasattr(method_cls, "loss") and not in_range(args.num_pairs, low):
+    low = method_cls.ranges.get("batch_size", LOOP_RANGES["batch_size"])
+    if method_cls.loss is not None and not in_range(args.num_pairs, low):
         raise RunError(f"--num-pairs {args.num_pairs}: a batch of {args.num_pairs} pair(s) ({args.num_pairs} "
                        f"alignment pairs): {method_cls.__name__} takes batch_size {describe(low)}; use more pairs")
 
@@ -448,9 +448,9 @@ def weight_pairs(args, F, device="cpu"):
 
 
 def head_row_hp(args, method_cls, hp, image_enc):
-    """hp, plus the interface's head_rows keyword (methods/__init__.py) when the method takes it and
-    aligns on head rows alone: what the image encoder's head reads."""
-    if aligned_on(args) == "weights" and "head_rows" in hp_names(method_cls):
+    """hp, plus the interface's head_rows keyword (methods/__init__.py) when the method reads it
+    (reads_head_rows) and aligns on head rows alone: what the image encoder's head reads."""
+    if aligned_on(args) == "weights" and method_cls.reads_head_rows:
         return {"head_rows": getattr(image_enc, "head_reads", "pooled"), **hp}
     return hp
 
@@ -481,7 +481,7 @@ def hard_negative_captions(pairs):
 def contrastive_scale(method):
     """1 / temperature of the method's contrastive logits (its contrastive_scale()), None for a
     method that is not contrastive."""
-    return method.contrastive_scale() if hasattr(method, "contrastive_scale") else None
+    return method.contrastive_scale() if method.contrastive_scale is not None else None
 
 
 def hard_negative_loss(method, img, txt, neg, has_neg, scale):
@@ -540,7 +540,7 @@ def loop_plan(args, method, n):
     method cannot train on is refused."""
     loop = loop_settings(args, method.defaults)
     batch = min(loop["batch_size"], n)
-    low = getattr(method, "ranges", {}).get("batch_size", LOOP_RANGES["batch_size"])
+    low = method.ranges.get("batch_size", LOOP_RANGES["batch_size"])
     if not in_range(batch, low):
         raise RunError(f"a batch of {batch} pair(s) ({n} alignment pairs): "
                        f"{type(method).__name__} takes batch_size {describe(low)}; use more pairs")
@@ -553,7 +553,7 @@ def resolve_loop(args, method, img, txt, device, cores):
     """The loop's settings as the run will use them (config.json holds these): the flags, else the
     method's defaults, on a CPU within the FLOP budget of methods/budget.py; the thread counts."""
     threads = dict(encode_threads=torch.get_num_threads(), train_threads=torch.get_num_threads())
-    if not hasattr(method, "loss"):
+    if method.loss is None:
         return {**loop_settings(args, method.defaults), **threads}
     loop, _ = loop_plan(args, method, len(img))             # a batch it cannot train on stops here
     distributed.check_batch(method, loop["batch_size"], args.hard_negatives)
@@ -593,15 +593,15 @@ def load_checkpoint(ckpt, settings):
 def fit_or_train(method, img, txt, args, out, device, settings, negatives):
     """A closed-form fit, or the training loop; {"seconds", "final_loss"}."""
     t0, result = time.time(), {"seconds": 0.0, "final_loss": None}
-    if hasattr(method, "fit"):  # closed forms are global: pooled vectors, never a whole token cache
-        if distributed.world() > 1 and not hasattr(method, "loss") and not distributed.end_group():
+    if method.fit is not None:  # closed forms are global: pooled vectors, never a whole token cache
+        if distributed.world() > 1 and method.loss is None and not distributed.end_group():
             return result                   # torchrun: rank 0 fits alone, the others leave before the fit
         if distributed.rank() == 0:
             vectors = lambda f: Features.from_vectors(f.pooled).to(device)
             method.fit(vectors(img), vectors(txt))
         distributed.broadcast_state(method)
         result = {"seconds": round(time.time() - t0, 2), "final_loss": None}
-    if hasattr(method, "loss"):
+    if method.loss is not None:
         try:
             result = train(method, img, txt, args, out, device, settings, negatives)
         except FloatingPointError as e:
@@ -736,7 +736,7 @@ def evaluate_all(method, F, args, out, device):
             distractors = {k: F[split, k][:n] for k in s.distractors}
             metrics[split] = evaluate.binding(method, img[:n], txt[:n], distractors,   # binding, binding_heldout, ...
                                               device=device)
-    if args.figures and hasattr(method, "analyse") and "test" in sets:
+    if args.figures and method.analyse is not None and "test" in sets:
         n = 64  # the first test images with their first caption
         test, txt = sets["test"], F["test", "text"]
         first = torch.tensor([int((test.txt_to_img == i).nonzero()[0])

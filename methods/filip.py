@@ -27,11 +27,12 @@ Deviations / choices:
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import Method
 from .cov import max_mean as token_max   # Eq. (4)-(5): the two terms of CoV's max-sum, Eq. (6)
 from .losses import info_nce_of_logits
 
 
-class FILIP(nn.Module):
+class FILIP(Method):
     defaults = dict(lr=3e-3, epochs=30, batch_size=128, weight_decay=1e-4, optimizer="adam")  # as CoV here
     ranges = dict(K="[1, inf)", tau="(0, inf)", score_chunk="[1, inf)")  # valid --hp values (align.py)
 
