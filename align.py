@@ -489,14 +489,15 @@ def hard_negative_loss(method, img, txt, neg, has_neg, scale):
 
         L_hn = -1/B sum_i log softmax_j(scale * [s(i, t_1..t_B), s(i, n_i1..n_iM)])_i
 
-    s = method.score, t_j the batch's captions, n_im caption i's swaps. img, txt: B pairs;
+    s = method.contrastive_score (the score its own loss scales), t_j the batch's captions, n_im
+    caption i's swaps. img, txt: B pairs;
     neg: Features (B*M,), row i*M + m = swap m of caption i; has_neg: (B, M) bool (False = no swap).
     The batch is embedded again here (not shared with method.loss): one more forward, one path."""
     B, M = has_neg.shape
     v = method.embed_image(img)                                                     # (B, ...)
-    S = method.score(v, method.embed_text(txt))                                     # (B, B)
+    S = method.contrastive_score(v, method.embed_text(txt))                         # (B, B)
     real = has_neg.flatten().nonzero().squeeze(1)                      # (N_real,) only real swaps
-    S_neg = method.score(v, method.embed_text(neg[real])) if len(real) else S[:, :0]  # (B, N_real)
+    S_neg = method.contrastive_score(v, method.embed_text(neg[real])) if len(real) else S[:, :0]  # (B, N_real)
     own = S.new_zeros(B * M)                                           # (B*M,)
     own[real] = S_neg[real // M, torch.arange(len(real), device=S.device)]  # s(i, n_im), i = row // M
     logits = torch.cat([S, own.view(B, M)], 1) * scale                 # (B, B + M)

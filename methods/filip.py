@@ -74,6 +74,9 @@ class FILIP(Method):
                 S[i:i + ci, t:t + ct] = s_i2t + s_t2i
         return S
 
+    def contrastive_score(self, img_emb, txt_emb):  # what loss() scales by 1 / tau for image -> text
+        return token_max(img_emb, txt_emb)[0]                     # s_i2t, (N_img, N_txt)
+
     def loss(self, img, txt):
         s_i2t, s_t2i = token_max(self.embed_image(img), self.embed_text(txt))  # (B, B) each
         loss = info_nce_of_logits(s_i2t / self.tau, s_t2i / self.tau)   # image -> its caption, caption -> its image
