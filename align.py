@@ -527,6 +527,37 @@ def run_settings(args, method_cls, hp, F):
                 **data_identity(args, F["sets"]))
 
 
+def resolved_hp(method, settings):
+    """Every hyperparameter as the method runs it (config.json's "hp"): the keyword's value from
+    settings (given, else the __init__ default), or what __init__ resolved it to when it keeps it
+    under its own name (PAL's pooling None -> "cap"; methods/__init__.py)."""
+    kept = vars(method)                                   # the instance's plain attributes
+    plain = lambda x: x is None or isinstance(x, (bool, int, float, str))
+    return {name: kept[name] if plain(kept.get(name, ())) else value
+            for name, value in ((k[3:], v) for k, v in settings.items() if k.startswith("hp."))}
+
+
+def software():
+    """What ran the run, recorded but not compared (outfolder.OUTPUT_ONLY): python, torch,
+    transformers (its installed version, without importing it) and the git commit of this code
+    (None outside a checkout)."""
+    import importlib.metadata
+    import platform
+    import subprocess
+    try:
+        transformers = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        transformers = None
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+                                capture_output=True, text=True, timeout=10)
+        commit = commit.stdout.strip() if commit.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return dict(python=platform.python_version(), torch=torch.__version__,
+                transformers=transformers, commit=commit or None)
+
+
 def loop_settings(args, defaults):
     """The training loop's settings as given: the flags, else the method's defaults."""
     pick = lambda flag, name, fallback=None: flag if flag is not None else defaults.get(name, fallback)
@@ -784,12 +815,13 @@ def main(argv=None):
               f"({args.align_data})")
         loop = resolve_loop(args, method, img, txt, device, cores)   # epochs, batch, lr, threads
         distributed.same_everywhere("settings", {**settings, **loop})
-        config = dict(vars(args), **loop, hp=hp, device=device, out=str(out), alignment_pairs=len(img),
-                      image_layer=settings["image_layer_used"],
+        config = dict(vars(args), **loop, hp=resolved_hp(method, settings), device=device, out=str(out),
+                      alignment_pairs=len(img), image_layer=settings["image_layer_used"],
                       text_layer=settings["text_layer_used"],
+                      image_weights=settings["image_weights"], text_weights=settings["text_weights"],
                       data_root=settings["data_root"] or args.data_root,
                       data_hash=settings["data_hash"], method_defaults=method.defaults,
-                      given=given_settings(args))
+                      given=given_settings(args), software=software())
         print("[config] " + json.dumps(config, default=str))
         work = outfolder.partial(out)               # the run writes here; moved into --out when done
         if distributed.rank() == 0:                 # written once, after every check and every choice

@@ -3,7 +3,9 @@ which declares the interface and its defaults and holds no logic.
 
 The interface (align.py and evaluate.py use only this):
 
-    method = METHODS[name](d_image, d_text, **hp)      # hp: keyword hyperparameters (--hp NAME=VALUE)
+    method = METHODS[name](d_image, d_text, **hp)      # hp: keyword hyperparameters (--hp NAME=VALUE); one
+                                                       # __init__ resolves (PAL's pooling None -> "cap") it keeps
+                                                       # under its own name: config.json's "hp" records that value
     method.defaults -> dict                            # the paper's lr / epochs / batch_size / weight_decay /
                                                        # optimizer ("adam" | "adamw"), optional betas, grad_clip;
                                                        # "steps" instead of "epochs": a step budget whatever the
