@@ -167,7 +167,7 @@ def parse_hp(method_cls, items):
     """--hp NAME=VALUE pairs -> kwargs, checked against the method's __init__ signature: the name,
     the default's type and the range the method declares, before anything runs."""
     params, allowed = inspect.signature(method_cls.__init__).parameters, hp_names(method_cls)
-    ranges, hp = getattr(method_cls, "ranges", {}), {}
+    ranges, hp = method_cls.ranges, {}
     for item in items:
         name, sep, text = item.partition("=")
         if not sep or name not in allowed:
@@ -202,7 +202,7 @@ def check_flags(args, method_cls):
         raise RunError(f"--select-pairs {args.select_pairs}: score the layers on at least "
                        f"{MIN_SELECT_PAIRS} training pairs (mutual kNN needs neighbours, CKA more "
                        f"than one sample)")
-    refused, mode = getattr(method_cls, "refuses_align_data", {}), aligned_on(args)
+    refused, mode = method_cls.refuses_align_data, aligned_on(args)
     if mode in refused:
         given = f"--align-data {args.align_data}" + (" --num-pairs 0 (the head rows alone)"
                                                      if mode != args.align_data else "")
@@ -210,14 +210,14 @@ def check_flags(args, method_cls):
                        f"{refused[mode]}; align {args.method} on pairs, or the head rows "
                        f"with another method (README)")
     check_pair_count(args, method_cls)
-    contrastive = hasattr(method_cls, "contrastive_scale")
+    contrastive = method_cls.contrastive_scale is not None
     if args.hard_negatives and (args.align_data != "pairs" or not contrastive):
         raise RunError(f"--hard-negatives needs a contrastive trained method (one with a "
                        f"temperature) and --align-data pairs; {args.method} with --align-data "
                        f"{args.align_data} is not one")
-    if not hasattr(method_cls, "loss"):
+    if method_cls.loss is None:
         return  # closed form: no training loop
-    ranges = {**LOOP_RANGES, **getattr(method_cls, "ranges", {})}
+    ranges = {**LOOP_RANGES, **method_cls.ranges}
     for name, flag in FLAGS.items():
         value = getattr(args, name)
         if value is not None and not in_range(value, ranges[name]):
@@ -240,8 +240,8 @@ def check_pair_count(args, method_cls):
         return
     if args.num_pairs == 0:
         raise RunError("--num-pairs 0 leaves no alignment data; add the head rows with --align-data weights")
-    low = getattr(method_cls, "ranges", {}).get("batch_size", LOOP_RANGES["batch_size"])
-    if hasattr(method_cls, "loss") and not in_range(args.num_pairs, low):
+    low = method_cls.ranges.get("batch_size", LOOP_RANGES["batch_size"])
+    if method_cls.loss is not None and not in_range(args.num_pairs, low):
         raise RunError(f"--num-pairs {args.num_pairs}: a batch of {args.num_pairs} pair(s) ({args.num_pairs} "
                        f"alignment pairs): {method_cls.__name__} takes batch_size {describe(low)}; use more pairs")
 
@@ -448,9 +448,9 @@ def weight_pairs(args, F, device="cpu"):
 
 
 def head_row_hp(args, method_cls, hp, image_enc):
-    """hp, plus the interface's head_rows keyword (methods/__init__.py) when the method takes it and
-    aligns on head rows alone: what the image encoder's head reads."""
-    if aligned_on(args) == "weights" and "head_rows" in hp_names(method_cls):
+    """hp, plus the interface's head_rows keyword (methods/__init__.py) when the method reads it
+    (reads_head_rows) and aligns on head rows alone: what the image encoder's head reads."""
+    if aligned_on(args) == "weights" and method_cls.reads_head_rows:
         return {"head_rows": getattr(image_enc, "head_reads", "pooled"), **hp}
     return hp
 
@@ -481,7 +481,7 @@ def hard_negative_captions(pairs):
 def contrastive_scale(method):
     """1 / temperature of the method's contrastive logits (its contrastive_scale()), None for a
     method that is not contrastive."""
-    return method.contrastive_scale() if hasattr(method, "contrastive_scale") else None
+    return method.contrastive_scale() if method.contrastive_scale is not None else None
 
 
 def hard_negative_loss(method, img, txt, neg, has_neg, scale):
@@ -489,14 +489,15 @@ def hard_negative_loss(method, img, txt, neg, has_neg, scale):
 
         L_hn = -1/B sum_i log softmax_j(scale * [s(i, t_1..t_B), s(i, n_i1..n_iM)])_i
 
-    s = method.score, t_j the batch's captions, n_im caption i's swaps. img, txt: B pairs;
+    s = method.contrastive_score (the score its own loss scales), t_j the batch's captions, n_im
+    caption i's swaps. img, txt: B pairs;
     neg: Features (B*M,), row i*M + m = swap m of caption i; has_neg: (B, M) bool (False = no swap).
     The batch is embedded again here (not shared with method.loss): one more forward, one path."""
     B, M = has_neg.shape
     v = method.embed_image(img)                                                     # (B, ...)
-    S = method.score(v, method.embed_text(txt))                                     # (B, B)
+    S = method.contrastive_score(v, method.embed_text(txt))                         # (B, B)
     real = has_neg.flatten().nonzero().squeeze(1)                      # (N_real,) only real swaps
-    S_neg = method.score(v, method.embed_text(neg[real])) if len(real) else S[:, :0]  # (B, N_real)
+    S_neg = method.contrastive_score(v, method.embed_text(neg[real])) if len(real) else S[:, :0]  # (B, N_real)
     own = S.new_zeros(B * M)                                           # (B*M,)
     own[real] = S_neg[real // M, torch.arange(len(real), device=S.device)]  # s(i, n_im), i = row // M
     logits = torch.cat([S, own.view(B, M)], 1) * scale                 # (B, B + M)
@@ -526,6 +527,37 @@ def run_settings(args, method_cls, hp, F):
                 **data_identity(args, F["sets"]))
 
 
+def resolved_hp(method, settings):
+    """Every hyperparameter as the method runs it (config.json's "hp"): the keyword's value from
+    settings (given, else the __init__ default), or what __init__ resolved it to when it keeps it
+    under its own name (PAL's pooling None -> "cap"; methods/__init__.py)."""
+    kept = vars(method)                                   # the instance's plain attributes
+    plain = lambda x: x is None or isinstance(x, (bool, int, float, str))
+    return {name: kept[name] if plain(kept.get(name, ())) else value
+            for name, value in ((k[3:], v) for k, v in settings.items() if k.startswith("hp."))}
+
+
+def software():
+    """What ran the run, recorded but not compared (outfolder.OUTPUT_ONLY): python, torch,
+    transformers (its installed version, without importing it) and the git commit of this code
+    (None outside a checkout)."""
+    import importlib.metadata
+    import platform
+    import subprocess
+    try:
+        transformers = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        transformers = None
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+                                capture_output=True, text=True, timeout=10)
+        commit = commit.stdout.strip() if commit.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return dict(python=platform.python_version(), torch=torch.__version__,
+                transformers=transformers, commit=commit or None)
+
+
 def loop_settings(args, defaults):
     """The training loop's settings as given: the flags, else the method's defaults."""
     pick = lambda flag, name, fallback=None: flag if flag is not None else defaults.get(name, fallback)
@@ -540,7 +572,7 @@ def loop_plan(args, method, n):
     method cannot train on is refused."""
     loop = loop_settings(args, method.defaults)
     batch = min(loop["batch_size"], n)
-    low = getattr(method, "ranges", {}).get("batch_size", LOOP_RANGES["batch_size"])
+    low = method.ranges.get("batch_size", LOOP_RANGES["batch_size"])
     if not in_range(batch, low):
         raise RunError(f"a batch of {batch} pair(s) ({n} alignment pairs): "
                        f"{type(method).__name__} takes batch_size {describe(low)}; use more pairs")
@@ -553,7 +585,7 @@ def resolve_loop(args, method, img, txt, device, cores):
     """The loop's settings as the run will use them (config.json holds these): the flags, else the
     method's defaults, on a CPU within the FLOP budget of methods/budget.py; the thread counts."""
     threads = dict(encode_threads=torch.get_num_threads(), train_threads=torch.get_num_threads())
-    if not hasattr(method, "loss"):
+    if method.loss is None:
         return {**loop_settings(args, method.defaults), **threads}
     loop, _ = loop_plan(args, method, len(img))             # a batch it cannot train on stops here
     distributed.check_batch(method, loop["batch_size"], args.hard_negatives)
@@ -593,15 +625,15 @@ def load_checkpoint(ckpt, settings):
 def fit_or_train(method, img, txt, args, out, device, settings, negatives):
     """A closed-form fit, or the training loop; {"seconds", "final_loss"}."""
     t0, result = time.time(), {"seconds": 0.0, "final_loss": None}
-    if hasattr(method, "fit"):  # closed forms are global: pooled vectors, never a whole token cache
-        if distributed.world() > 1 and not hasattr(method, "loss") and not distributed.end_group():
+    if method.fit is not None:  # closed forms are global: pooled vectors, never a whole token cache
+        if distributed.world() > 1 and method.loss is None and not distributed.end_group():
             return result                   # torchrun: rank 0 fits alone, the others leave before the fit
         if distributed.rank() == 0:
             vectors = lambda f: Features.from_vectors(f.pooled).to(device)
             method.fit(vectors(img), vectors(txt))
         distributed.broadcast_state(method)
         result = {"seconds": round(time.time() - t0, 2), "final_loss": None}
-    if hasattr(method, "loss"):
+    if method.loss is not None:
         try:
             result = train(method, img, txt, args, out, device, settings, negatives)
         except FloatingPointError as e:
@@ -736,7 +768,7 @@ def evaluate_all(method, F, args, out, device):
             distractors = {k: F[split, k][:n] for k in s.distractors}
             metrics[split] = evaluate.binding(method, img[:n], txt[:n], distractors,   # binding, binding_heldout, ...
                                               device=device)
-    if args.figures and hasattr(method, "analyse") and "test" in sets:
+    if args.figures and method.analyse is not None and "test" in sets:
         n = 64  # the first test images with their first caption
         test, txt = sets["test"], F["test", "text"]
         first = torch.tensor([int((test.txt_to_img == i).nonzero()[0])
@@ -783,12 +815,13 @@ def main(argv=None):
               f"({args.align_data})")
         loop = resolve_loop(args, method, img, txt, device, cores)   # epochs, batch, lr, threads
         distributed.same_everywhere("settings", {**settings, **loop})
-        config = dict(vars(args), **loop, hp=hp, device=device, out=str(out), alignment_pairs=len(img),
-                      image_layer=settings["image_layer_used"],
+        config = dict(vars(args), **loop, hp=resolved_hp(method, settings), device=device, out=str(out),
+                      alignment_pairs=len(img), image_layer=settings["image_layer_used"],
                       text_layer=settings["text_layer_used"],
+                      image_weights=settings["image_weights"], text_weights=settings["text_weights"],
                       data_root=settings["data_root"] or args.data_root,
                       data_hash=settings["data_hash"], method_defaults=method.defaults,
-                      given=given_settings(args))
+                      given=given_settings(args), software=software())
         print("[config] " + json.dumps(config, default=str))
         work = outfolder.partial(out)               # the run writes here; moved into --out when done
         if distributed.rank() == 0:                 # written once, after every check and every choice

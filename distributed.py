@@ -246,7 +246,7 @@ def split_blocker(method, hard_negatives):
     """Why this method cannot be split across ranks (choice 2), or None."""
     if hard_negatives:
         return "--hard-negatives adds a term over each caption's own swaps"
-    if not getattr(method, "split_loss", False):
+    if not method.split_loss:
         return "its loss reads more of the batch than its embeddings"
     if any(isinstance(m, nn.Dropout) and m.p > 0 for m in method.modules()):
         return "its dropout masks are drawn per row (pass --hp dropout=0 to split it)"

@@ -22,7 +22,7 @@ import torch
 class Features:
     """Frozen token features of B samples of one modality.
 
-    tokens: (B, T, D) float, by encoders.py's token-layout contract. Images:
+    tokens: (B, T, D) float, by the token-layout contract below. Images:
             token 0 is the global token (= pooled), tokens 1..H*W the patches
             in row-major order, nothing else (no registers). Texts: the word
             tokens only (no CLS / SEP / BOS / EOS), padded at the end.
@@ -70,6 +70,71 @@ class Features:
         return Features(tokens=torch.cat([pad(p.tokens, 0) for p in parts]),
                         mask=torch.cat([pad(p.mask, False) for p in parts]),
                         pooled=torch.cat([p.pooled for p in parts]), grid=parts[0].grid)
+
+
+# ---------------------------------------------------------------------------
+# The token-layout contract: what every encoder hands on, whatever its family emits
+# ---------------------------------------------------------------------------
+# Features of an IMAGE: tokens = [global, H*W patches row-major], global = pooled =
+#   the vector the checkpoint's own head / projection reads. Every other token a
+#   model emits (DINOv2's registers, DeiT's distillation token, BEiT's CLS when it
+#   mean-pools) is dropped: no method reads it.
+# Features of a TEXT: tokens = the caption's WORD tokens only, in order, padded at the
+#   end. The tokenizer's special tokens (CLS / SEP, <s> / </s>, BOS / EOS) are dropped
+#   by word_positions() below, the one place this rule lives, so every token-level
+#   method (CoV, FILIP, text_guided, PAL's CAP, FA) matches words, as the papers do
+#   (PAL: "Z are the patch and word tokens"). pooled is computed before that, over the
+#   whole sequence, as the family defines it (sentence-transformers' masked mean
+#   includes CLS / SEP).
+# One space: at the last layer every token has gone through the final norm the pooled
+#   vector went through, so a head fitted on pooled applies to each patch (the MaskCLIP
+#   trick of dense_image). Where Hugging Face leaves that norm off the tokens (BEiT's
+#   mean-pooling layernorm, CLIP's post_layernorm) it is applied here. Intermediate
+#   layers: the raw block outputs, pooled read the same way (CLS, or BEiT's mean patch).
+#
+# family                 the model emits            global token 0 = pooled        final norm on every token
+# dinov2                 [CLS, patches]             CLS                            layernorm (HF)
+# dinov2_with_registers  [CLS, registers, patches]  CLS                            layernorm (HF)
+# vit                    [CLS, patches]             CLS                            layernorm (HF)
+# deit                   [CLS, DIST, patches]       CLS (...ForImageClassification) layernorm (HF)
+# beit, use_mean_pooling [CLS, patches]             layernorm(mean patch) (pooler) pooler.layernorm (here)
+# beit, otherwise        [CLS, patches]             CLS                            layernorm (HF)
+# clip vision            [CLS, patches]             post_layernorm(CLS) (pooler)   post_layernorm (here)
+# torchvision ResNets    feature map (D, H, W)      mean of the map (what fc reads) none
+# shapes-cnn             feature map (D, 8, 8)      mean of the map                none
+#
+# family                 the model emits            pooled                         tokens kept
+# bert, MiniLM, distilbert [CLS, words, SEP]        masked mean of all tokens      the words
+# roberta, xlm-r, mpnet  [<s>, words, </s>]         masked mean of all tokens      the words
+# clip text              [BOS, words, EOS]          EOS after final_layer_norm     the words (after final_layer_norm)
+# shapes-text            [CLS, words]               masked mean of all tokens      the words
+#
+# tests/test_token_contract.py checks each row against the Hugging Face model's own outputs.
+
+# The special-token rule of the text rows above, written once
+TOKEN_RULE = "tokens: image [pooled, patches], text words only; last layer normed as pooled"  # in the cache key
+
+
+def word_positions(real, special):
+    """THE special-token rule, written once: which of a text's tokens are its words.
+
+    real (B, L) bool, the attention mask; special (B, L) bool, the tokenizer's special
+    tokens (CLS / SEP, <s> / </s>, BOS / EOS). Returns idx (B, L') the positions of the
+    word tokens, in order, padded with other positions, and mask (B, L') True for a word.
+    A text with no word token at all keeps its real tokens, so no row is ever empty.
+    """
+    word = real & ~special                                                   # (B, L)
+    word = torch.where(word.any(1, keepdim=True), word, real)
+    idx = torch.sort((~word).to(torch.uint8), dim=1, stable=True).indices   # words first, in order
+    idx = idx[:, :max(int(word.sum(1).max()), 1)]                            # (B, L')
+    return idx, word.gather(1, idx)
+
+
+def word_tokens(h, real, special):
+    """(B, L, D) encoder tokens -> the word tokens (B, L', D) (padding exactly 0) and their mask (B, L')."""
+    idx, mask = word_positions(real, special)
+    tokens = h.gather(1, idx[..., None].expand(-1, -1, h.shape[-1]))         # (B, L', D)
+    return tokens * mask[..., None], mask
 
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from errors import RunError
 
 OUTPUT_ONLY = ("out", "resume", "threads", "cache_dir", "figures", "encode_threads", "train_threads",
-               "given")                     # where and how a run writes, not what it computes
+               "given", "software")         # where and how a run writes, and what ran it, not what it computes
 OUT_FILES = ("config.json", "metrics.json", "method.pt", "checkpoint.pt")   # what a run writes into --out
 
 

@@ -18,8 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from cache import atomic_save, atomic_target, file_lock, fits, load_plain, safe_load, state_fingerprint
-from encoders import TOKEN_RULE, word_positions, word_tokens
-from features import Features
+from features import TOKEN_RULE, Features, word_positions, word_tokens
 
 
 SPECIALS = ["[PAD]", "[CLS]", "[MASK]", "[UNK]"]

@@ -179,7 +179,7 @@ def build(name, img, txt, n_fit, device):
     """The method at its constructor defaults; closed-form methods fitted on n_fit random pairs."""
     torch.manual_seed(0)
     m = METHODS[name](img.tokens.shape[-1], txt.tokens.shape[-1]).to(device)
-    if hasattr(m, "fit"):
+    if m.fit is not None:
         m.fit(img[:n_fit], txt[:n_fit])
     return m
 
@@ -199,7 +199,7 @@ def bench(name, size, args):
     img, txt = img[:s["B"]], txt[:s["B"]]
     f_step, f_eval = flops(name, **s, n_fit=n_fit)
     row = dict(method=name, size=size, batch=f"{s['B']}{'*' if s['B'] < args.batch else ''}")
-    if hasattr(m, "loss"):
+    if m.loss is not None:
         d = m.defaults
         opt = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[d.get("optimizer", "adamw")](
             m.parameters(), lr=d["lr"], weight_decay=d.get("weight_decay", 0.0), betas=d.get("betas", (0.9, 0.999)))

@@ -32,11 +32,12 @@ Deviations / choices:
    (torch.topk, 800 of 1,024 per row, 256 rows, 1 thread).
 """
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
+from . import Method
 
-class ASIF(nn.Module):
+
+class ASIF(Method):
     defaults = dict(epochs=0)  # training-free: fit() only stores the anchors
     ranges = dict(k="[1, inf)", p="(0, inf)", n_anchors="[1, inf)")  # valid --hp values (align.py)
 

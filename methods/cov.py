@@ -57,6 +57,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import Method
 from .losses import info_nce_of_logits
 
 
@@ -180,7 +181,7 @@ class DeformableAttention(nn.Module):
 
 # ----------------------------------------------------------------------------- the method
 
-class CoV(nn.Module):
+class CoV(Method):
     defaults = dict(lr=3e-3,           # digest: 1e-4; 3e-3 on frozen features (choice 11)
                     epochs=30,         # digest
                     batch_size=128,    # digest (efficiency table)

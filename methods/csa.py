@@ -41,8 +41,9 @@ Deviations / choices:
    trick); patch tokens are not what CCA was fitted on.
 """
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+
+from . import Method
 
 RIDGES = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)   # candidates of ridge="auto", x mean variance
 MIN_SELECT = 50                                # fewer training pairs: no held-out split, ridge 1.0
@@ -111,7 +112,7 @@ def select_ridge(X, Y, d, ridges=RIDGES, held_out=0.2, max_held_out=2000, seed=0
     return max(scores, key=scores.get), scores
 
 
-class CSA(nn.Module):
+class CSA(Method):
     defaults = dict(epochs=0)  # closed form: fit() only, no training loop
     ranges = dict(d="[1, inf)", ridge="[0, inf)")  # valid --hp values (align.py)
 

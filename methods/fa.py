@@ -42,6 +42,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import Method
 from .losses import info_nce
 
 
@@ -89,7 +90,7 @@ def masked_mean(z, mask):
 # ---------------------------------------------------------------- the method
 
 
-class FA(nn.Module):
+class FA(Method):
     # freeze-align train/configs-v2/dinov2-arl-wds-combined.yaml (choice 8)
     defaults = dict(lr=1e-3,            # optimizer: {opt: adamW, lr: 1e-3}
                     epochs=15,          # schedular: epochs 15 (over ~17M pairs)

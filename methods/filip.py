@@ -27,11 +27,12 @@ Deviations / choices:
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import Method
 from .cov import max_mean as token_max   # Eq. (4)-(5): the two terms of CoV's max-sum, Eq. (6)
 from .losses import info_nce_of_logits
 
 
-class FILIP(nn.Module):
+class FILIP(Method):
     defaults = dict(lr=3e-3, epochs=30, batch_size=128, weight_decay=1e-4, optimizer="adam")  # as CoV here
     ranges = dict(K="[1, inf)", tau="(0, inf)", score_chunk="[1, inf)")  # valid --hp values (align.py)
 
@@ -72,6 +73,9 @@ class FILIP(nn.Module):
                 s_i2t, s_t2i = token_max(img_emb[i:i + ci], txt_emb[t:t + ct])
                 S[i:i + ci, t:t + ct] = s_i2t + s_t2i
         return S
+
+    def contrastive_score(self, img_emb, txt_emb):  # what loss() scales by 1 / tau for image -> text
+        return token_max(img_emb, txt_emb)[0]                     # s_i2t, (N_img, N_txt)
 
     def loss(self, img, txt):
         s_i2t, s_t2i = token_max(self.embed_image(img), self.embed_text(txt))  # (B, B) each

@@ -18,10 +18,11 @@ Deviations / choices:
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import Method
 from .losses import info_nce
 
 
-class Linear(nn.Module):
+class Linear(Method):
     defaults = dict(lr=1e-3, epochs=20, batch_size=256, weight_decay=1e-4, optimizer="adamw")
     ranges = dict(K="[1, inf)", tau="(0, inf)")  # valid --hp values (align.py)
 

@@ -31,8 +31,10 @@ Deviations / choices:
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import Method
 
-class MLP(nn.Module):
+
+class MLP(Method):
     # weight-recycling reference code: Adam, lr 5e-3, no weight decay, batch 512; a 400-step budget (choice 4)
     defaults = dict(lr=5e-3, steps=400, batch_size=512, weight_decay=0.0, optimizer="adam")
     ranges = dict(hidden_mult="[1, inf)", dropout="[0, 1)", text_input=("raw", "l2"),  # valid --hp values (align.py)

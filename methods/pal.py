@@ -50,6 +50,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import Method
 from .losses import info_nce
 
 HAVE_FAST = importlib.util.find_spec(__package__ + ".fast_cap") is not None   # choice 9
@@ -158,13 +159,14 @@ def draw_anchor_figure(image, heatmaps, anchor_ids, word_lists, caption, path, s
 # ---------------------------------------------------------------- the method
 
 
-class PAL(nn.Module):
+class PAL(Method):
     defaults = dict(lr=3e-2, epochs=20, batch_size=256, weight_decay=0.0, optimizer="adamw")  # choice 5
     ranges = dict(K="[5, inf)",  # analyse() reads each pair's top-5 anchors (Table 4)
                   tau_p="(0, inf)", tau="(0, inf)", pooling=("cap", "mean", "global"),
                   fast=(True, False) if HAVE_FAST else (False,))  # choice 9
 
     split_loss = True  # its loss reads the batch only through embed_image / embed_text (distributed.py)
+    reads_head_rows = True  # align.py passes head_rows: what the image encoder's head reads (choice 8)
 
     def contrastive_scale(self):  # 1 / temperature of its contrastive logits (--hard-negatives)
         return 1 / self.tau

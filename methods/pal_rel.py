@@ -55,6 +55,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import Method
 from .losses import info_nce
 from .pal import HAVE_FAST, PAL, cap, relative, say_cap_form
 
@@ -80,7 +81,7 @@ def grid_positions(H, W, device=None):
     return torch.stack([x.flatten(), y.flatten()], dim=1)
 
 
-class PALRel(nn.Module):
+class PALRel(Method):
     defaults = dict(lr=3e-2, epochs=20, batch_size=256, weight_decay=0.0, optimizer="adamw")  # PAL's (choice 6)
     ranges = dict(K="[1, inf)", tau_p="(0, inf)", tau="(0, inf)", P=(2, 4, 8, 16, 32, 64),  # valid --hp; P: sin + cos halves
                   order=("local", "relation", "index"), W="[0, inf)",

@@ -35,6 +35,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import Method
+
 
 class StarMLP(nn.Module):
     """LayerNorm -> W_g (ReLU6(W_1 x) * W_2 x)."""
@@ -58,7 +60,7 @@ def siglip_loss(h_v, h_l, t, b):
     return -F.logsigmoid(z * logits).sum() / len(h_v)
 
 
-class SAIL(nn.Module):
+class SAIL(Method):
     # our choice (choice 3); lr is set per instance from the input dimensions (choice 4)
     defaults = dict(lr="0.1 / max(d_image, d_text)", epochs=100, batch_size=256, weight_decay=1e-4, optimizer="adamw")
     ranges = dict(K="[1, inf)", width="[1, inf)", t_init="(0, inf)", b_init="(-inf, inf)")  # valid --hp

@@ -38,6 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import Method
 from .losses import info_nce
 
 
@@ -88,7 +89,7 @@ class ResidualLowRankHead(nn.Module):
         return self.P(x) + torch.sigmoid(self.alpha) * self.W2(self.drop(F.gelu(self.W1(x))))
 
 
-class LinearRS(nn.Module):
+class LinearRS(Method):
     # STRUCTURE code: AdamW (0.9, 0.95), lr 1e-3, wd 1e-4, grad clip 1.0; epochs / batch: our choice
     defaults = dict(lr=1e-3, epochs=100, batch_size=256, weight_decay=1e-4, optimizer="adamw",
                     betas=(0.9, 0.95), grad_clip=1.0)

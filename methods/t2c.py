@@ -24,8 +24,10 @@ Deviations / choices:
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import Method
 
-class T2C(nn.Module):
+
+class T2C(Method):
     # weight-recycling reference code (same optimiser as MLP-alignment)
     defaults = dict(lr=5e-3, epochs=500, batch_size=512, weight_decay=0.0, optimizer="adam")
     ranges = dict(batch_size="[1, inf)")  # MSE per pair, no negatives: a batch of one still learns

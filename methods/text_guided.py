@@ -40,6 +40,7 @@ Deviations / choices:
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import Method
 from .cov import real_word_mean
 from .losses import info_nce_of_logits
 from .pal import cap
@@ -66,7 +67,7 @@ def text_guided_score(v, w, tau_a):
     return real_word_mean(cos, w)                                       # Eq. (3), (I, T)
 
 
-class TextGuided(nn.Module):
+class TextGuided(Method):
     defaults = dict(lr=3e-3, epochs=30, batch_size=128, weight_decay=1e-4, optimizer="adam")  # as CoV here
     ranges = dict(K="[1, inf)", tau_a="(0, inf)", tau="(0, inf)", score_chunk="[1, inf)")  # valid --hp
 

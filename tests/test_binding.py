@@ -216,13 +216,15 @@ def test_harder_sets_swaps_are_three_different_false_captions():
 
 # ---------------------------------------------------------------- align.py's hard-negative term
 def naive_hard_negative_loss(method, img, txt, neg, has_neg, scale):
-    """-log softmax over [the B captions, image i's own swaps] at the true caption, one image at a time."""
+    """-log softmax over [the B captions, image i's own swaps] at the true caption, one image at a time,
+    on the score the method's contrastive loss scales (contrastive_score)."""
     B, M = has_neg.shape
+    s = method.contrastive_score
     total = 0.0
     for i in range(B):
         v = method.embed_image(img[[i]])
-        logits = [method.score(v, method.embed_text(txt[[j]]))[0, 0] for j in range(B)]
-        logits += [method.score(v, method.embed_text(neg[[i * M + m]]))[0, 0] for m in range(M) if has_neg[i, m]]
+        logits = [s(v, method.embed_text(txt[[j]]))[0, 0] for j in range(B)]
+        logits += [s(v, method.embed_text(neg[[i * M + m]]))[0, 0] for m in range(M) if has_neg[i, m]]
         logits = torch.stack(logits) * scale
         total = total - logits.log_softmax(0)[i]
     return total / B
@@ -250,6 +252,40 @@ def test_hard_negative_loss_matches_a_loop(make):
     none = align.hard_negative_loss(method, img, txt, neg, torch.zeros(B, M, dtype=torch.bool), 1 / method.tau)
     S = method.score(method.embed_image(img), method.embed_text(txt)) / method.tau
     assert torch.allclose(none, F.cross_entropy(S, torch.arange(B)), atol=1e-5)
+
+
+def test_filip_hard_negative_term_is_negclip_on_its_own_image_to_text_score():
+    """FILIP's loss scales s_i2t (mean over patches of the max over words, its Eq. (4)) by 1 / tau; the
+    NegCLIP term must use the same logits, not score()'s s_i2t + s_t2i in [-2, 2]."""
+    from methods.filip import FILIP
+    torch.manual_seed(0)
+    filip = FILIP(8, 6, K=16)
+    B, M = 6, 2
+    img = random_features(B, 5, 8, grid=(2, 2), seed=1)
+    txt = random_features(B, 4, 6, lengths=[4, 3, 2, 4, 1, 3], seed=2)
+    neg = random_features(B * M, 4, 6, lengths=[4, 3] * B, seed=3)
+    has_neg = torch.ones(B, M, dtype=torch.bool)
+
+    def s_i2t(i, w):             # by hand: mean over image i's patches of the max over caption w's real words
+        v = filip.embed_image(img[[i]])[0]                               # (H*W, K)
+        y = filip.embed_text(w)[0][w.mask[0]]                            # (L_real, K)
+        return torch.stack([max(v[q] @ y[l] for l in range(len(y))) for q in range(len(v))]).mean()
+
+    total = 0.0
+    for i in range(B):
+        logits = [s_i2t(i, txt[[j]]) for j in range(B)] + [s_i2t(i, neg[[i * M + m]]) for m in range(M)]
+        total = total - (torch.stack(logits) / filip.tau).log_softmax(0)[i]
+    want = total / B
+    with torch.no_grad():
+        got = align.hard_negative_loss(filip, img, txt, neg, has_neg, align.contrastive_scale(filip))
+    assert align.contrastive_scale(filip) == 1 / filip.tau
+    assert torch.allclose(got, want, atol=1e-5), (got, want)
+    # and without swaps, the term is the image -> text half of FILIP's own InfoNCE logits
+    from methods.cov import max_mean
+    i2t = max_mean(filip.embed_image(img), filip.embed_text(txt))[0] / filip.tau
+    with torch.no_grad():
+        none = align.hard_negative_loss(filip, img, txt, neg, torch.zeros(B, M, dtype=torch.bool), 1 / filip.tau)
+    assert torch.allclose(none, F.cross_entropy(i2t, torch.arange(B)), atol=1e-5)
 
 
 def test_hard_negative_loss_has_finite_gradients_with_a_learned_scale():

@@ -47,7 +47,7 @@ def fresh_cache(folder, shared):
 # ----------------------------------------------------------------------------- the global loss of split batches
 B = 8
 LENGTHS = [1, 2, 3, 2, 6, 4, 5, 3]           # rank 0's rows have 3 words at most, rank 1's 6: padding differs
-SPLIT = [n for n, cls in METHODS.items() if getattr(cls, "split_loss", False)]   # split_loss = True
+SPLIT = [n for n, cls in METHODS.items() if cls.split_loss]   # split_loss = True
 HP = dict(pal=dict(K=8), pal_rel=dict(K=8), fa=dict(dropout=0.0), mlp=dict(dropout=0.0))
 
 

@@ -1,4 +1,4 @@
-"""The token-layout contract of encoders.py, one family at a time, against the Hugging Face
+"""The token-layout contract (features.py) the encoders keep, one family at a time, against the Hugging Face
 (or torchvision) model's OWN outputs computed here, independently of the encoder code.
 
 Tiny random-init models built from configs, saved with save_pretrained and loaded back by
@@ -16,7 +16,7 @@ from PIL import Image
 
 import encoders
 import shapes_encoders
-from features import Features
+from features import Features, word_positions, word_tokens
 
 VISION = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32,
               patch_size=8)
@@ -251,10 +251,10 @@ def test_shapes_text_encoder_keeps_the_words_and_pools_over_cls_and_words():
 def test_word_positions_on_a_planted_batch():
     real = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]], dtype=torch.bool)
     special = torch.tensor([[1, 0, 0, 1, 1], [1, 0, 1, 0, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
-    idx, mask = encoders.word_positions(real, special)
+    idx, mask = word_positions(real, special)
     assert [i[m].tolist() for i, m in zip(idx, mask)] == [[1, 2], [1, 3], [0, 1]]   # row 3: no word, keeps its tokens
     h = torch.arange(15.0).view(3, 5, 1)
-    tokens, m = encoders.word_tokens(h, real, special)
+    tokens, m = word_tokens(h, real, special)
     assert tokens[..., 0].tolist() == [[1, 2], [6, 8], [10, 11]] and m.all()
 
 
@@ -298,3 +298,17 @@ def test_token_level_methods_score_the_words_of_real_encoder_features(tmp_path):
             with torch.no_grad():
                 ours, ref = method.embed_text(f[b:b + 1]), method.embed_text(words)
             torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_the_contract_lives_beside_features_and_the_tiny_encoders_do_not_import_encoders():
+    """No import circle: encoders.py loads shapes_encoders.py, which takes the rule from features.py."""
+    import ast
+    import features
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    tree = ast.parse((root / "shapes_encoders.py").read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "encoders" not in imported and "features" in imported
+    assert shapes_encoders.word_positions is features.word_positions is encoders.word_positions
+    assert shapes_encoders.TOKEN_RULE == features.TOKEN_RULE

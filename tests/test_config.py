@@ -1,0 +1,52 @@
+"""config.json holds what a reader needs to reproduce a run: every hyperparameter as the method ran
+it, the encoders' weights fingerprints, and (recorded, not compared) the software and the commit."""
+import importlib.metadata
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import align
+import encoders
+from methods.pal import HAVE_FAST
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["--num-pairs", "300", "--epochs", "1", "--batch-size", "64", "--eval-images", "20", "--no-figures",
+        "--threads", "1"]
+
+
+@pytest.mark.slow
+def test_config_of_a_default_run_holds_every_resolved_setting(cache_dir, tmp_path):
+    out = tmp_path / "run"
+    align.main(TINY + ["--cache-dir", str(cache_dir), "--out", str(out)])
+    config = json.loads((out / "config.json").read_text())
+    assert config["hp"] == {"K": 512, "tau_p": 0.03, "tau": 0.05, "pooling": "cap", "head_rows": None,
+                            "fast": HAVE_FAST}                    # pooling None resolved by PAL's __init__
+    image_enc, text_enc = encoders.load_encoders("shapes-cnn", "shapes-text", cache_dir)
+    assert config["image_weights"] == image_enc.fingerprint and len(image_enc.fingerprint) == 16
+    assert config["text_weights"] == text_enc.fingerprint and len(text_enc.fingerprint) == 16
+    git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    assert config["software"] == {
+        "python": config["software"]["python"], "torch": torch.__version__,
+        "transformers": importlib.metadata.version("transformers"),
+        "commit": git.stdout.strip() if git.returncode == 0 else None}
+    # a rerun of the same settings replaces it: the software is recorded, not compared
+    (out / "config.json").write_text(json.dumps(dict(config, software=dict(config["software"], torch="0.0",
+                                                                           commit="0" * 40))))
+    align.main(TINY + ["--cache-dir", str(cache_dir), "--out", str(out)])
+    assert json.loads((out / "config.json").read_text()) == config
+    # another fingerprint is another run
+    (out / "config.json").write_text(json.dumps(dict(config, image_weights="0" * 16)))
+    with pytest.raises(SystemExit, match="image_weights"):
+        align.main(TINY + ["--cache-dir", str(cache_dir), "--out", str(out)])
+
+
+def test_software_names_this_checkout_or_none(tmp_path, monkeypatch):
+    s = align.software()
+    assert s["torch"] == torch.__version__ and s["transformers"] == importlib.metadata.version("transformers")
+    assert s["commit"] is None or (len(s["commit"]) == 40 and int(s["commit"], 16) >= 0)
+    monkeypatch.setattr(align, "__file__", str(tmp_path / "align.py"))     # a copy outside any checkout
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    assert align.software()["commit"] is None
