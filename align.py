@@ -66,7 +66,8 @@ def parse_args(argv=None):
              "cache_dir, figures); any other run is refused before any work, naming what differs and "
              "an --out to use; nothing is written into --out until the run has finished (it writes "
              "into .<name>.partial beside it), so a run that fails leaves the previous results as "
-             "they were")
+             "they were; a finished rerun's files replace all of the previous run's (config.json lists "
+             "them; files of your own stay)")
     arg("--device", default="auto", choices=["auto", "cpu", "cuda"],
         help="auto = cuda when available")
     arg("--threads", type=int, default=0,

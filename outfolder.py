@@ -7,10 +7,12 @@
 
 How: a run writes into a sibling folder, partial(out) = <parent>/.<name>.partial (config.json,
 its checkpoint each epoch, method.pt, metrics.json, figures); only when it has finished are its
-files moved into --out, one rename each. --resume continues the
-checkpoint there (or a finished run's own checkpoint.pt). The settings compared are config.json's
-"given" field (the flags as given, the data folder by its real path) before any work, then, before
-anything is written, every resolved field (data_hash, the layers used, the loop's settings).
+files moved into --out, one rename each, and the previous run's files that this one did not write
+(a figure of a run with figures, rerun with --no-figures) are removed: config.json lists a finished
+run's files ("files"), so a user's own files in --out stay. --resume continues the checkpoint
+there (or a finished run's own checkpoint.pt). The settings compared are config.json's "given"
+field (the flags as given, the data folder by its real path) before any work, then, before anything
+is written, every resolved field (data_hash, the layers used, the loop's settings).
 """
 import json
 import os
@@ -20,7 +22,7 @@ from pathlib import Path
 from errors import RunError
 
 OUTPUT_ONLY = ("out", "resume", "threads", "cache_dir", "figures", "encode_threads", "train_threads",
-               "given", "software")         # where and how a run writes, and what ran it, not what it computes
+               "given", "software", "files")   # where and how a run writes, what ran it: not what it computes
 OUT_FILES = ("config.json", "metrics.json", "method.pt", "checkpoint.pt")   # what a run writes into --out
 
 
@@ -116,12 +118,30 @@ def checkpoint(out):
 
 
 def finish(out):
-    """Move the finished run's files into --out, each by one rename (files of --out that a run does
-    not write, e.g. a user's notes, stay), then remove the emptied partial folder."""
+    """Move the finished run's files into --out, each by one rename, then remove the previous run's
+    files that this run did not write (those its config.json lists; a user's own files stay) and the
+    emptied partial folder. The run's config.json gets its list of files first ("files")."""
     out, work = Path(out), partial(out)
+    names = sorted(entry.name for entry in work.iterdir())
+    config = json.loads((work / "config.json").read_text())
+    (work / ".config.json.files").write_text(json.dumps(dict(config, files=names), indent=2))
+    os.replace(work / ".config.json.files", work / "config.json")       # whole or not at all
+    before = old_config(out) or {}
+    listed = before.get("files") if isinstance(before.get("files"), list) else []
+    stale = [n for n in listed if isinstance(n, str) and n not in ("", ".", "..", *names)
+             and Path(n).name == n]                 # names of entries in out itself, nothing above or below
     out.mkdir(parents=True, exist_ok=True)
-    for entry in sorted(work.iterdir()):
-        if (out / entry.name).is_dir() and not (out / entry.name).is_symlink():
-            shutil.rmtree(out / entry.name)
-        os.replace(entry, out / entry.name)
+    for name in names:
+        remove(out / name, dirs_only=True)
+        os.replace(work / name, out / name)
+    for name in stale:                              # the previous run's, not written by this one
+        remove(out / name)
     work.rmdir()
+
+
+def remove(path, dirs_only=False):
+    """A folder (not through a symlink) by rmtree; a file or a link unless dirs_only."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif not dirs_only and (path.is_file() or path.is_symlink()):
+        path.unlink()

@@ -103,7 +103,7 @@ def test_nan_loss_stops_within_finite_every_steps_at_its_first_step(tmp_path, mo
     with pytest.raises(FloatingPointError, match=r"loss is nan at epoch 2, step 6\. The last good checkpoint is "):
         align.train(m, img, txt, loop_args(), tmp_path, "cpu")
     assert m.calls == 16 + 8                       # steps 7 and 8 ran, not step 9
-    saved = torch.load(outfolder.checkpoint(tmp_path), weights_only=True)
+    saved = torch.load(outfolder.partial(tmp_path) / "checkpoint.pt", weights_only=True)   # beside --out
     assert saved["epoch"] == 0 and all(torch.isfinite(v).all() for v in saved["method"].values())
 
 
@@ -135,7 +135,8 @@ def test_feature_cache_is_reused_keyed_and_rebuilt_when_broken(tmp_path, capsys)
 
 def test_empty_captions_stop_with_where_they_are():
     align.check_texts(["a red circle", "a cross"], "shapes/train")
-    with pytest.raises(SystemExit, match=r"2 caption\(s\) in coco/test with no text to align \(the first, at index 1, is empty\)"):
+    with pytest.raises(SystemExit, match=r"^error: 2 caption\(s\) in coco/test with no text to align \(the first, at "
+                                         r"index 1, is empty\); give them text or remove them from the annotation file$"):
         align.check_texts(["a red circle", "", "  "], "coco/test")
 
 

@@ -338,7 +338,9 @@ def test_ctrl_c_while_align_py_loads_torch_is_one_line(tmp_path):
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
-        time.sleep(0.2)                                       # importing torch alone takes longer
+        maps, t0 = Path(f"/proc/{p.pid}/maps"), time.time()   # align.py's imports begun: numpy mapped, torch next
+        while p.poll() is None and time.time() - t0 < 60 and "numpy" not in maps.read_text():
+            time.sleep(0.01)                                  # a loaded machine: the interpreter's start is slow
         p.send_signal(signal.SIGINT)
         err = p.communicate(timeout=60)[1].strip()
     finally:

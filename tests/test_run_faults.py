@@ -22,6 +22,7 @@ import torch
 import align
 import cache
 import data
+import outfolder
 import recycling
 from conftest import random_features
 from features import Features
@@ -164,6 +165,58 @@ def test_a_finished_out_is_replaced_only_by_a_rerun_of_the_same_settings(models,
     with pytest.raises(SystemExit, match="holds the results of a run on other data"):
         align.main([*coco_run(models, other, tmp_path, "--out", str(tmp_path / "c")), *QUICK, "--epochs", "1",
                     "--method", "csa", "--resume"])
+
+
+def finished_run(out, files):
+    """A run through outfolder as align.main does it: begin, its files written beside --out, finish."""
+    config = {"data": "shapes", "method": "pal", "seed": 0}
+    work = outfolder.begin(out, config, resume=False)
+    for name, text in {"config.json": json.dumps(config), **files}.items():
+        (work / name).write_text(text)
+    outfolder.finish(out)
+
+
+def test_a_rerun_removes_the_previous_runs_files_it_does_not_write_and_keeps_the_users(tmp_path):
+    """A rerun with --no-figures after a run with figures left the figures beside the new metrics:
+    finish moves in what the run wrote, then removes what the previous run's config.json lists
+    ("files") and this run did not write; a user's notes stay, as does anything listed above or
+    below --out itself."""
+    out = tmp_path / "o"
+    finished_run(out, {"metrics.json": "first", "pal_anchors_0.png": "fig", "pal_anchors_1.png": "fig"})
+    assert json.loads((out / "config.json").read_text())["files"] == [
+        "config.json", "metrics.json", "pal_anchors_0.png", "pal_anchors_1.png"]
+    (out / "notes.txt").write_text("mine")
+    finished_run(out, {"metrics.json": "second"})                     # the same settings, no figures
+    assert {p.name: p.read_text() for p in out.iterdir() if p.suffix != ".json"} == {"notes.txt": "mine"}
+    assert (out / "metrics.json").read_text() == "second"
+    assert json.loads((out / "config.json").read_text())["files"] == ["config.json", "metrics.json"]
+    assert not outfolder.partial(out).exists()
+    config = json.loads((out / "config.json").read_text())           # a config.json listing what is no file of it
+    (tmp_path / "keep.txt").write_text("above")
+    (out / "sub").mkdir()
+    (out / "sub" / "keep.txt").write_text("below")
+    (out / "config.json").write_text(json.dumps(dict(config, files=["", ".", "..", "../keep.txt", "sub/keep.txt"])))
+    finished_run(out, {"metrics.json": "third"})
+    assert (tmp_path / "keep.txt").read_text() == "above" and (out / "sub" / "keep.txt").read_text() == "below"
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.slow
+def test_a_rerun_with_no_figures_leaves_no_figure_of_the_run_before(cache_dir, tmp_path):
+    """PAL with figures, then the same settings with --no-figures: --out holds the second run's files
+    (no pal_anchors_*.png) and the user's notes.txt."""
+    go = lambda *extra: align.main(["--cache-dir", str(cache_dir), "--out", str(tmp_path / "o"), "--method", "pal",
+                                    "--epochs", "1", "--num-pairs", "300", "--eval-images", "20", "--threads", "1",
+                                    *extra])
+    go()
+    figures = sorted(p.name for p in (tmp_path / "o").glob("pal_anchors_*.png"))
+    assert len(figures) > 0
+    (tmp_path / "o" / "notes.txt").write_text("mine")
+    go("--no-figures")
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == [
+        "checkpoint.pt", "config.json", "method.pt", "metrics.json", "notes.txt"]
+    assert (tmp_path / "o" / "notes.txt").read_text() == "mine"
+    assert "analysis" not in json.loads((tmp_path / "o" / "metrics.json").read_text())
 
 
 def test_too_few_pairs_and_head_rows_alone_for_pal_rel_are_refused_before_any_work(cache_dir, tmp_path, capsys):
