@@ -624,7 +624,7 @@ def load_checkpoint(ckpt, settings):
 # The one training loop
 # ---------------------------------------------------------------------------
 def fit_or_train(method, img, txt, args, out, device, settings, negatives):
-    """A closed-form fit, or the training loop; {"seconds", "final_loss"}."""
+    """A closed-form fit, or the training loop; {"seconds", "final_loss"} (the last epoch's mean loss, as printed)."""
     t0, result = time.time(), {"seconds": 0.0, "final_loss": None}
     if method.fit is not None:  # closed forms are global: pooled vectors, never a whole token cache
         if distributed.world() > 1 and method.loss is None and not distributed.end_group():
@@ -730,9 +730,10 @@ def train(method, img, txt, args, out, device, settings=None, negatives=None):
         stop_if_not_finite(pending, epoch, first, ckpt, epoch > start or start > 0, lr)  # ... and at the end
         dt, n = time.time() - t_epoch, max(1, steps_per_epoch)
         means = "".join(f"  {k} {float(v) / n:.4f}" for k, v in sums.items())
-        print(f"[train] epoch {epoch + 1:3d}/{epochs}  loss {total.item() / n:.4f}{means}  "
+        mean = total.item() / n
+        print(f"[train] epoch {epoch + 1:3d}/{epochs}  loss {mean:.4f}{means}  "
               f"{steps_per_epoch / max(dt, 1e-9):.1f} steps/s  {time.time() - t0:.0f}s")
-        last = float(loss.item())
+        last = round(mean, 4)  # final_loss: the epoch's mean as printed (float32 sums part below 1e-4 across CPUs)
         if distributed.rank() == 0:
             ckpt.parent.mkdir(parents=True, exist_ok=True)      # partial(out): --out is untouched until the end
             cache.atomic_save({"method": method.state_dict(), "opt": opt.state_dict(),

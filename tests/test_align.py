@@ -74,6 +74,18 @@ def test_nan_loss_stops_with_epoch_and_step_and_keeps_the_checkpoint(tmp_path):
     assert saved["epoch"] == 0 and all(torch.isfinite(v).all() for v in saved["method"].values())
 
 
+def test_final_loss_is_the_last_epoch_s_printed_mean(tmp_path, capsys):
+    """metrics.json's train.final_loss is the figure the run prints last (the epoch's mean loss to 4
+    decimals), not a float32 step loss whose last digits depend on the CPU's kernels."""
+    img, txt = planted_pairs(128)                  # batch 16: 8 steps an epoch
+    torch.manual_seed(0)
+    result = align.train(Linear(8, 6, K=4), img, txt, loop_args(epochs=2), tmp_path, "cpu")
+    epochs = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[train] epoch")]
+    printed = float(epochs[-1].split(" loss ")[1].split()[0])
+    assert len(epochs) == 2 and result["final_loss"] == printed, (result, epochs)
+    assert result["final_loss"] == round(result["final_loss"], 4) and printed > 0
+
+
 def test_training_loop_waits_on_the_host_per_epoch_not_per_step(tmp_path, capsys):
     """A GPU runs ahead of the host only if the loop never waits for it: the loss is summed on the device,
     its finiteness looked at every FINITE_EVERY steps and at the epoch's end, the logs printed as epoch

@@ -1,6 +1,11 @@
-"""The README's claims stay true: its commands, its methods table, its line counts."""
+"""The README's claims stay true: its commands, its output, its methods table, its line counts."""
+import json
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from methods import METHODS
 
@@ -48,3 +53,26 @@ def test_the_readme_snippet_runs():
     """The 'method on your own tensors' block runs as written."""
     block = README.split("A method on your own tensors")[1].split("```python\n")[1].split("```")[0]
     exec(compile(block, "README snippet", "exec"), {})
+
+
+def readme_output_figures():
+    """{(group, metric): figure} of the README's output block of `python align.py`, e.g.
+    ("retrieval", "rsum"): "510.08", ("classification/cls", "top1"): "100.00"."""
+    block = README.split("trains PAL and prints")[1].split("```\n")[1].split("```")[0]
+    return {(line.split()[0], name): value for line in block.splitlines() if not line.startswith(("[", "layers"))
+            for name, value in re.findall(r"(\w+) (\d+\.\d+)", line)}
+
+
+@pytest.mark.slow
+def test_the_readme_s_output_block_is_what_the_default_run_prints(cache_dir, tmp_path):
+    """Every figure of the README's output block, to its last digit, from `python align.py --threads 1` (the
+    shipped tiny encoders; the same on another CPU's kernels: docs/benchmarks.md)."""
+    cmd = [sys.executable, str(ROOT / "align.py"), "--threads", "1", "--no-figures", "--cache-dir", str(cache_dir),
+           "--out", str(tmp_path / "pal")]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    m = json.loads((tmp_path / "pal" / "metrics.json").read_text())
+    documented = readme_output_figures()
+    assert len(documented) >= 15 and ("retrieval", "rsum") in documented, documented
+    run = {(g, k): f"{m[g.split('/')[0]][g.split('/')[1]][k] if '/' in g else m[g][k]:.2f}" for g, k in documented}
+    assert {k: v for k, v in documented.items() if run[k] != v} == {}, run
