@@ -99,7 +99,7 @@ def test_dense_image_matches_pooled_representation():
 
 
 def test_one_input_normalisation_at_fit_and_at_test():
-    """Issue 11.1: rows at any scale (unit head rows next to raw features of norm ~28) give the same
+    """Rows at any scale (unit head rows next to raw features of norm ~28) give the same
     anchors and embeddings as unit rows, at fit and at test."""
     img, txt = random_features(12, 1, 6, seed=8), random_features(12, 1, 5, seed=9)
     g = torch.Generator().manual_seed(0)

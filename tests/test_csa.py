@@ -135,7 +135,7 @@ def anisotropic_views(N, rho, extra_v, extra_l, signal_var=1.0, noise_var=1.0, c
 
 
 def test_default_ridge_recovers_planted_correlations_on_anisotropic_views():
-    """Issue 11.2: covariance condition number ~2000, signal spread over all directions.
+    """Covariance condition number ~2000, signal spread over all directions.
     A ridge fixed relative to the mean variance (the old 1e-3) shrank rho here by up to 10% (0.9 -> 0.81);
     the held-out choice takes a tiny ridge and recovers them."""
     rho = [0.9, 0.7, 0.5, 0.3]
@@ -148,7 +148,7 @@ def test_default_ridge_recovers_planted_correlations_on_anisotropic_views():
 
 
 def test_default_ridge_generalises_with_few_pairs_in_many_dimensions():
-    """Issue 11.2: 400 pairs, ~200 dims per view, the correlated pairs on the high-variance
+    """400 pairs, ~200 dims per view, the correlated pairs on the high-variance
     directions (condition number ~2000): a small ridge fits noise (training rho ~0.99, held-out
     collapse); the held-out choice picks a large one and the NEW pairs correlate as planted."""
     rho = [0.9, 0.7, 0.5, 0.3]
@@ -173,7 +173,7 @@ def test_projected_corr_is_the_correlation_of_the_projected_rows():
 
 
 def test_one_input_normalisation_at_fit_and_at_test():
-    """Issue 11.1: every input row is L2-normalised before centring, at fit and at test: a per-row
+    """Every input row is L2-normalised before centring, at fit and at test: a per-row
     scale (raw image features of norm ~28 next to unit head rows) changes nothing."""
     img, txt = planted_views(300, [0.9, 0.6], seed=5)
     g = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""Every method computes on the device of its inputs (issue 10, item 4: CSA on CUDA).
+"""Every method computes on the device of its inputs (CSA on CUDA included).
 
 No GPU here, so the check is turned around: the features stay on the CPU while
 torch's DEFAULT device is `meta` (torch.device as a context manager). A tensor a

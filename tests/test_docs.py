@@ -82,6 +82,16 @@ def test_the_product_has_no_process_talk():
     assert not found, "history belongs in git log:\n" + "\n".join(found)
 
 
+def test_the_tests_have_no_history_talk():
+    """The tests are read too: what they check is the present, how it came about is in git log."""
+    history = [*PROCESS_TALK[:2], (re.compile(r"\bas first written\b", re.I), "'as first written'")]
+    found = [f"{n}:{i}: {why}: {line.strip()[:120]}"
+             for n in TRACKED if n.startswith("tests/") and n.endswith(".py") and n != "tests/test_docs.py"
+             for i, line in enumerate(text_of(n).splitlines(), 1)
+             for pattern, why in history if pattern.search(line)]
+    assert not found, "history belongs in git log:\n" + "\n".join(found)
+
+
 def test_the_product_names_no_machine_path():
     found = [f"{n}:{i}: {line.strip()[:120]}" for n, i, line in product_lines()
              if any(p.search(line) for p in MACHINE_PATHS) or (n.endswith(".md") and TMP_IN_PROSE.search(line))]

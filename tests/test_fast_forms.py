@@ -136,7 +136,7 @@ def test_pal_fast_and_paper_forms_give_the_same_embeddings_loss_and_gradients(po
 
 
 def naive_text_guided_score(v, w, tau_a):
-    """text_guided.py's Eq. (1)-(3) with v_hat (I, T, L, K) formed, as first written."""
+    """text_guided.py's Eq. (1)-(3) with v_hat (I, T, L, K) formed, the paper form."""
     v_ok, w_ok = v.abs().sum(-1) > 0, w.abs().sum(-1) > 0                     # (I, N), (T, L)
     s = torch.einsum("ink,tlk->itln", v, w).masked_fill(~v_ok[:, None, None, :], float("-inf"))
     a = (s / tau_a).softmax(-1)                                                # Eq. (1), (I, T, L, N)

@@ -1,4 +1,4 @@
-"""Issue 15: batch loading (read-ahead of memory-mapped sets) and the CPU defaults (threads, training budget).
+"""Batch loading (read-ahead of memory-mapped sets) and the CPU defaults (threads, training budget).
 
 References: the plain loader (img[idx], txt[idx] in the main thread) for the read-ahead; FLOPs counted by
 hand from Linear's shapes for the budget rule.

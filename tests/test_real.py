@@ -397,7 +397,7 @@ def test_align_runs_on_tiny_coco_with_real_encoders(tiny_world, models, tmp_path
 
 @pytest.mark.slow
 @pytest.mark.skipif("--select-layers" not in (ROOT / "align.py").read_text(),
-                    reason="align.py has no --select-layers yet (patch in the issue #3 report)")
+                    reason="align.py has no --select-layers yet")
 def test_align_selects_layers_and_streams_memmapped_features(tiny_world, models, tmp_path):
     out, m = run_align(tmp_path, "--data-root", str(tiny_world), "--method", "cov", "--select-layers", "cka",
                        "--image-encoder", str(models / "dinov2reg"), "--text-encoder", str(models / "roberta"),

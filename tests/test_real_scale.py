@@ -1,5 +1,5 @@
 """Defaults that must hold on features shaped like a real encoder's, not only on the
-Shapes world's tiny 96-d ones (issue 11, items 7-9): SAIL's learning rate, the MLP
+Shapes world's tiny 96-d ones: SAIL's learning rate, the MLP
 aligner's text-input scaling, PAL's pooling when aligned on classifier-head rows.
 
 The planted world: a shared latent z (32-d) drives both views. The image view is a

@@ -112,7 +112,7 @@ def test_cka_against_naive_formula_and_invariances():
 
 
 def test_cka_ignores_a_per_row_scale_as_the_reference_does():
-    """Issue 11.5: a few large-norm rows moved the raw-feature CKA; the reference's row
+    """A few large-norm rows moved the raw-feature CKA; the reference's row
     normalisation makes the score depend on directions only."""
     g = torch.Generator().manual_seed(1)
     X, Y = torch.randn(60, 8, generator=g), torch.randn(60, 5, generator=g)
@@ -346,7 +346,7 @@ def test_weight_aligned_mlp_anneals_the_lr_as_a_cosine_to_zero():
 
 
 def test_weights_plus_pairs_on_a_memory_mapped_training_set(tmp_path, monkeypatch):
-    """Issue 10.3: D_aug = pairs ∪ head rows when the pairs are StoredFeatures (sharded, memory-mapped):
+    """D_aug = pairs ∪ head rows when the pairs are StoredFeatures (sharded, memory-mapped):
     rows equal the in-memory union, batches read only their own rows, the training loop runs on it."""
     import argparse
     import align
@@ -383,9 +383,9 @@ def test_weights_plus_pairs_on_a_memory_mapped_training_set(tmp_path, monkeypatc
 
 @pytest.mark.slow
 def test_analyses_run_on_real_data_with_a_head_and_a_torchvision_set(tmp_path, monkeypatch, models):
-    """Issue 11.4: --analyses on --data coco with a BEiT checkpoint's head (cat / dog / car) and
+    """--analyses on --data coco with a BEiT checkpoint's head (cat / dog / car) and
     a torchvision set (EuroSAT's ImageFolder layout, classes cat, dog, car, forest). Table 1 is
-    checked against the checkpoint's own logits; Table 2 uses "A photo of a {class}" (issue 11.6)."""
+    checked against the checkpoint's own logits; Table 2 uses "A photo of a {class}"."""
     import align
     import data
     import cache
@@ -445,7 +445,7 @@ def test_analyses_say_in_one_line_what_is_skipped(capsys):
 
 
 def test_few_shot_fine_tuning_uses_one_pair_per_class_the_normalised_mean_of_its_shots():
-    """Issue 11.6, App. H and its code: stage 2 fine-tunes on (normalise(mean of the class's
+    """App. H and its code: stage 2 fine-tunes on (normalise(mean of the class's
     unit shots), class text) - one pair per class - not on every shot separately."""
     g = torch.Generator().manual_seed(0)
     seen = []
