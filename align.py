@@ -40,13 +40,15 @@ import data
 import distributed
 import encoders
 import evaluate
-import features
 import outfolder
 import recycling
 from errors import RunError
 from exercises.table import refuse_blank_exercises
 from features import Features
 from methods import METHODS, budget
+import loader
+import model_files
+import layers
 
 
 def parse_args(argv=None):
@@ -254,8 +256,8 @@ def check_places(args, out):
     device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise RunError("--device cuda, but torch sees no CUDA GPU here; use --device cpu (or auto)")
-    encoders.check_path(args.image_encoder, "--image-encoder")
-    encoders.check_path(args.text_encoder, "--text-encoder")
+    model_files.check_path(args.image_encoder, "--image-encoder")
+    model_files.check_path(args.text_encoder, "--text-encoder")
     data.check_root(args.data, args.data_root)      # a wrong --data-root, before the encoders load or pretrain
     cache.check_writable(args.cache_dir, "--cache-dir")
     cache.check_writable(out, "--out", create=False)   # nothing in --out yet
@@ -357,7 +359,7 @@ def load_inputs(args, device):
     if args.hard_negatives:
         F["negative captions"] = hard_negative_captions(sets["train"])
     if args.select_layers:
-        encoders.select_layers(image_enc, text_enc, sets["train"], args.select_layers,
+        layers.select_layers(image_enc, text_enc, sets["train"], args.select_layers,
                                n=args.select_pairs, device=device, cache_dir=args.cache_dir)
     return F
 
@@ -389,7 +391,7 @@ def extract_features(args, F, device):
         if isinstance(s, data.BindingSet):
             for kind, caps in s.distractors.items():
                 jobs[split, kind] = (text_enc, caps, split, kind)
-    out = encoders.extract_sets(jobs, ext, concurrent=device == "cpu" and distributed.world() == 1)
+    out = cache.extract_sets(jobs, ext, concurrent=device == "cpu" and distributed.world() == 1)
     if args.hard_negatives:
         flat, index = F["negative captions"]
         out["train", "negatives"] = ext(text_enc, flat, "train", "negatives"), index
@@ -708,12 +710,12 @@ def train(method, img, txt, args, out, device, settings=None, negatives=None):
         sums, pending, first = {}, [], 0                             # logs' sums; losses not yet checked
         index_batches = (dd.rows(order[step * batch_size:(step + 1) * batch_size])  # this rank's slice
                          for step in range(steps_per_epoch))
-        batches = features.batch_loader(img, txt, index_batches, device)
+        batches = loader.batch_loader(img, txt, index_batches, device)
         for step, (idx, img_b, txt_b) in enumerate(batches):
             loss, logs = dd.loss(img_b, txt_b)            # method.loss unless split by torchrun
             if negatives is not None:             # --hard-negatives: L = L_method + L_hn (never split)
                 j = negatives[1][idx]                                           # (B, M), -1 = none
-                neg = features.batch_to(negatives[0][j.clamp(min=0).flatten()], device)
+                neg = loader.batch_to(negatives[0][j.clamp(min=0).flatten()], device)
                 loss = loss + hard_negative_loss(method, img_b, txt_b, neg, (j >= 0).to(device),
                                                  contrastive_scale(method))
             opt.zero_grad(set_to_none=True)

@@ -1,4 +1,5 @@
-"""The project's one exception: a fault of the user's input, said in one line."""
+"""The project's one exception, a fault of the user's input said in one line, and the first line of
+any exception's message (what such a line quotes)."""
 
 
 class RunError(SystemExit):
@@ -9,3 +10,9 @@ class RunError(SystemExit):
 
     def __init__(self, message):
         super().__init__(message if message.startswith("error: ") else f"error: {message}")
+
+
+def first_line(e):
+    """The first line of an exception's message (transformers' messages run to paragraphs)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

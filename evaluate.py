@@ -35,7 +35,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from features import Progress, batch_to, is_stored, read_ahead
+from loader import Progress, batch_to, is_stored, read_ahead
 
 
 # ----------------------------------------------------------------------------- embedding step

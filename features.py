@@ -1,22 +1,19 @@
-"""Frozen encoder outputs as one data structure, and how batches of it reach the device.
+"""Frozen encoder outputs as one data structure, the token contract every encoder keeps, and the
+precision encoders compute in.
 
-Features is what every stage passes around (tokens, mask, pooled, grid); batch_loader
-hands the training loop its batches. How features are computed once and cached on
-disk (extract, memory-mapped shards read back as StoredFeatures) is in cache.py.
+Features is what every stage passes around (tokens, mask, pooled, grid). How batches of it reach
+the device is in loader.py; how features are computed once and cached on disk (extract,
+memory-mapped shards read back as StoredFeatures) in cache.py.
 
 Shape alphabet (used in every file): B batch, T tokens, D features,
 K anchors / output dim, Q regions, L words, C classes, H x W patch grid.
 """
-import collections
-import os
-import queue
-import threading
-import time
+import contextlib
 from dataclasses import dataclass, replace
-from types import SimpleNamespace
 
 import numpy as np
 import torch
+
 
 @dataclass
 class Features:
@@ -137,7 +134,6 @@ def word_tokens(h, real, special):
     return tokens * mask[..., None], mask
 
 
-
 # ---------------------------------------------------------------------------
 # Moving batches to the device, and reading them ahead
 # ---------------------------------------------------------------------------
@@ -155,155 +151,12 @@ def precision(device):
     return "fp32" if dtype is None else f"cuda autocast {str(dtype).removeprefix('torch.')}"
 
 
-def batch_to(f, device, dtype=torch.float32):
-    """A batch of Features on device, floats as dtype. On CUDA the host tensors are pinned
-    (page-locked) and copied with non_blocking=True, so the copy overlaps the GPU's work; fp16
-    cache tensors cross as fp16 (half the bytes) and become dtype on the GPU. Elsewhere: f.to."""
-    if not str(device).startswith("cuda"):
-        return f.to(device, dtype)
-    f = pin(f)
-    move = lambda x: x.to(device, non_blocking=True)
-    return replace(f, tokens=move(f.tokens).to(dtype), mask=move(f.mask), pooled=move(f.pooled).to(dtype))
+def autocast(device):
+    """bf16 (or fp16) autocast on CUDA, nothing on the CPU."""
+    dtype = autocast_dtype(device)
+    return contextlib.nullcontext() if dtype is None else torch.autocast("cuda", dtype=dtype)
 
 
-def pin(f):
-    """f with its host tensors in pinned memory (a no-op for tensors already pinned); CUDA only."""
-    pinned = lambda x: torch.as_tensor(x).pin_memory()
-    return replace(f, tokens=pinned(f.tokens), mask=pinned(f.mask), pooled=pinned(f.pooled))
-
-
-def is_stored(f):
-    """True for a set read from disk batch by batch (cache.StoredFeatures, cache.ConcatFeatures):
-    anything indexable that is not a dense Features."""
-    return not isinstance(f, Features)
-
-
-def clock(seconds):
-    """Seconds as 42s, 3m07s or 1h02m."""
-    s = int(round(seconds))
-    return f"{s}s" if s < 60 else f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s % 3600 // 60:02d}m"
-
-
-class Progress:
-    """Progress lines of a long loop, in the style of [train]'s: done / total, rate, elapsed, ETA.
-
-    t0: when the work began (the rate counts everything done since, the first batch included).
-    A line at most every `every` seconds and one at the end, only when the loop ran that long."""
-
-    def __init__(self, tag, total, unit="rows", every=10.0, log=print, t0=None):
-        self.tag, self.total, self.unit, self.every, self.log = tag, total, unit, every, log
-        self.t0 = time.time() if t0 is None else t0
-        self.done, self.last = 0, self.t0
-
-    def line(self):
-        dt = max(time.time() - self.t0, 1e-9)
-        rate = self.done / dt
-        eta = (self.total - self.done) / rate if rate > 0 else float("inf")
-        return (f"{self.tag} {self.done}/{self.total} {self.unit} ({100 * self.done / max(self.total, 1):.0f}%), "
-                f"{rate:,.0f} {self.unit}/s, {clock(dt)} elapsed, ETA {clock(eta) if eta < 1e7 else '?'}")
-
-    def update(self, n, force=False):
-        self.done += n
-        now = time.time()
-        if force or (now - self.last >= self.every and self.done < self.total):
-            self.last = now
-            self.log(self.line())
-
-    def close(self):
-        if time.time() - self.t0 >= self.every:
-            self.log(self.line())
-
-
-READ_AHEAD = int(os.environ.get("ALIGN_READ_AHEAD", "4"))        # batches read ahead of the one in use
-READ_WORKERS = int(os.environ.get("ALIGN_READ_WORKERS", "2"))    # threads reading them
-
-
-def read_ahead(make, items, depth=READ_AHEAD, workers=READ_WORKERS):
-    """make(item) for each item, in order, computed by a small pool of `workers` threads up to `depth`
-    items ahead: reading batches n + 1 .. n + depth from a memory map overlaps the work on batch n
-    (numpy's copies release the GIL, so the threads' page faults and copies run side by side).
-
-    The same values in the same order as (make(i) for i in items); items is consumed in this
-    thread. An exception in a reader is raised here, in the caller's thread, at its item; leaving
-    the loop early (break, an exception in the caller) cancels the pending reads and waits for the
-    running ones before this generator returns."""
-    tasks, stop, pending = queue.Queue(), threading.Event(), collections.deque()
-
-    def work():
-        while (slot := tasks.get()) is not None:
-            if not stop.is_set():
-                try:
-                    slot.value = make(slot.item)
-                except BaseException as e:                   # handed to the caller's thread
-                    slot.error = e
-            slot.done.set()
-
-    def take(slot):
-        slot.done.wait()
-        if slot.error is not None:
-            raise slot.error
-        return slot.value
-
-    threads = [threading.Thread(target=work, name="read-ahead", daemon=True) for _ in range(max(1, workers))]
-    for t in threads:
-        t.start()
-    try:
-        for item in items:
-            pending.append(SimpleNamespace(item=item, value=None, error=None, done=threading.Event()))
-            tasks.put(pending[-1])
-            if len(pending) > max(1, depth):
-                yield take(pending.popleft())
-        while pending:
-            yield take(pending.popleft())
-    finally:
-        stop.set()                                           # pending reads are skipped, running ones finish
-        for _ in threads:
-            tasks.put(None)
-        for t in threads:
-            t.join()
-
-
-def batch_loader(img, txt, index_batches, device):
-    """(idx, img[idx], txt[idx]) on device for each idx of index_batches, in order.
-
-    Memory-mapped sets (is_stored) are read READ_AHEAD batches ahead by READ_WORKERS threads
-    (read_ahead), so the disk reads of the next batches (and, on a CPU, their cast to fp32) overlap
-    the step on this one. On CUDA
-    the batches are pinned in the reader threads, and batch n + 1 is copied to the GPU (and
-    cast to fp32 there) on a side stream while the step on batch n runs: the step waits only
-    for its own batch's copy. The batches are the same either way."""
-    cuda = str(device).startswith("cuda")
-    fetch = lambda idx: (idx, *((pin(img[idx]), pin(txt[idx])) if cuda else                # CPU: fp32 in the readers
-                                (batch_to(img[idx], device), batch_to(txt[idx], device))))
-    stored = is_stored(img) or is_stored(txt)
-    batches = read_ahead(fetch, index_batches) if stored else map(fetch, index_batches)
-    if not cuda:
-        yield from batches
-        return
-    copy = torch.cuda.Stream(device)
-
-    def send(item):                                          # batch n + 1's copy, queued on the side stream
-        idx, img_b, txt_b = item
-        with torch.cuda.stream(copy):
-            img_b, txt_b = batch_to(img_b, device), batch_to(txt_b, device)
-        done = torch.cuda.Event()
-        done.record(copy)
-        return idx, img_b, txt_b, done
-
-    def ready(sent):                                         # the step's stream waits for that copy only
-        idx, img_b, txt_b, done = sent
-        main = torch.cuda.current_stream(device)
-        main.wait_event(done)
-        for f in (img_b, txt_b):
-            for x in (f.tokens, f.mask, f.pooled):
-                x.record_stream(main)                        # made on the side stream, used on this one
-        return idx, img_b, txt_b
-
-    ahead = None
-    for item in batches:
-        sent = send(item)
-        if ahead is not None:
-            yield ready(ahead)
-        ahead = sent
-    if ahead is not None:
-        yield ready(ahead)
+def host_batch(x, device):
+    """A host batch ready to cross: pinned on CUDA (its copy then runs without blocking), as is elsewhere."""
+    return x.pin_memory() if str(device).startswith("cuda") else x

@@ -1,6 +1,6 @@
 """Representation similarity between two paired sets of vectors.
 
-One home for the measures that layer selection (encoders.select_layers) and the
+One home for the measures that layer selection (layers.select_layers) and the
 weight-recycling analyses (recycling.py, Fig. 1) both use:
     mutual_knn   mutual k-nearest-neighbour alignment (Huh et al. 2024, platonic-rep)
     cka          linear CKA (Kornblith et al. 2019) of L2-normalised rows, as STRUCTURE's layer selection

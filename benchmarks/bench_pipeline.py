@@ -4,15 +4,15 @@
     python benchmarks/bench_pipeline.py --device cuda --coco-size   # one GPU, COCO sizes (see docs/pipeline.md)
     python benchmarks/bench_pipeline.py --tiny                   # seconds (tests/test_pipeline.py runs it)
 
-(a) feature reads: rows/s of the training loader's read stage (features.read_ahead over
+(a) feature reads: rows/s of the training loader's read stage (loader.read_ahead over
     memory-mapped cache.StoredFeatures shards of fixed-length image rows, random batches, fp16
     host batches) against a plain numpy fancy-index of the same shards (sorted indices, one copy
     per shard, one thread); ratio = reader / numpy (target >= 2/3). Also the whole loader
-    (features.batch_loader: batches as fp32 on the device, what a training step reads).
-(b) extraction: images/s of JPEG decode + resize alone (encoders.ImagePreprocess), of the model
+    (loader.batch_loader: batches as fp32 on the device, what a training step reads).
+(b) extraction: images/s of JPEG decode + resize alone (model_files.ImagePreprocess), of the model
     alone (a randomly initialised DINOv2 config, tokens back on the host), and of cache.extract
     over the files (the pipeline); ratio = pipeline / the slower of the two (target >= 0.8).
-(c) layer selection (encoders.select_layers, mknn): seconds against the naive form (every layer's
+(c) layer selection (layers.select_layers, mknn): seconds against the naive form (every layer's
     tokens read per layer, both kNN sets recomputed for every layer pair on the host); ratio =
     naive / now (target >= 10), and the seconds of a rerun (read from the cache).
 (d) evaluation of the token-level methods (evaluate.embed + evaluate.score_matrix, every image x
@@ -43,10 +43,13 @@ import cache  # noqa: E402
 import data  # noqa: E402
 import encoders  # noqa: E402
 import evaluate  # noqa: E402
-import features  # noqa: E402
 import shapes_encoders as se  # noqa: E402
 import similarity  # noqa: E402
 from features import Features  # noqa: E402
+import loader
+import features
+import model_files
+import layers
 
 SIZES = {  # rows, tokens, dim of (a); images, model (hidden, layers, heads) of (b); pairs, text layers of (c); (d)
     "tiny": dict(rows=128, T=17, D=32, batch=32, images=4, ext_batch=2, shard_rows=4, hidden=32, layers=2, heads=2, pairs=24, t_layers=2,
@@ -106,11 +109,11 @@ def bench_reader(z, work, device, repeats, sync):
             [views[k][rows[s == k] - starts[k]] for k in np.unique(s)]      # one fancy-index copy per shard
 
     def reader_epoch():                                                     # the loader's read stage: fp16 host batches
-        for _ in features.read_ahead(lambda idx: f[idx], batches()):
+        for _ in loader.read_ahead(lambda idx: f[idx], batches()):
             pass
 
     def loader_epoch():                                                     # the whole loader, on the device as fp32
-        for _ in features.batch_loader(f, txt, batches(), device):
+        for _ in loader.batch_loader(f, txt, batches(), device):
             pass
     numpy_epoch()                                                           # the pages in the page cache for all
     np_t, np_min = timed(numpy_epoch, repeats, lambda: None)
@@ -118,7 +121,7 @@ def bench_reader(z, work, device, repeats, sync):
     ld_t, ld_min = timed(loader_epoch, repeats, sync)
     n, mb = len(f), len(f) * z["T"] * z["D"] * 2 / 2**20
     print(f"(a) feature reads: {n} rows x {z['T']} tokens x {z['D']} fp16 ({mb:.0f} MB in {len(views)} shards), "
-          f"random batches of {z['batch']}; {features.READ_WORKERS} reader threads, {features.READ_AHEAD} batches ahead")
+          f"random batches of {z['batch']}; {loader.READ_WORKERS} reader threads, {loader.READ_AHEAD} batches ahead")
     print(f"    reader rows/s            {n / rd_t:10.0f}  [{n / rd_min:.0f}]   ratio to numpy {np_t / rd_t:.2f} "
           f"(target >= 0.67)")
     print(f"    numpy fancy-index rows/s {n / np_t:10.0f}  [{n / np_min:.0f}]   (the bound)")
@@ -152,7 +155,7 @@ def dinov2(z, device):
     model = Dinov2Model(cfg).eval().to(device)
     for p in model.parameters():
         p.requires_grad_(False)
-    enc = encoders.HFImageEncoder(f"random-dinov2-{z['hidden']}x{z['layers']}", model, encoders.ImagePreprocess(256, 224))
+    enc = encoders.HFImageEncoder(f"random-dinov2-{z['hidden']}x{z['layers']}", model, model_files.ImagePreprocess(256, 224))
     enc.fingerprint = "random init, seed 0"
     return enc
 
@@ -167,7 +170,7 @@ def bench_extraction(z, work, device, repeats, sync):
 
     def model_only():
         for i in range(0, len(images), B):
-            with torch.no_grad(), encoders.autocast(device):
+            with torch.no_grad(), features.autocast(device):
                 out = enc.model(pixel_values=x[:min(B, len(images) - i)].to(device))
             enc.layer_features(out, -1)
     runs = iter(range(10**6))
@@ -190,7 +193,7 @@ def bench_extraction(z, work, device, repeats, sync):
     n = len(images)
     bound = min(n / d_t, n / m_t)
     print(f"(b) extraction: {n} synthetic 640x480 JPEGs -> resize 256, crop 224; random DINOv2 "
-          f"(hidden {z['hidden']}, {z['layers']} layers) on {device}; {encoders.IMAGE_THREADS} decode threads, batch {B}")
+          f"(hidden {z['hidden']}, {z['layers']} layers) on {device}; {model_files.IMAGE_THREADS} decode threads, batch {B}")
     print(f"    decode images/s          {n / d_t:10.1f}  [{n / d_min:.1f}]")
     print(f"    model images/s           {n / m_t:10.1f}  [{n / m_min:.1f}]")
     print(f"    pipeline images/s        {n / p_t:10.1f}  [{n / p_min:.1f}]   ratio to the slower {n / p_t / bound:.2f} "
@@ -251,9 +254,9 @@ def bench_layers(z, work, device, repeats, sync):
     X, Y = {a: v.to(device) for a, v in X.items()}, {b: v.to(device) for b, v in Y.items()}
     scoring, _ = timed(lambda: similarity.mutual_knn_table(X, Y, k), repeats, sync)
     quiet = lambda s: None
-    now_t, now_min = timed(lambda: encoders.select_layers(img, txt, pairs, "mknn", n=n, device=device, log=quiet,
+    now_t, now_min = timed(lambda: layers.select_layers(img, txt, pairs, "mknn", n=n, device=device, log=quiet,
                                                           cache_dir=work / "layers_now"), 1, sync)
-    again, _ = timed(lambda: encoders.select_layers(img, txt, pairs, "mknn", n=n, device=device, log=quiet,
+    again, _ = timed(lambda: layers.select_layers(img, txt, pairs, "mknn", n=n, device=device, log=quiet,
                                                     cache_dir=work / "layers_now"), repeats, sync)
     L = img.n_layers * txt.n_layers
     print(f"(c) layer selection, mknn on {n} pairs (k = {k}): {img.n_layers} image x {txt.n_layers} text layers "

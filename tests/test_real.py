@@ -19,6 +19,9 @@ import data
 import encoders
 import shapes_encoders
 import similarity
+import cnn_encoders
+import model_files
+import layers
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = "a an the dog cat man red blue on of in photo sits rides is".split()
@@ -186,7 +189,7 @@ def write_models(root):
                               RobertaTokenizer)
     torch.manual_seed(0)
     processor = BitImageProcessor(size={"shortest_edge": 36}, crop_size={"height": 32, "width": 32},
-                                  image_mean=list(encoders.IMAGENET_MEAN), image_std=list(encoders.IMAGENET_STD))
+                                  image_mean=list(model_files.IMAGENET_MEAN), image_std=list(model_files.IMAGENET_STD))
     for name, config in (("dinov2", Dinov2Config(**VISION)),
                          ("dinov2reg", Dinov2WithRegistersConfig(**VISION, num_register_tokens=4))):
         AutoModel.from_config(config).save_pretrained(root / name)
@@ -236,7 +239,7 @@ def test_image_preprocessing_is_the_checkpoints_own(models):
 def test_fixed_size_processors_resize_without_cropping(tmp_path):
     from transformers import ViTImageProcessor
     ViTImageProcessor(size={"height": 32, "width": 32}).save_pretrained(tmp_path)  # BEiT / ViT style: no crop
-    t = encoders.hf_preprocess(tmp_path, None)
+    t = model_files.hf_preprocess(tmp_path, None)
     assert (t.resize, t.crop) == (None, 32)
     img = images(1, size=(64, 32))[0]
     torch.testing.assert_close(t([img]), t([img.resize((32, 32), t.resample)]))  # squashed, not cropped
@@ -266,7 +269,7 @@ def test_clip_towers_pool_like_clip(models):
 def test_torchvision_classifier_head_and_offline_error(monkeypatch):
     import torchvision
     model = torchvision.models.resnet18(weights=None)
-    enc = encoders.TorchvisionEncoder("resnet18", model, transform=encoders.ImagePreprocess(36, 32),
+    enc = cnn_encoders.TorchvisionEncoder("resnet18", model, transform=model_files.ImagePreprocess(36, 32),
                                       class_names=[str(i) for i in range(1000)])
     imgs = images(2)
     f = enc.encode(imgs)
@@ -278,7 +281,7 @@ def test_torchvision_classifier_head_and_offline_error(monkeypatch):
         raise OSError("no network")
     monkeypatch.setattr(torchvision.models, "get_model", no_network)
     with pytest.raises(SystemExit, match="not available offline"):
-        encoders.load_torchvision("torchvision/resnet18")
+        cnn_encoders.load_torchvision("torchvision/resnet18")
 
 
 def test_unknown_model_is_one_offline_error(models, tmp_path):
@@ -351,14 +354,14 @@ def test_layer_selection_scores_match_the_encoders_layers(models):
     rng = np.random.default_rng(0)
     pairs = data.PairSet(images(12), [caption(rng) for _ in range(12)], torch.arange(12))
     lines = []
-    li, lt, table = encoders.select_layers(img_enc, txt_enc, pairs, "cka", n=10, batch_size=4, log=lines.append)
+    li, lt, table = layers.select_layers(img_enc, txt_enc, pairs, "cka", n=10, batch_size=4, log=lines.append)
     assert set(table) == {(1, 1), (1, 2), (2, 1), (2, 2)} and table[li, lt] == max(table.values())
     assert (img_enc.layer, txt_enc.layer) == (li, lt) and any("best" in l for l in lines)
     pick = torch.randperm(12, generator=torch.Generator().manual_seed(0))[:10].sort().values.tolist()
     X = encoders.load_hf_image(str(models / "dinov2"), layer=1).encode([pairs.images[i] for i in pick]).pooled
     Y = encoders.load_hf_text(str(models / "bert"), layer=2).encode([pairs.captions[i] for i in pick]).pooled
     assert abs(table[1, 2] - similarity.cka(X, Y)) < 1e-6
-    _, _, knn = encoders.select_layers(img_enc, txt_enc, pairs, "mknn", n=10, batch_size=4, log=lines.append)
+    _, _, knn = layers.select_layers(img_enc, txt_enc, pairs, "mknn", n=10, batch_size=4, log=lines.append)
     assert all(0 <= v <= 1 for v in knn.values())
 
 
@@ -413,7 +416,7 @@ def test_layer_selection_runs_on_the_shapes_encoders():
     torch.manual_seed(0)
     img = shapes_encoders.ShapesImageEncoder(shapes_encoders.TinyImageEncoder(len(data.CLASS_NAMES)))     # random init suffices
     txt = shapes_encoders.ShapesTextEncoder(shapes_encoders.TinyTextEncoder(len(vocab)), shapes_encoders.WordTokenizer(vocab))
-    li, lt, table = encoders.select_layers(img, txt, w["train"], "mknn", n=30, log=lambda s: None)
+    li, lt, table = layers.select_layers(img, txt, w["train"], "mknn", n=30, log=lambda s: None)
     assert set(table) == {(i, t) for i in range(1, 5) for t in (1, 2)} and (img.layer, txt.layer) == (li, lt)
     f = img.encode(w["train"].images[:2])
     assert f.tokens.shape[-1] == img.dim and f.grid == {1: (32, 32), 2: (16, 16), 3: (8, 8), 4: (8, 8)}[li]

@@ -25,6 +25,7 @@ import data
 import encoders
 from features import Features
 from test_real import write_ade, write_karpathy, write_models, write_voc
+import layers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -882,7 +883,7 @@ def test_the_layer_table_of_one_data_folder_is_never_read_for_another(tmp_path, 
                 Image.new("RGB", (40, 30)).save(f)                               # other pixels, same names
         monkeypatch.chdir(tmp_path / name)
         log = []
-        _, _, table = encoders.select_layers(img, txt, data.coco("data")["train"], "cka", n=6,
+        _, _, table = layers.select_layers(img, txt, data.coco("data")["train"], "cka", n=6,
                                              cache_dir=tmp_path / "cache", log=log.append)
         assert not any("cached" in line for line in log)
         seen.append(table)

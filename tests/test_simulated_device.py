@@ -8,6 +8,7 @@ import torch
 
 import outfolder
 from simulated_device import simulated_cuda
+import features
 
 TINY = ["--device", "cuda", "--threads", "1", "--epochs", "1", "--eval-images", "24"]
 
@@ -94,10 +95,9 @@ def test_resume_restores_the_cuda_generator(tmp_path, monkeypatch):
 
 def test_autocast_takes_fp16_where_bf16_is_only_emulated(monkeypatch):
     """A V100 or T4 reports bf16 'supported' under emulation: the encoders take fp16 there, bf16 on an H200."""
-    import encoders
     for native, want in ((False, torch.float16), (True, torch.bfloat16)):
         with simulated_cuda(monkeypatch, bf16=native) as counts:
-            with encoders.autocast("cuda"):
+            with features.autocast("cuda"):
                 pass
         assert counts == {f"autocast {want}": 1}, (native, counts)
 

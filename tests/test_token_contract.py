@@ -17,6 +17,8 @@ from PIL import Image
 import encoders
 import shapes_encoders
 from features import Features, word_positions, word_tokens
+import cnn_encoders
+import model_files
 
 VISION = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32,
               patch_size=8)
@@ -145,7 +147,7 @@ def test_torchvision_resnet_grid_pooled_and_head():
     import torchvision
     torch.manual_seed(0)
     model = torchvision.models.resnet18(weights=None).eval()
-    enc = encoders.TorchvisionEncoder("resnet18", model, transform=encoders.ImagePreprocess(64, 64),
+    enc = cnn_encoders.TorchvisionEncoder("resnet18", model, transform=model_files.ImagePreprocess(64, 64),
                                       class_names=[str(i) for i in range(1000)])
     imgs = images(2, size=64)
     x = enc.transform(imgs)

@@ -1,0 +1,328 @@
+"""A model's files, checked before it loads, and the image preprocessing its checkpoint expects.
+
+Before a Hugging Face model runs: a readable config.json, a weights file that matches it
+(load_weights: no weight left at random, none ignored), a text encoder's tokenizer files, a hub
+name that can be reached; each fault is one error line (docs/faults.md). ImagePreprocess is the
+resize, centre crop and normalisation every image encoder applies (hf_preprocess reads a
+checkpoint's own preprocessor_config.json). encoders.py builds the encoders from these.
+"""
+import json
+import os
+import pickle
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from errors import first_line
+
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+# JPEG decode + resize threads (PIL releases the GIL): all cores, at most 32; ALIGN_IMAGE_THREADS sets it
+IMAGE_THREADS = int(os.environ.get("ALIGN_IMAGE_THREADS", min(32, os.cpu_count() or 1)))
+
+
+class ImagePreprocess:
+    """PIL images (or uint8 (3, S, S) tensors) -> (B, 3, crop, crop) normalised floats.
+
+    Resize the shorter side to `resize`, centre-crop `crop` x `crop`, scale to [0, 1],
+    subtract mean, divide by std. A square image, or any image when resize is None
+    (processors that resize to a fixed height x width), is resized straight to crop x crop.
+    Images are decoded in IMAGE_THREADS threads (PIL releases the GIL); a file that
+    cannot be read raises its error here, in the main process, naming the file.
+    """
+
+    def __init__(self, resize=256, crop=224, mean=IMAGENET_MEAN, std=IMAGENET_STD, resample=3):
+        # crop: a side, or (height, width) as a processor's crop_size {"height", "width"} gives it
+        self.crop_hw = tuple(crop) if isinstance(crop, (tuple, list)) else (crop, crop)
+        self.crop = crop if not isinstance(crop, (tuple, list)) or crop[0] != crop[1] else crop[0]
+        if isinstance(self.crop, list):
+            self.crop = tuple(self.crop)
+        self.resize, self.resample = resize, resample
+        self.mean, self.std = torch.tensor(mean).view(3, 1, 1), torch.tensor(std).view(3, 1, 1)
+
+    def __repr__(self):  # goes into the cache key
+        r = lambda t: [round(v, 4) for v in t.flatten().tolist()]
+        return f"resize {self.resize} crop {self.crop} resample {self.resample} mean {r(self.mean)} std {r(self.std)}"
+
+    def one(self, img):
+        from PIL import Image
+        if isinstance(img, torch.Tensor):
+            img = Image.fromarray(img.permute(1, 2, 0).numpy())
+        img = img.convert("RGB")
+        w, h = img.size
+        ch, cw = self.crop_hw
+        if self.resize is None or w == h and ch == cw:
+            img = img.resize((cw, ch), self.resample)
+        else:
+            r = self.resize / min(w, h)
+            img = img.resize((max(cw, round(w * r)), max(ch, round(h * r))), self.resample)
+            w, h = img.size
+            left, top = (w - cw) // 2, (h - ch) // 2
+            img = img.crop((left, top, left + cw, top + ch))
+        return torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1)   # (3, crop_h, crop_w) uint8
+
+    def uint8(self, images):
+        """(B, 3, crop, crop) uint8: decoded, resized and cropped in IMAGE_THREADS threads, not normalised."""
+        if IMAGE_THREADS <= 1 or len(images) == 1:
+            return torch.stack([self.one(images[i]) for i in range(len(images))])
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(IMAGE_THREADS) as pool:  # images[i] opens the file inside the thread
+            return torch.stack(list(pool.map(lambda i: self.one(images[i]), range(len(images)))))
+
+    def normalise(self, x):
+        """uint8 (B, 3, S, S), on any device -> floats scaled to [0, 1], minus mean, over std (on that device)."""
+        mean, std = self.mean.to(x.device), self.std.to(x.device)
+        return (x.float() / 255 - mean) / std
+
+    def __call__(self, images):
+        return self.normalise(self.uint8(images))
+
+
+def hf_preprocess(source, config, flag="--image-encoder"):
+    """The checkpoint's own image preprocessing, from its preprocessor_config.json when it has one.
+
+    A folder without that file gets the ViT default; a file that is there but cannot be read is an
+    error (a silent default would change the resize, and for CLIP the mean / std)."""
+    from transformers import AutoImageProcessor
+    size = getattr(config, "image_size", 224)
+    file = Path(source) / "preprocessor_config.json"
+    if Path(source).is_dir() and not file.is_file():
+        return ImagePreprocess(round(size * 256 / 224), size)  # the ViT default, scaled to the model
+    if file.is_file():
+        read_json(file, flag, source)
+    try:
+        p = AutoImageProcessor.from_pretrained(source, **HF_SAFE)
+    except (OSError, ValueError) as e:
+        if file.is_file():
+            raise SystemExit(f"error: {flag} {source}: its preprocessor_config.json cannot be read "
+                             f"({type(e).__name__}: {first_line(e)}); copy it again from the model's download") from None
+        return ImagePreprocess(round(size * 256 / 224), size)  # a hub model without one: the ViT default
+    crop = p.crop_size if getattr(p, "do_center_crop", False) else p.size
+    crop = (crop["height"], crop["width"]) if crop.get("height") else crop["shortest_edge"]   # (h, w): not squared
+    resize = p.size["shortest_edge"] if p.size.get("shortest_edge") else None  # None: fixed height x width
+    per_channel = lambda v: (float(v),) * 3 if isinstance(v, (int, float)) else tuple(v)  # one number: every channel
+    mean, std = per_channel(p.image_mean), per_channel(p.image_std)
+    if getattr(p, "do_normalize", True) is False:            # the model reads pixels in [0, 1], as its processor
+        mean, std = (0.0,) * 3, (1.0,) * 3
+    # the processor's pixels are x * rescale_factor (x in 0..255; do_rescale false: x itself); ours are x / 255,
+    # so (x * f - mean) / std = (x / 255 - m') / s' with m' = mean / (255 f), s' = std / (255 f)
+    f = float(getattr(p, "rescale_factor", 1 / 255)) if getattr(p, "do_rescale", True) is not False else 1.0
+    if f <= 0:
+        raise SystemExit(f"error: {flag} {source}: its preprocessor_config.json gives rescale_factor {f}; "
+                         f"give a positive factor (1/255 for pixels in [0, 1])")
+    if abs(f * 255 - 1) > 1e-6:
+        mean, std = tuple(v / (255 * f) for v in mean), tuple(v / (255 * f) for v in std)
+    if len(mean) != 3 or len(std) != 3:
+        raise SystemExit(f"error: {flag} {source}: its preprocessor_config.json gives {len(mean)} image_mean and "
+                         f"{len(std)} image_std values, but images are read as RGB (3 channels): give 3 of each, "
+                         f"or one number for all")
+    return ImagePreprocess(resize, crop, mean, std, int(getattr(p, "resample", 3) or 3))
+
+
+def read_json(file, flag, folder):
+    """A model folder's JSON file, or one error line saying it is truncated or not JSON."""
+    try:
+        return json.loads(Path(file).read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise SystemExit(f"error: {flag} {folder}: {Path(file).name} is truncated or not JSON ({e}); "
+                         f"copy it again from the model's download") from None
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model",
+                   "tokenizer.model")
+
+
+JSON_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json", "tokenizer_config.json",
+              "tokenizer.json", "special_tokens_map.json", "added_tokens.json", "vocab.json")  # what loading reads
+
+
+def check_folder(folder, flag, text=False):
+    """A model folder holds what loading it needs: a readable config.json, a weights file and, for a
+    text encoder, its tokenizer's vocabulary; else one error line saying which file is missing."""
+    folder = Path(folder)
+    again = "download the whole folder again (hf download <name> --local-dir <folder>)"
+    if not (folder / "config.json").is_file():
+        raise SystemExit(f"error: {flag} {folder}: no config.json, so not a Hugging Face model folder; {again}")
+    config = read_json(folder / "config.json", flag, folder)
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise SystemExit(f"error: {flag} {folder}: config.json has no model_type, so it is not a Hugging Face "
+                         f"model's config; {again}")
+    if "auto_map" in config:
+        raise remote_code_refused(folder, flag, ValueError("trust_remote_code"))
+    families = TEXT_FAMILIES if text else IMAGE_FAMILIES            # before transformers meets an unknown type
+    if config["model_type"] not in families:
+        raise SystemExit(f"error: {flag} {folder} is a {config['model_type']!r} model; "
+                         f"{'text' if text else 'image'} encoders: {sorted(families)}")
+    if not any((folder / f).is_file() for f in WEIGHT_FILES):
+        raise SystemExit(f"error: {flag} {folder}: no weights file ({' / '.join(WEIGHT_FILES[::2])}); {again}")
+    if text and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise SystemExit(f"error: {flag} {folder}: no tokenizer files (one of {', '.join(TOKENIZER_FILES)}), so every "
+                         f"word would be unknown; copy them from the model's download")
+    for f in JSON_FILES:                 # a truncated one: transformers' bare JSONDecodeError names no file
+        if (folder / f).is_file():
+            read_json(folder / f, flag, folder)
+
+
+def load_failed(source, flag, e):
+    """A model folder that fails to load, as one line: truncated weights, a pickle that needs code, ..."""
+    if isinstance(e, pickle.UnpicklingError):
+        return SystemExit(f"error: refusing to load the weights of {flag} {source}: pytorch_model.bin holds pickled "
+                          f"Python objects besides tensors, and unpickling them could run code. Use the model's "
+                          f"model.safetensors instead (hf download <name> model.safetensors).")
+    if "ignore_mismatched_sizes" in str(e):                      # transformers' size-mismatch report
+        return SystemExit(f"error: {flag} {source}: its config.json does not describe its weights: tensors of other "
+                          f"shapes ({first_line(e)}); config.json belongs to another model (hidden_size?): copy it "
+                          f"again from the model's download")
+    return SystemExit(f"error: {flag} {source}: its weights cannot be read ({type(e).__name__}: {first_line(e)}); "
+                      f"truncated or corrupt? download the folder again")
+
+
+def not_available(name, flag):
+    parent = Path(name).expanduser().parent
+    if parent != Path(".") and parent.is_dir():                          # models/dinov2-larg: a mistyped folder
+        import difflib
+        near = difflib.get_close_matches(Path(name).name, [p.name for p in parent.iterdir() if p.is_dir()], n=1)
+        hint = f"did you mean {parent / near[0]}?" if near else f"no such folder in {parent}"
+        return SystemExit(f"error: {flag} {name} is neither a folder nor a downloaded hub model ({hint})")
+    local = f"models/{Path(name).name}"
+    return SystemExit(
+        f"error: encoder {name!r} is not available offline: it is neither a local directory nor in the Hugging Face "
+        f"cache. On a machine with network run\n    hf download {name} --local-dir {local}\n"
+        f"(huggingface_hub < 1.0: huggingface-cli download ...), copy {local} here and pass {flag} {local}.")
+
+
+def looks_like_path(name):
+    """A name written as a filesystem path (absolute, ~, ./ or ../), never a hub name."""
+    return os.path.isabs(name) or name in (".", "..") or name.startswith(("./", "../", "~", ".\\", "..\\"))
+
+
+def hub_unreachable(timeout=3.0):
+    """True when the hub must not or cannot be contacted: HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE set,
+    or its host name does not resolve (a machine without network). Only a DNS lookup, no connection;
+    without it transformers retries a HEAD request five times (~40 s) before failing."""
+    if any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+           for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
+        return True
+    import socket
+    import threading
+    from urllib.parse import urlparse
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname
+    found = []
+
+    def resolve():
+        try:
+            found.append(bool(socket.getaddrinfo(host, 443)))
+        except OSError:
+            pass
+    lookup = threading.Thread(target=resolve, daemon=True)                # a resolver that hangs: give up after timeout
+    lookup.start()
+    lookup.join(timeout)
+    return not found
+
+
+def check_path(name, flag):
+    """A name written as a path must be an existing directory: say so at once, before any long work."""
+    if looks_like_path(name) and not Path(name).expanduser().is_dir():
+        raise SystemExit(f"error: {flag} {name}: no such directory")
+
+
+def hf_source(name, flag):
+    """Where a model is read from, without touching the network when it is on disk:
+    a local directory; a hub name found in the local Hugging Face cache -> its snapshot
+    folder (loaded from there, so transformers makes no request); else the hub name
+    itself when the hub is reachable (from_pretrained downloads it). A path that does not
+    exist says so; an unreachable hub gives the offline error at once."""
+    check_path(name, flag)
+    if Path(name).expanduser().is_dir():
+        return str(Path(name).expanduser())
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        cached = try_to_load_from_cache(name, "config.json")  # looks on disk only
+    except Exception:  # not a valid hub name either
+        cached = None
+    if isinstance(cached, str):
+        return str(Path(cached).parent)                       # .../snapshots/<commit>
+    parent = Path(name).expanduser().parent
+    if (parent != Path(".") and parent.is_dir()) or hub_unreachable():  # a mistyped folder (models/dinov2-larg), or offline
+        raise not_available(name, flag)
+    return name
+
+
+def _load_faults():
+    """What from_pretrained raises for a folder it cannot read (truncated weights, a pickle needing code, ...)."""
+    from safetensors import SafetensorError
+    return (OSError, RuntimeError, EOFError, pickle.UnpicklingError, SafetensorError)
+
+
+LOAD_FAULTS = _load_faults()
+
+
+HF_SAFE = dict(trust_remote_code=False)  # never run a checkpoint's own Python code; weights: safetensors first
+
+
+def load_weights(cls, source, flag, reads_pooler=False):
+    """cls.from_pretrained(source), refused when config.json does not describe the weights file: weights
+    the model has but the file lacks (transformers would initialise them at random, e.g. config.json
+    asking for more layers than were saved), or weights of the model's own modules the config has no
+    place for (fewer layers). A missing pooler is allowed where its output is never read (RoBERTa and
+    DeiT checkpoints ship without one); a checkpoint's other heads (BERT's cls, CLIP's other tower) are not ours."""
+    from transformers.utils import logging
+    level, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()       # its load report (a table of every missing key) is said below, in one line
+    logging.disable_progress_bar()
+    try:
+        model, info = cls.from_pretrained(source, output_loading_info=True, ignore_mismatched_sizes=True, **HF_SAFE)
+    finally:
+        logging.set_verbosity(level)
+        if bars:
+            logging.enable_progress_bar()
+    ours = {name for name, _ in model.named_children()}
+    other = sorted((k, list(a), list(b)) for k, a, b in info.get("mismatched_keys", []))  # (name, file, config)
+    if other:
+        k, there, here = other[0]
+        hint = "id2label / num_labels?" if k.startswith("classifier") else \
+            "image_size / patch_size?" if "patch_embeddings" in k or "position_embeddings" in k and "image" in flag \
+            else "hidden_size?"
+        raise SystemExit(f"error: {flag} {source}: its config.json does not describe its weights: tensors of other "
+                         f"shapes ({len(other)}; e.g. {k} is {there} in the file, {here} by config.json); config.json "
+                         f"belongs to another model ({hint}): copy it again from the model's download")
+    missing = sorted(k for k in info["missing_keys"] if reads_pooler or not k.startswith("pooler."))
+    extra = sorted(k for k in info["unexpected_keys"] if k.split(".")[0] in ours)
+    wrapped = next((u[:-len(missing[0])] for u in info["unexpected_keys"] if missing and u.endswith("." + missing[0])),
+                   None)
+    if wrapped:                                          # saved from a wrapper's state_dict: every key prefixed
+        raise SystemExit(f"error: {flag} {source}: its weights file names every weight with the prefix {wrapped!r} "
+                         f"({wrapped}{missing[0]} for {missing[0]}): it was saved from a wrapper's state_dict, not "
+                         f"with save_pretrained; save the model itself with save_pretrained, or strip {wrapped!r} "
+                         f"from the keys")
+    if missing or extra:
+        what = f"{len(missing)} of its weights are not in the file (e.g. {missing[0]}; they would be random)" \
+            if missing else f"the file holds {len(extra)} weights it has no place for (e.g. {extra[0]})"
+        if any(re.search(r"\.layers?\.\d+\.", k) for k in missing + extra):     # whole blocks: the depth differs
+            raise SystemExit(f"error: {flag} {source}: its config.json does not describe its weights: {what}; "
+                             f"config.json belongs to another model (num_hidden_layers?): copy it again from the "
+                             f"model's download (to read an earlier block, keep the config and pass the layer flag)")
+        raise SystemExit(f"error: {flag} {source}: its config.json does not describe its weights: {what}; the "
+                         f"weights file is incomplete or belongs to another model: copy the folder again from the "
+                         f"model's download")
+    return model
+
+
+def remote_code_refused(name, flag, e):
+    """transformers' ValueError for a checkpoint that ships its own code (auto_map), as one line."""
+    if "custom code" not in str(e) and "trust_remote_code" not in str(e):
+        return e
+    return SystemExit(f"error: {flag} {name}: this checkpoint needs its own Python code to load (auto_map in its "
+                      f"config.json); this project never runs a model folder's code (trust_remote_code=False)")
+
+
+IMAGE_FAMILIES = {"dinov2", "dinov2_with_registers", "vit", "deit", "beit", "clip", "clip_vision_model"}
+
+
+TEXT_FAMILIES = {"bert", "roberta", "xlm-roberta", "mpnet", "distilbert", "clip", "clip_text_model"}
