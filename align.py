@@ -49,6 +49,7 @@ from methods import METHODS, budget
 import loader
 import model_files
 import layers
+import storage
 
 
 def parse_args(argv=None):
@@ -259,8 +260,8 @@ def check_places(args, out):
     model_files.check_path(args.image_encoder, "--image-encoder")
     model_files.check_path(args.text_encoder, "--text-encoder")
     data.check_root(args.data, args.data_root)      # a wrong --data-root, before the encoders load or pretrain
-    cache.check_writable(args.cache_dir, "--cache-dir")
-    cache.check_writable(out, "--out", create=False)   # nothing in --out yet
+    storage.check_writable(args.cache_dir, "--cache-dir")
+    storage.check_writable(out, "--out", create=False)   # nothing in --out yet
     check_out_data(args, out)
     return device
 
@@ -611,7 +612,7 @@ def load_checkpoint(ckpt, settings):
     """A --resume checkpoint, refused with one line when it is truncated, holds code, or was
     written under other settings (listing what differs); only the keys of `settings` count."""
     try:
-        state = cache.load_plain(ckpt)
+        state = storage.load_plain(ckpt)
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         raise RunError(f"--resume: {ckpt} is truncated or corrupt ({type(e).__name__}); delete it "
                        f"to start over, or run without --resume") from None
@@ -740,7 +741,7 @@ def train(method, img, txt, args, out, device, settings=None, negatives=None):
         last = round(mean, 4)  # final_loss: the epoch's mean as printed (float32 sums part below 1e-4 across CPUs)
         if distributed.rank() == 0:
             ckpt.parent.mkdir(parents=True, exist_ok=True)      # partial(out): --out is untouched until the end
-            cache.atomic_save({"method": method.state_dict(), "opt": opt.state_dict(),
+            storage.atomic_save({"method": method.state_dict(), "opt": opt.state_dict(),
                                "sched": sched.state_dict(), "epoch": epoch,
                                "rng": torch.get_rng_state(), "loss": last, "settings": settings,
                                "cuda_rng": torch.cuda.get_rng_state() if str(device).startswith("cuda") else None},
@@ -801,7 +802,7 @@ def main(argv=None):
     cores = encode_threads(args, device)            # before any encoder runs
     distributed.setup(device)                       # under torchrun: join the other ranks
     distributed.same_everywhere("arguments", vars(args))
-    with cache.hold_folder(out, "--out") if distributed.rank() == 0 else contextlib.nullcontext():
+    with storage.hold_folder(out, "--out") if distributed.rank() == 0 else contextlib.nullcontext():
         F = load_inputs(args, device)               # encoders, data, head rows, --select-layers
         hp = head_row_hp(args, method_cls, hp, F["image_encoder"])
         probe = check_memory(args, method_cls, hp, input_dims(F, device), device)
@@ -832,20 +833,20 @@ def main(argv=None):
         work = outfolder.partial(out)               # the run writes here; moved into --out when done
         if distributed.rank() == 0:                 # written once, after every check and every choice
             outfolder.begin(out, json.loads(json.dumps(config, default=str)), args.resume)
-            cache.atomic_write_text(json.dumps(config, indent=2, default=str), work / "config.json")
+            storage.atomic_write_text(json.dumps(config, indent=2, default=str), work / "config.json")
         distributed.barrier()                       # torchrun: no rank reads the checkpoint before it is there
         negatives = F.get(("train", "negatives"))
         metrics = {"train": fit_or_train(method, img, txt, args, out, device, settings, negatives)}
         if not distributed.finish():                # torchrun: the group ends; rank 0 goes on alone
             return {}
-        cache.atomic_save(method.state_dict(), work / "method.pt")
+        storage.atomic_save(method.state_dict(), work / "method.pt")
         metrics.update(evaluate_all(method, F, args, work, device))
         metrics["layers"] = {"image": config["image_layer"], "text": config["text_layer"]}
-        cache.atomic_write_text(json.dumps(metrics, indent=2), work / "metrics.json")  # before all else
+        storage.atomic_write_text(json.dumps(metrics, indent=2), work / "metrics.json")  # before all else
         print(evaluate.results_table(metrics))
         if args.analyses:
             metrics["recycling"] = recycling.recycling_analyses(F, args, device)
-            cache.atomic_write_text(json.dumps(metrics, indent=2), work / "metrics.json")
+            storage.atomic_write_text(json.dumps(metrics, indent=2), work / "metrics.json")
         outfolder.finish(out)                       # the previous results stay until this line
         print(f"[done] results in {out}/")
         return metrics

@@ -37,7 +37,7 @@ class MapEncoder:
         return Features(tokens=tokens, mask=torch.ones(B, 1 + H * W, dtype=torch.bool), pooled=tokens[:, 0], grid=(H, W))
 
     def prepare(self, images, device):
-        """The host side of encode (run a batch ahead by cache.encoded_batches): uint8 pixels, pinned on CUDA."""
+        """The host side of encode (run a batch ahead by shards.encoded_batches): uint8 pixels, pinned on CUDA."""
         return host_batch(self.transform.uint8(images), device)
 
     @torch.no_grad()

@@ -99,7 +99,7 @@ class HFImageEncoder:
             return self.model.to(device)(pixel_values=x, output_hidden_states=every)
 
     def prepare(self, images, device):
-        """The host side of encode (cache.encoded_batches runs it a batch ahead): uint8 pixels, pinned on CUDA."""
+        """The host side of encode (shards.encoded_batches runs it a batch ahead): uint8 pixels, pinned on CUDA."""
         return host_batch(self.transform.uint8(images), device)
 
     @torch.no_grad()

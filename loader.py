@@ -36,7 +36,7 @@ def pin(f):
 
 
 def is_stored(f):
-    """True for a set read from disk batch by batch (cache.StoredFeatures, cache.ConcatFeatures):
+    """True for a set read from disk batch by batch (shards.StoredFeatures, shards.ConcatFeatures):
     anything indexable that is not a dense Features."""
     return not isinstance(f, Features)
 

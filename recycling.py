@@ -65,7 +65,7 @@ import torch.nn.functional as F
 
 import cache
 import data
-from cache import ConcatFeatures
+from shards import ConcatFeatures
 from features import Features
 from similarity import mutual_knn
 

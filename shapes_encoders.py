@@ -17,7 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cache import atomic_save, atomic_target, file_lock, fits, load_plain, safe_load, state_fingerprint
+from cache import state_fingerprint
+from storage import atomic_save, atomic_target, file_lock, fits, load_plain, safe_load
 from features import TOKEN_RULE, Features, word_positions, word_tokens
 
 

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cache  # noqa: E402
 from cache import StoredFeatures  # noqa: E402
 from features import Features  # noqa: E402
+import shards
 
 
 def memory_mb():
@@ -72,7 +73,7 @@ def main():
     shutil.rmtree(args.dir, ignore_errors=True)  # measure a fresh extraction
     t0 = time.time()
     enc = SyntheticImageEncoder(args.tokens, args.dim)
-    cache.MEMMAP_BYTES = 0  # always the memory-mapped layout, whatever --n
+    shards.MEMMAP_BYTES = 0  # always the memory-mapped layout, whatever --n
     feats = cache.extract(enc, list(range(args.n)), args.dir, batch_size=args.batch, dataset="bench",
                              split="train", modality="image")   # prints one line per shard
     dt = time.time() - t0

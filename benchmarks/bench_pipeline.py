@@ -5,7 +5,7 @@
     python benchmarks/bench_pipeline.py --tiny                   # seconds (tests/test_pipeline.py runs it)
 
 (a) feature reads: rows/s of the training loader's read stage (loader.read_ahead over
-    memory-mapped cache.StoredFeatures shards of fixed-length image rows, random batches, fp16
+    memory-mapped shards.StoredFeatures shards of fixed-length image rows, random batches, fp16
     host batches) against a plain numpy fancy-index of the same shards (sorted indices, one copy
     per shard, one thread); ratio = reader / numpy (target >= 2/3). Also the whole loader
     (loader.batch_loader: batches as fp32 on the device, what a training step reads).
@@ -50,6 +50,7 @@ import loader
 import features
 import model_files
 import layers
+import shards
 
 SIZES = {  # rows, tokens, dim of (a); images, model (hidden, layers, heads) of (b); pairs, text layers of (c); (d)
     "tiny": dict(rows=128, T=17, D=32, batch=32, images=4, ext_batch=2, shard_rows=4, hidden=32, layers=2, heads=2, pairs=24, t_layers=2,
@@ -87,14 +88,14 @@ class RowEncoder:
 
 
 def bench_reader(z, work, device, repeats, sync):
-    old = cache.MEMMAP_BYTES, cache.SHARD_BYTES
-    cache.MEMMAP_BYTES = 0                                                  # always to shards
-    cache.SHARD_BYTES = 64 * 2**20
+    old = shards.MEMMAP_BYTES, shards.SHARD_BYTES
+    shards.MEMMAP_BYTES = 0                                                  # always to shards
+    shards.SHARD_BYTES = 64 * 2**20
     try:
         f = cache.extract(RowEncoder(z["T"], z["D"]), list(range(z["rows"])), work / "reader", batch_size=z["batch"],
                           dataset="bench", split="reader", modality="image")
     finally:
-        cache.MEMMAP_BYTES, cache.SHARD_BYTES = old
+        shards.MEMMAP_BYTES, shards.SHARD_BYTES = old
     txt = Features(tokens=torch.zeros(len(f), 1, 4), mask=torch.ones(len(f), 1, dtype=torch.bool),
                    pooled=torch.zeros(len(f), 4))                          # a negligible text side
     g = torch.Generator().manual_seed(0)
@@ -179,13 +180,13 @@ def bench_extraction(z, work, device, repeats, sync):
         cache.extract(enc, images, work / f"extract{next(runs)}", batch_size=B, device=device,
                       dataset="bench", split="extract", modality="image")
     T, D = (224 // 14) ** 2 + 1, z["hidden"]                                # the cache's rows: 257 tokens x hidden
-    rows = z.get("shard_rows") or B * max(1, cache.SHARD_BYTES // (2 * T * D * B))   # as cache.shard_plan plans
+    rows = z.get("shard_rows") or B * max(1, shards.SHARD_BYTES // (2 * T * D * B))   # as shards.shard_plan plans
     g = torch.Generator().manual_seed(0)
     shard = [Features(tokens=torch.randn(b, T, D, generator=g).half(), mask=torch.ones(b, T, dtype=torch.bool),
                       pooled=torch.randn(b, D, generator=g).half(), grid=(16, 16))
              for b in [B] * (rows // B) + ([rows % B] if rows % B else [])]
     (work / "shard").mkdir(exist_ok=True)
-    host_work = lambda: cache.write_shard(work / "shard", 0, shard, "bench")  # cat, gather, np.save, checksum
+    host_work = lambda: shards.write_shard(work / "shard", 0, shard, "bench")  # cat, gather, np.save, checksum
     model_only()                                                            # warm-up (kernels, allocator)
     d_t, d_min = timed(decode, repeats, sync)
     m_t, m_min = timed(model_only, repeats, sync)

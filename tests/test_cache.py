@@ -6,9 +6,10 @@ import torch
 
 import align
 import cache
-from cache import StoredFeatures
+from shards import StoredFeatures
 from features import Features
 from methods.linear import Linear
+import shards
 
 
 class FakeEncoder:
@@ -39,8 +40,8 @@ def extract(enc, n, tmp_path, **kw):
 
 def shard_rows(monkeypatch, rows, image=False):
     """Every set goes to the memory-mapped layout, `rows` rows per shard (sized from the first batch's rows)."""
-    monkeypatch.setattr(cache, "MEMMAP_BYTES", 0)
-    monkeypatch.setattr(cache, "SHARD_BYTES", rows * 2 * (5 if image else 1) * 3)  # rows x fp16 x T x D
+    monkeypatch.setattr(shards, "MEMMAP_BYTES", 0)
+    monkeypatch.setattr(shards, "SHARD_BYTES", rows * 2 * (5 if image else 1) * 3)  # rows x fp16 x T x D
 
 
 @pytest.mark.parametrize("image", [False, True])
@@ -114,7 +115,7 @@ def test_the_writer_thread_writes_the_serial_path_s_shards_beside_the_forward(tm
                 shard_1_encoding.set()
             return super().encode(items, device)
 
-    serial_write, threads = cache.write_shard, []
+    serial_write, threads = shards.write_shard, []
 
     def write_shard(folder, s, parts, key):
         threads.append(threading.current_thread().name)
@@ -122,13 +123,13 @@ def test_the_writer_thread_writes_the_serial_path_s_shards_beside_the_forward(tm
             assert shard_1_encoding.wait(10), "shard 1 was not encoded while shard 0 was written"
         return serial_write(folder, s, parts, key)
 
-    monkeypatch.setattr(cache, "write_shard", write_shard)
+    monkeypatch.setattr(shards, "write_shard", write_shard)
     files = {}
     for writer in (False, True):
         shard_1_encoding = threading.Event()
         folder = tmp_path / str(writer) / "k"
-        plan = cache.shard_plan(Watched(), inputs, folder, "k", 4, "cpu")
-        cache.write_shards(Watched(), inputs, folder, "k", plan, range(plan["n_shards"]), 4, "cpu", writer=writer)
+        plan = shards.shard_plan(Watched(), inputs, folder, "k", 4, "cpu")
+        shards.write_shards(Watched(), inputs, folder, "k", plan, range(plan["n_shards"]), 4, "cpu", writer=writer)
         metas = [torch.load(folder / f"{s:05d}.pt", weights_only=True) for s in range(3)]
         files[writer] = ([(folder / f"{s:05d}.tokens.npy").read_bytes() for s in range(3)],
                          [(m["lengths"], m["pooled"], m["tokens_file"]["crc"]) for m in metas])

@@ -186,7 +186,7 @@ image, text = encoders.load_encoders("shapes-cnn", "shapes-text", sys.argv[2])
 test = data.shapes_world(n_train=16, n_test=96, n_cls=8, n_seg=8, n_bind=8)["test"]
 for enc, inputs, modality in ((image, test.images, "image"), (text, test.captions, "text")):
     f = cache.extract(enc, inputs, sys.argv[2], batch_size=8, dataset="t", split="test", modality=modality)
-    assert isinstance(f, cache.StoredFeatures) and len(f) == len(inputs)
+    assert isinstance(f, shards.StoredFeatures) and len(f) == len(inputs)
 distributed.finish()
 """
 SHARDED = dict(ALIGN_MEMMAP_GB="0", ALIGN_SHARD_MB="1e-4")            # every set sharded, one batch of 8 per shard

@@ -30,6 +30,7 @@ from conftest import interrupted, random_features
 from methods.linear import Linear
 from methods.mlp import MLP
 import cnn_encoders
+import storage
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ("--method", "linear", "--epochs", "3")          # every full run: 3 short epochs, 20 test images
@@ -101,9 +102,9 @@ def plant_tiny_encoders(folder, seed, vocab):
     """Random-init tiny encoders saved as the cache's pretrained checkpoints (as a re-pretraining would)."""
     torch.manual_seed(seed)
     image, text = shapes_encoders.TinyImageEncoder(len(data.CLASS_NAMES)), shapes_encoders.TinyTextEncoder(len(vocab))
-    cache.atomic_save({"key": "shapes-cnn-1", "state": image.state_dict(), "acc": 0.0},   # seed 1: cached
+    storage.atomic_save({"key": "shapes-cnn-1", "state": image.state_dict(), "acc": 0.0},   # seed 1: cached
                       folder / "encoders" / "shapes-cnn-seed1.pt")                      # (seed 0 ships)
-    cache.atomic_save({"key": "shapes-text-1", "state": text.state_dict(), "vocab": vocab, "acc": 0.0},
+    storage.atomic_save({"key": "shapes-text-1", "state": text.state_dict(), "vocab": vocab, "acc": 0.0},
                       folder / "encoders" / "shapes-text-seed1.pt")
 
 
@@ -296,13 +297,13 @@ def test_a_run_waits_for_the_run_writing_the_same_cache_file_then_reads_it(tmp_p
     enc, texts = CountingEncoder(), ["x"] * 6
     key, got = cache.feature_key(enc, texts, dataset="d", split="s", modality="text"), []
     theirs = random_features(6, 3, 4, seed=99)
-    with cache.file_lock(tmp_path / "locks" / f"{key}.lock"):          # the other run, mid-write
+    with storage.file_lock(tmp_path / "locks" / f"{key}.lock"):          # the other run, mid-write
         t = threading.Thread(target=lambda: got.append(cache.extract(enc, texts, tmp_path, dataset="d",
                                                                        split="s", modality="text")))
         t.start()
         time.sleep(0.5)
         assert t.is_alive() and enc.calls == 0                             # waiting, not encoding
-        cache.atomic_save({"key": key, "tokens": theirs.tokens.half(), "mask": theirs.mask,
+        storage.atomic_save({"key": key, "tokens": theirs.tokens.half(), "mask": theirs.mask,
                               "pooled": theirs.pooled.half(), "grid": None}, tmp_path / "features" / f"{key}.pt")
     t.join(30)
     assert enc.calls == 0 and torch.equal(got[0].tokens, theirs.tokens.half())
@@ -358,7 +359,7 @@ def test_interrupted_writes_leave_no_file_and_resume_restores_dropout_and_the_la
         raise KeyboardInterrupt
     monkeypatch.setattr(torch, "save", half_then_ctrl_c)
     with pytest.raises(KeyboardInterrupt):
-        cache.atomic_save({"x": torch.zeros(3)}, tmp_path / "f.pt")
+        storage.atomic_save({"x": torch.zeros(3)}, tmp_path / "f.pt")
     assert list(tmp_path.iterdir()) == []
     monkeypatch.undo()
     # training with dropout, stopped in epoch 3 and resumed, ends where a straight run ends
@@ -446,7 +447,7 @@ def test_a_read_only_or_full_cache_is_one_error_naming_it_before_any_work(shared
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(torch, "save", full)
     with pytest.raises(SystemExit, match=f"no space left in {tmp_path / 'f'}"):
-        cache.atomic_save({"x": torch.zeros(3)}, tmp_path / "f" / "x.pt")
+        storage.atomic_save({"x": torch.zeros(3)}, tmp_path / "f" / "x.pt")
     assert list((tmp_path / "f").iterdir()) == []
 
 

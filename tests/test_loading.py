@@ -15,6 +15,7 @@ from conftest import interrupted, random_features
 from methods import budget
 from methods.linear import Linear
 import loader
+import shards
 
 
 class RandomEncoder:
@@ -34,8 +35,8 @@ class RandomEncoder:
 
 def stored_and_dense(tmp_path, monkeypatch, n=70):
     """The same pairs as memory-mapped StoredFeatures (shards of 16 rows) and as in-RAM Features."""
-    monkeypatch.setattr(cache, "MEMMAP_BYTES", 0)            # every set goes to shards
-    monkeypatch.setattr(cache, "SHARD_BYTES", 1)            # one batch per shard
+    monkeypatch.setattr(shards, "MEMMAP_BYTES", 0)            # every set goes to shards
+    monkeypatch.setattr(shards, "SHARD_BYTES", 1)            # one batch per shard
     enc_i, enc_t = RandomEncoder("img", 5, 8, ragged=False), RandomEncoder("txt", 6, 6, ragged=True)
     img = cache.extract(enc_i, list(range(n)), tmp_path, batch_size=16, dataset="t", split="a", modality="image")
     txt = cache.extract(enc_t, list(range(n)), tmp_path, batch_size=16, dataset="t", split="a", modality="text")

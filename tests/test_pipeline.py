@@ -16,6 +16,7 @@ import loader
 import cache
 import model_files
 import layers
+import shards
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -143,8 +144,8 @@ class RaggedEncoder:
 def test_shard_reader_equals_a_row_by_row_read_in_the_order_asked(ragged, tmp_path, monkeypatch):
     import cache
     import numpy as np
-    monkeypatch.setattr(cache, "MEMMAP_BYTES", 0)
-    monkeypatch.setattr(cache, "SHARD_BYTES", 1)                 # one batch (8 rows) per shard
+    monkeypatch.setattr(shards, "MEMMAP_BYTES", 0)
+    monkeypatch.setattr(shards, "SHARD_BYTES", 1)                 # one batch (8 rows) per shard
     f = cache.extract(RaggedEncoder("r", 5, 4, ragged), list(range(30)), tmp_path, batch_size=8, dataset="t",
                       split="a", modality="x")
     assert len(f.tokens_files) == 4

@@ -26,6 +26,8 @@ import encoders
 from features import Features
 from test_real import write_ade, write_karpathy, write_models, write_voc
 import layers
+import shards
+import storage
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -225,8 +227,8 @@ def test_a_folder_where_a_cache_file_or_a_result_goes_is_one_line_before_the_wor
 
 @pytest.fixture
 def sharded(monkeypatch):
-    monkeypatch.setattr(cache, "MEMMAP_BYTES", 0)                # every set goes to shards
-    monkeypatch.setattr(cache, "SHARD_BYTES", 1)                 # one batch (4 rows) per shard
+    monkeypatch.setattr(shards, "MEMMAP_BYTES", 0)                # every set goes to shards
+    monkeypatch.setattr(shards, "SHARD_BYTES", 1)                 # one batch (4 rows) per shard
 
 
 def truncate(f):
@@ -269,7 +271,7 @@ def test_a_cached_encoder_checkpoint_of_other_shapes_is_rebuilt(tmp_path, monkey
     import shapes_encoders as se
     torch.manual_seed(0)
     small = se.TinyImageEncoder(len(data.CLASS_NAMES), D=16)
-    cache.atomic_save({"key": "shapes-cnn-1", "state": small.state_dict(), "acc": 0.9},   # seed 1 (seed 0 ships)
+    storage.atomic_save({"key": "shapes-cnn-1", "state": small.state_dict(), "acc": 0.9},   # seed 1 (seed 0 ships)
                       tmp_path / "encoders" / "shapes-cnn-seed1.pt")
     calls = []
     fresh_image = se.TinyImageEncoder(len(data.CLASS_NAMES))
@@ -280,7 +282,7 @@ def test_a_cached_encoder_checkpoint_of_other_shapes_is_rebuilt(tmp_path, monkey
     image, _ = se.load_shapes_encoders(tmp_path, seed=1, log=lambda s: None)
     assert "holds weights of other shapes" in capsys.readouterr().out and calls == ["image", "text"]
     assert image.dim == 96
-    saved = cache.safe_load(tmp_path / "encoders" / "shapes-cnn-seed1.pt", expect_key="shapes-cnn-1")
+    saved = storage.safe_load(tmp_path / "encoders" / "shapes-cnn-seed1.pt", expect_key="shapes-cnn-1")
     assert saved["state"]["head.weight"].shape == fresh_image.head.weight.shape   # the rebuilt one replaced it
 
 
@@ -309,7 +311,7 @@ def full_disk(tmp_path, monkeypatch):
             return getattr(self.f, name)
     save = torch.save
     monkeypatch.setattr(cache.torch, "save", lambda obj, f: save(obj, Short(f)))
-    monkeypatch.setattr(cache, "free_bytes", lambda folder: 0)
+    monkeypatch.setattr(storage, "free_bytes", lambda folder: 0)
     yield folder
 
 
@@ -319,7 +321,7 @@ def test_a_full_disk_during_torch_save_is_one_line_and_leaves_no_file(full_disk)
             torch.save({"x": torch.zeros(2**17)}, f)
     (full_disk / "raw.pt").unlink()
     with pytest.raises(SystemExit) as e:
-        cache.atomic_save({"key": "k", "x": torch.zeros(2**17)}, full_disk / "features" / "x.pt")
+        storage.atomic_save({"key": "k", "x": torch.zeros(2**17)}, full_disk / "features" / "x.pt")
     assert "no space left in" in one_line(e) and str(full_disk / "features") in str(e.value)
     assert list((full_disk / "features").iterdir()) == []                         # no half file
 
@@ -1147,8 +1149,8 @@ def test_activations_beyond_fp16_are_one_line_naming_the_layer(tmp_path, models,
     with "loss is nan ... Try a lower --lr", the wrong advice. Now one line when the file or shard is
     written, naming the encoder and its layer; nothing is cached."""
     if shards:
-        monkeypatch.setattr(cache, "MEMMAP_BYTES", 0)
-        monkeypatch.setattr(cache, "SHARD_BYTES", 4096)
+        monkeypatch.setattr(shards, "MEMMAP_BYTES", 0)
+        monkeypatch.setattr(shards, "SHARD_BYTES", 4096)
     enc = encoders.load_hf_text(str(models / "bert"))
     encode = enc.encode
     monkeypatch.setattr(enc, "encode", lambda texts, device="cpu": (lambda f: Features(

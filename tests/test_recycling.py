@@ -350,7 +350,7 @@ def test_weights_plus_pairs_on_a_memory_mapped_training_set(tmp_path, monkeypatc
     rows equal the in-memory union, batches read only their own rows, the training loop runs on it."""
     import argparse
     import align
-    from cache import StoredFeatures
+    from shards import StoredFeatures
     from methods.linear import Linear
     from test_cache import FakeEncoder, extract, shard_rows
     n = 30

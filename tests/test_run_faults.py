@@ -20,7 +20,6 @@ import pytest
 import torch
 
 import align
-import cache
 import data
 import outfolder
 import recycling
@@ -29,6 +28,7 @@ from features import Features
 from methods import METHODS
 from methods.mlp import MLP
 from test_real import models, write_karpathy  # noqa: F401  (the tiny Hugging Face models fixture)
+import storage
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ("--eval-images", "20", "--no-figures", "--threads", "1")
@@ -255,7 +255,7 @@ def test_a_failed_check_leaves_no_out_folder(models, coco, tmp_path):
 @pytest.mark.slow
 def test_a_second_run_on_the_same_out_refuses_naming_the_running_one(cache_dir, tmp_path, capsys):
     (tmp_path / "config.json").write_text("the running run's")
-    with cache.hold_folder(tmp_path, "--out"):                       # the first run, still going
+    with storage.hold_folder(tmp_path, "--out"):                       # the first run, still going
         text = refused(capsys, cache_dir, tmp_path, "--method", "linear", "--epochs", "1")
     assert f"--out {tmp_path} is in use by a run still going (pid {os.getpid()}, started " in text
     assert (tmp_path / "config.json").read_text() == "the running run's"

@@ -9,6 +9,7 @@ import torch
 import outfolder
 from simulated_device import simulated_cuda
 import features
+import shards
 
 TINY = ["--device", "cuda", "--threads", "1", "--epochs", "1", "--eval-images", "24"]
 
@@ -145,8 +146,8 @@ def test_extraction_on_the_device_gives_the_host_features_of_the_cpu(sharded, tm
     inputs = ((image_enc, images(20), "image"), (text_enc, [f"a red dog {i} on the cat" for i in range(20)], "text"))
     monkeypatch.setattr(cache, "EXTRACT_BATCH", 8)
     if sharded:
-        monkeypatch.setattr(cache, "MEMMAP_BYTES", 1)
-        monkeypatch.setattr(cache, "SHARD_BYTES", 1)
+        monkeypatch.setattr(shards, "MEMMAP_BYTES", 1)
+        monkeypatch.setattr(shards, "SHARD_BYTES", 1)
     rows = lambda f: f[torch.arange(len(f))] if sharded else f
     want = [rows(cache.extract(enc, x, tmp_path / "cpu", dataset="d", split="s", modality=m)) for enc, x, m in inputs]
     with simulated_cuda(monkeypatch) as counts:

@@ -1,0 +1,262 @@
+"""Writing and reading the files a run keeps: atomically, checksummed, locked, never unpickling code.
+
+Every file this project writes (feature caches, checkpoints, the tiny encoders' weights, config
+and metrics) goes through atomic_save / atomic_write_text: written beside its target and renamed
+onto it, so a reader sees the old file or the new one, never half of one. safe_load reads one back
+with torch.load(weights_only=True) and its checksum verified; file_lock and hold_folder keep two
+runs from writing the same key or --out at once; a full disk is said in one line (write_failure).
+"""
+import contextlib
+import errno
+import os
+import pickle
+import shutil
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+import torch
+
+from errors import RunError, first_line
+
+# ---------------------------------------------------------------------------
+# Writing and reading cache files: atomic, locked, and never unpickling code
+# ---------------------------------------------------------------------------
+# Every file this project writes holds only tensors and plain values (dict, list,
+# tuple, str, int, float, bool, None), so every file is read with
+# torch.load(weights_only=True): a cache folder or checkpoint someone else made
+# cannot run code here. A file that needs more is refused, never loaded.
+#
+# Every cache file (features, shard metadata, the tiny encoders' checkpoints: dicts
+# holding a "key") and every training checkpoint (a dict holding "settings") carries
+# a crc32 checksum of its contents, verified on every read: a file changed on disk
+# (a flipped bit, a partial copy) is rebuilt, never read as valid. A token shard's
+# checksum covers the whole .npy file; it is verified whenever the file's size or
+# modification time differs from what was recorded when it was written (a full
+# check of every shard on every run would read COCO train's 32 GB of tokens).
+SEALED = ("key", "settings")   # a dict holding one of these gets a checksum
+
+
+def checksum(obj, crc=0):
+    """crc32 of every tensor's dtype, shape and bytes and every plain value in obj, in a fixed order."""
+    if isinstance(obj, dict):
+        for k in sorted(obj, key=repr):
+            if k != "checksum":
+                crc = checksum(obj[k], zlib.crc32(repr(k).encode(), crc))
+        return crc
+    if isinstance(obj, (list, tuple)):
+        for v in obj:
+            crc = checksum(v, crc)
+        return zlib.crc32(f"{type(obj).__name__} {len(obj)}".encode(), crc)
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous().reshape(-1)
+        crc = zlib.crc32(f"{t.dtype} {tuple(obj.shape)}".encode(), crc)
+        return zlib.crc32(t.view(torch.uint8).numpy().data, crc)
+    return zlib.crc32(repr(obj).encode(), crc)
+
+
+def sealed(obj):
+    """obj with its checksum added, when it is a dict of the kinds in SEALED."""
+    if isinstance(obj, dict) and any(k in obj for k in SEALED):
+        return {**obj, "checksum": checksum(obj)}
+    return obj
+
+
+def file_crc(path, chunk=2**24):
+    """crc32 of a file's bytes."""
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def no_space(folder):
+    return SystemExit(f"error: no space left in {folder}: free some space there, or point "
+                      f"--cache-dir / --out at a disk with room, then rerun (finished work is kept)")
+
+
+def free_bytes(folder):
+    return shutil.disk_usage(folder).free
+
+
+def write_failure(e, path):
+    """The one error line of a write that failed for lack of room, or None for any other exception.
+
+    OSError ENOSPC / EDQUOT; or torch.save's own RuntimeError ("[enforce fail at inline_container.cc]
+    ... unexpected pos", "PytorchStreamWriter failed writing"), raised by its C++ writer when the
+    disk fills mid-file, which carries no errno: then the folder's free space tells."""
+    folder = Path(path).parent
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return no_space(folder)
+    if isinstance(e, RuntimeError) and ("inline_container" in str(e) or "PytorchStreamWriter" in str(e)):
+        if free_bytes(folder) < 2**20:
+            return no_space(folder)
+        return SystemExit(f"error: writing {path} failed ({first_line(e)}): a full disk or quota? free some space "
+                          f"there, or point --cache-dir / --out at another disk, then rerun")
+    return None
+
+
+@contextlib.contextmanager
+def atomic_target(path):
+    """A temporary name beside path, renamed onto path when the block ends: an interrupted
+    run leaves no half file. The temporary file is removed when the write fails (Ctrl-C,
+    disk full); a full disk stops the run with one line naming the folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException as e:
+        failure = write_failure(e, path)                   # before the unlink frees the space again
+        tmp.unlink(missing_ok=True)
+        if failure is not None:
+            raise failure from None
+        raise
+
+
+def atomic_save(obj, path):
+    """torch.save through atomic_target, with a checksum added (sealed)."""
+    obj = sealed(obj)
+    with atomic_target(path) as tmp, open(tmp, "wb") as f:
+        torch.save(obj, f)
+
+
+def atomic_write_text(text, path):
+    """Path.write_text through atomic_target (config.json, metrics.json)."""
+    with atomic_target(path) as tmp:
+        tmp.write_text(text)
+
+
+def load_plain(path):
+    """torch.load(weights_only=True); a file holding anything but tensors and plain values is
+    refused with one line (unpickling it could run code). Other errors (a truncated file) propagate."""
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise SystemExit(f"error: refusing to load {path}: it holds pickled Python objects besides tensors and "
+                         f"plain values, and unpickling them could run code. This project never writes such "
+                         f"files; delete it (a cache file is rebuilt) and find out where it came from.") from None
+    if isinstance(obj, dict) and "checksum" in obj and obj["checksum"] != checksum(obj):
+        raise ValueError(f"{path} fails its checksum: its contents changed after it was written")
+    return obj
+
+
+def safe_load(path, expect_key=None):
+    """Load a cache file, or None when missing, unreadable or written for another key (then it is rebuilt).
+
+    A file that would need code to unpickle stops the run (load_plain), it is never rebuilt over silently;
+    nor is a folder of that name (a user's folder is never deleted here)."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    if path.is_dir():                   # its rebuild could not be renamed onto it: said before the work, not after
+        raise RunError(f"{path} is a folder where the cache keeps a file; move it away (or delete it: "
+                       f"rm -r {path}), then rerun")
+    try:
+        obj = load_plain(path)
+    except (RuntimeError, EOFError, OSError, ValueError) as e:  # truncated / corrupt file, a failed checksum
+        why = "fails its checksum" if "checksum" in str(e) else f"is unreadable ({type(e).__name__})"
+        print(f"[cache] {path} {why}; rebuilding it")
+        return None
+    if expect_key is not None and (not isinstance(obj, dict) or obj.get("key") != expect_key):
+        print(f"[cache] {path} was written for other settings; rebuilding it")
+        return None
+    if expect_key is not None and "checksum" not in obj:
+        print(f"[cache] {path} has no checksum (an older version wrote it); rebuilding it")
+        return None
+    return obj
+
+
+def fits(model, state, path):
+    """Load a cached state_dict into model; False (one printed line, the file is rebuilt) when its shapes differ."""
+    try:
+        model.load_state_dict(state)
+        return True
+    except RuntimeError as e:
+        print(f"[cache] {path} holds weights of other shapes ({first_line(e)}); rebuilding it")
+        return False
+
+
+@contextlib.contextmanager
+def file_lock(path, log=print):
+    """Hold an exclusive lock on `path` (a lock file) across processes, e.g. two runs sharing a cache:
+    the second waits until the first has written what both need, then reads it. The kernel
+    releases the lock when a process dies, so a killed run never blocks the next one.
+    A no-op where fcntl is missing (Windows): there, do not share a cache between concurrent runs."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"[cache] another run is writing {path.stem}; waiting for it")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def hold_folder(folder, flag):
+    """Hold `folder` (an output folder) for this run: a second run given the same folder stops at
+    once with one line naming the run that holds it, instead of mixing its files with this one's.
+    The lock file (<parent>/.<name>.lock, beside the folder: nothing is written into it) says who
+    holds it; the kernel releases the lock when a process dies, so a killed run never blocks the
+    next. A no-op where fcntl is missing (Windows)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    folder, real = Path(folder), Path(folder).resolve()
+    real.parent.mkdir(parents=True, exist_ok=True)
+    with open(real.parent / f".{real.name}.lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            raise RunError(f"{flag} {folder} is in use by a run still going ({holder}); wait for it to "
+                           f"finish, or pass another {flag}") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(sys.argv)}\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def check_writable(folder, flag, create=True):
+    """Stop with one line naming the folder when it cannot be written (read-only, full, not a
+    folder), before any long work: a probe file of 1 MB is written, synced and removed.
+    create=False (--out): nothing is made; the probe goes into the nearest folder that exists."""
+    folder = Path(folder)
+    taken = next((p for p in [folder, *folder.parents] if p.exists()), None)  # the nearest part that exists
+    if taken is not None and not taken.is_dir():
+        raise SystemExit(f"error: {flag} {folder}: {taken} is a file, not a folder; pass {flag} a folder "
+                         f"(or move the file away)")
+    try:
+        if create:
+            folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder if create else taken or ".", prefix=".write-probe-") as f:
+            f.write(b"\0" * 2**20)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise SystemExit(f"error: {flag} {folder} is full (no space left on its disk); free some space "
+                             f"or pass {flag} on another disk") from None
+        why = "is on a read-only file system" if e.errno == errno.EROFS else f"cannot be written ({e.strerror})"
+        raise SystemExit(f"error: {flag} {folder} {why}; pass {flag} a folder you can write to") from None
