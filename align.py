@@ -50,6 +50,7 @@ import loader
 import model_files
 import layers
 import storage
+import negatives
 
 
 def parse_args(argv=None):
@@ -57,7 +58,7 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     arg = p.add_argument
     arg("--method", default="pal", choices=sorted(METHODS), help="alignment method (methods/)")
-    arg("--data", default="shapes", choices=sorted(data.DATASETS),
+    arg("--data", default="shapes", choices=["shapes", *sorted(data.DATASETS)],
         help="dataset to align and evaluate on")
     path = os.path.expanduser                  # a quoted "~/coco" is the user's folder, as the shell's ~/coco
     arg("--data-root", type=path, default="data", help="folder holding real datasets (unused by shapes)")
@@ -358,7 +359,7 @@ def load_inputs(args, device):
     if why:                                     # said now, not as "skipped" after the training
         raise RunError(f"--analyses: {why.rstrip('.')}; or run without --analyses")
     if args.hard_negatives:
-        F["negative captions"] = hard_negative_captions(sets["train"])
+        F["negative captions"] = negatives.hard_negative_captions(sets["train"])
     if args.select_layers:
         layers.select_layers(image_enc, text_enc, sets["train"], args.select_layers,
                                n=args.select_pairs, device=device, cache_dir=args.cache_dir)
@@ -459,58 +460,6 @@ def head_row_hp(args, method_cls, hp, image_enc):
     if aligned_on(args) == "weights" and method_cls.reads_head_rows:
         return {"head_rows": getattr(image_enc, "head_reads", "pooled"), **hp}
     return hp
-
-
-# ---------------------------------------------------------------------------
-# Composition-aware hard negatives (--hard-negatives; NegCLIP in ARO, Yuksekgonul et al. 2023)
-# ---------------------------------------------------------------------------
-def hard_negative_captions(pairs):
-    """The swapped captions of every training caption, flat, and index (N, M) long: row i's swaps
-    (-1 = none). Shapes: the PairSet's scene swaps (data.scene_swaps); real captions: word_swaps."""
-    negs = pairs.hard_negatives
-    if negs is None:
-        negs = [data.word_swaps(c) for c in pairs.captions]
-    M = max(len(n) for n in negs)
-    if M == 0:
-        raise RunError("--hard-negatives: no training caption has a swap (data.word_swaps found no "
-                       "two noun phrases with modifiers to exchange and no relation phrase between two noun phrases)")
-    flat, index = [], torch.full((len(negs), M), -1, dtype=torch.long)
-    for i, n in enumerate(negs):
-        for m, c in enumerate(n):
-            index[i, m] = len(flat)
-            flat.append(c)
-    print(f"[hard negatives] {len(flat)} swapped captions for {int((index[:, 0] >= 0).sum())}/"
-          f"{len(negs)} training captions (up to {M} each)")
-    return flat, index
-
-
-def contrastive_scale(method):
-    """1 / temperature of the method's contrastive logits (its contrastive_scale()), None for a
-    method that is not contrastive."""
-    return method.contrastive_scale() if method.contrastive_scale is not None else None
-
-
-def hard_negative_loss(method, img, txt, neg, has_neg, scale):
-    """NegCLIP's image -> text term, computed only through the method's interface:
-
-        L_hn = -1/B sum_i log softmax_j(scale * [s(i, t_1..t_B), s(i, n_i1..n_iM)])_i
-
-    s = method.contrastive_score (the score its own loss scales), t_j the batch's captions, n_im
-    caption i's swaps. img, txt: B pairs;
-    neg: Features (B*M,), row i*M + m = swap m of caption i; has_neg: (B, M) bool (False = no swap).
-    The batch is embedded again here (not shared with method.loss): one more forward, one path."""
-    B, M = has_neg.shape
-    v = method.embed_image(img)                                                     # (B, ...)
-    S = method.contrastive_score(v, method.embed_text(txt))                         # (B, B)
-    real = has_neg.flatten().nonzero().squeeze(1)                      # (N_real,) only real swaps
-    S_neg = method.contrastive_score(v, method.embed_text(neg[real])) if len(real) else S[:, :0]  # (B, N_real)
-    own = S.new_zeros(B * M)                                           # (B*M,)
-    own[real] = S_neg[real // M, torch.arange(len(real), device=S.device)]  # s(i, n_im), i = row // M
-    logits = torch.cat([S, own.view(B, M)], 1) * scale                 # (B, B + M)
-    # no swap -> -inf AFTER the scale: a learned scale (SAIL, FA) times -inf gives a NaN gradient
-    no_swap = torch.cat([torch.zeros_like(S, dtype=torch.bool), ~has_neg], 1)
-    logits = logits.masked_fill(no_swap, float("-inf"))
-    return torch.nn.functional.cross_entropy(logits, torch.arange(B, device=logits.device))
 
 
 # ---------------------------------------------------------------------------
@@ -717,8 +666,8 @@ def train(method, img, txt, args, out, device, settings=None, negatives=None):
             if negatives is not None:             # --hard-negatives: L = L_method + L_hn (never split)
                 j = negatives[1][idx]                                           # (B, M), -1 = none
                 neg = loader.batch_to(negatives[0][j.clamp(min=0).flatten()], device)
-                loss = loss + hard_negative_loss(method, img_b, txt_b, neg, (j >= 0).to(device),
-                                                 contrastive_scale(method))
+                loss = loss + negatives.hard_negative_loss(method, img_b, txt_b, neg, (j >= 0).to(device),
+                                                 negatives.contrastive_scale(method))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if d.get("grad_clip"):

@@ -21,6 +21,7 @@ import shards
 from features import Features, precision
 from loader import Progress
 from storage import atomic_save, file_lock, safe_load
+import shapes
 
 # ---------------------------------------------------------------------------
 # Feature extraction, run once and cached
@@ -137,7 +138,7 @@ def extract_ranks(encoder, inputs, path, folder, key, batch_size, device, cache_
 # ---------------------------------------------------------------------------
 # The Shapes world, cached like the features
 # ---------------------------------------------------------------------------
-# data.shapes_world renders 8,480 images (about 5 s of one core); the first run writes
+# shapes.shapes_world renders 8,480 images (about 5 s of one core); the first run writes
 # its sets to <cache-dir>/world/, keyed by the sizes, the seed and the bytes of data.py
 # (the code that draws and renders it), so an edit to the world never reads a stale one.
 def world_key(seed, sizes):
@@ -146,7 +147,7 @@ def world_key(seed, sizes):
 
 
 def shapes_world(cache_dir, seed=0, **sizes):
-    """data.shapes_world(seed, **sizes), read from cache_dir/world when built before (same sets, same
+    """shapes.shapes_world(seed, **sizes), read from cache_dir/world when built before (same sets, same
     tensors), else built and written there (atomic, checksummed)."""
     key = world_key(seed, sizes)
     path = Path(cache_dir) / "world" / f"{key}.pt"
@@ -154,7 +155,7 @@ def shapes_world(cache_dir, seed=0, **sizes):
         return _WORLDS[path]
     saved = safe_load(path, expect_key=key)
     if saved is None:
-        sets = data.shapes_world(seed, **sizes)
+        sets = shapes.shapes_world(seed, **sizes)
         atomic_save({"key": key, "sets": {name: (type(s).__name__, vars(s)) for name, s in sets.items()}}, path)
     else:
         kinds = {k.__name__: k for k in (data.PairSet, data.LabelSet, data.MaskSet, data.BindingSet)}

@@ -309,7 +309,7 @@ def binding(method, img, txt_true, distractors, batch_size=256, device="cpu"):
     objects' colours exchanged; "relation_swap", the relation word reversed; "object_swap",
     the two objects exchanged under the same relation words). binding_<kind> = 100 *
     fraction of images with score(i, true_i) > score(i, distractor_i), strictly (chance 50);
-    binding_acc = mean over kinds. align.py runs it once per BindingSet (data.binding_sets:
+    binding_acc = mean over kinds. align.py runs it once per BindingSet (shapes.binding_sets:
     canonical style, all styles, held-out templates, held-out object pairs), one metrics group each.
     """
     if not distractors:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from cache import state_fingerprint
 from storage import atomic_save, atomic_target, file_lock, fits, load_plain, safe_load
 from features import TOKEN_RULE, Features, word_positions, word_tokens
+import shapes
 
 
 SPECIALS = ["[PAD]", "[CLS]", "[MASK]", "[UNK]"]
@@ -124,9 +125,8 @@ def shapes_pixels(images):
 
 def pretrain_text_encoder(seed=0, steps=800, log=print):
     """Masked-word pretraining on Shapes captions alone (no images): 15% of words masked."""
-    import data
     torch.manual_seed(seed)
-    corpus = data.text_corpus(20000, seed=seed + 1000)
+    corpus = shapes.text_corpus(20000, seed=seed + 1000)
     vocab = SPECIALS + sorted({w for t in corpus for w in WordTokenizer.split(t)})
     tok = WordTokenizer(vocab)
     model = TinyTextEncoder(len(vocab))
@@ -168,11 +168,10 @@ def pretrain_image_encoder(seed=0, max_steps=1500, target_acc=0.95, log=print, p
     patches weighted 5x. Shape is learned after a sudden jump whose
     timing varies, so training stops on a held-out per-object shape accuracy, not a step count.
     """
-    import data
     torch.manual_seed(seed)
-    C = len(data.CLASS_NAMES)
-    images, masks = data.pretrain_images(4000, seed=seed + 2000)
-    val_images, val_masks = data.pretrain_images(300, seed=seed + 3000)
+    C = len(shapes.CLASS_NAMES)
+    images, masks = shapes.pretrain_images(4000, seed=seed + 2000)
+    val_images, val_masks = shapes.pretrain_images(300, seed=seed + 3000)
     model = TinyImageEncoder(C, pos=pos)
     opt = torch.optim.AdamW(model.parameters(), lr=6e-3, weight_decay=1e-4)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, max_steps)
@@ -189,7 +188,7 @@ def pretrain_image_encoder(seed=0, max_steps=1500, target_acc=0.95, log=print, p
         model.train()
         y = soft_targets(val_masks)
         obj = y[..., :C].sum(-1) > 0.5       # patches mostly covered by an object
-        shape = lambda c: c % len(data.SHAPES)
+        shape = lambda c: c % len(shapes.SHAPES)
         return (shape(logits[..., :C].argmax(-1)) == shape(y[..., :C].argmax(-1)))[obj].float().mean().item()
 
     t0, acc = time.time(), 0.0
@@ -253,9 +252,8 @@ class ShapesImageEncoder:
                         pooled=tokens[:, 0].cpu(), grid=(H, W))
 
     def head(self):
-        import data
         head = self.model.head                           # host rows, wherever the encoder ran (Module.to is in place)
-        return head.weight[:-1].detach().cpu().clone(), head.bias[:-1].detach().cpu().clone(), list(data.CLASS_NAMES)
+        return head.weight[:-1].detach().cpu().clone(), head.bias[:-1].detach().cpu().clone(), list(shapes.CLASS_NAMES)
 
     @torch.no_grad()
     def pooled_layers(self, images, device="cpu"):
@@ -413,9 +411,8 @@ def remake(seed=0, out=SHIPPED, log=print):
 
 def _load_shapes_encoders(cache_dir, seed, image_layer, text_layer, log, image_pos):
     if seed == 0 and not image_pos:                       # the shipped pair
-        import data
         w = load_shipped()
-        image_model, tok = TinyImageEncoder(len(data.CLASS_NAMES)), WordTokenizer(w["vocab"])
+        image_model, tok = TinyImageEncoder(len(shapes.CLASS_NAMES)), WordTokenizer(w["vocab"])
         text_model = TinyTextEncoder(len(tok.vocab))
         image_model.load_state_dict(w["image"])
         text_model.load_state_dict(w["text"])
@@ -425,7 +422,6 @@ def _load_shapes_encoders(cache_dir, seed, image_layer, text_layer, log, image_p
     tag = SHAPES_CNN_VERSION if image_pos else "shapes-cnn"
     path_i = Path(cache_dir) / "encoders" / f"{tag}-seed{seed}.pt"
     path_t = Path(cache_dir) / "encoders" / f"shapes-text-seed{seed}.pt"
-    import data
     saved_i = safe_load(path_i, expect_key=f"{tag}-{seed}")
     saved_t = safe_load(path_t, expect_key=f"shapes-text-{seed}")
     if saved_i is None and saved_t is None and PRETRAIN_PROCESSES > 1:     # a cold start: both at once
@@ -436,7 +432,7 @@ def _load_shapes_encoders(cache_dir, seed, image_layer, text_layer, log, image_p
                    "acc": done["text"]["acc"]}
         atomic_save(saved_i, path_i)
         atomic_save(saved_t, path_t)
-    image_model = TinyImageEncoder(len(data.CLASS_NAMES), pos=image_pos)
+    image_model = TinyImageEncoder(len(shapes.CLASS_NAMES), pos=image_pos)
     if saved_i is None or not fits(image_model, saved_i["state"], path_i):   # missing, corrupt or of other shapes
         log("[image encoder] not cached: pretraining it on labelled Shapes images (about a minute)")
         image_model, acc = pretrain_image_encoder(seed, log=log, pos=image_pos)

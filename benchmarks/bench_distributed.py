@@ -19,10 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-import data  # noqa: E402
 import distributed  # noqa: E402
 import encoders  # noqa: E402
 import cache  # noqa: E402
+import shapes
 
 
 def main():
@@ -33,7 +33,7 @@ def main():
     torch.set_num_threads(args.threads)
     distributed.setup("cpu")
     image, text = encoders.load_encoders("shapes-cnn", "shapes-text", args.cache_dir)
-    train = data.shapes_world()["train"]
+    train = shapes.shapes_world()["train"]
     distributed.barrier()
     t0 = time.time()
     for enc, inputs, modality in ((image, train.images, "image"), (text, train.captions, "text")):

@@ -51,6 +51,7 @@ import features
 import model_files
 import layers
 import shards
+import shapes
 
 SIZES = {  # rows, tokens, dim of (a); images, model (hidden, layers, heads) of (b); pairs, text layers of (c); (d)
     "tiny": dict(rows=128, T=17, D=32, batch=32, images=4, ext_batch=2, shard_rows=4, hidden=32, layers=2, heads=2, pairs=24, t_layers=2,
@@ -238,7 +239,7 @@ def bench_layers(z, work, device, repeats, sync):
     n = z["pairs"]
     paths = jpegs(work / "layer_jpegs", min(n, 64), seed=1)
     images = data.LazyImages([paths[i % len(paths)] for i in range(n)])
-    captions = data.text_corpus(n, seed=5)[:n]
+    captions = shapes.text_corpus(n, seed=5)[:n]
     vocab = se.SPECIALS + sorted({w for c in captions for w in se.WordTokenizer.split(c)})
     torch.manual_seed(0)
     txt = se.ShapesTextEncoder(se.TinyTextEncoder(len(vocab), D=z["t_dim"], n_layers=z["t_layers"],

@@ -9,7 +9,7 @@ Runs align.py once per (method, text encoder, hard negatives, seed) in a subproc
 (--threads 1, the budget below, the default image encoder shapes-cnn unless --image-encoder,
 features from the shared cache), skips a run whose metrics.json already exists (so an interrupted
 grid resumes), and prints a markdown table of the medians over seeds: the harder binding test
-(data.binding_sets; each a %, chance 50) on {canonical style, all five training styles, held-out
+(shapes.binding_sets; each a %, chance 50) on {canonical style, all five training styles, held-out
 templates, held-out object pairs} x {attribute swap, relation-word swap, object-order swap}, then
 retrieval RSum and zero-shot top-1.
 Text encoders: "shapes-text" (the tiny masked-word transformer) and MiniLM
@@ -28,6 +28,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+import shapes
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -46,7 +47,7 @@ OWN_DEFAULTS = {"mlp", "t2c", "csa", "asif"}     # fast defaults (mlp, t2c) or n
 
 def contrastive(method):
     """Does the method train with a contrastive loss (so --hard-negatives applies)?"""
-    from align import contrastive_scale
+    from negatives import contrastive_scale
     from methods import METHODS
     return contrastive_scale(METHODS[method](16, 12)) is not None
 
@@ -108,12 +109,11 @@ def ridge_probe(X, y, n_classes, seed=0):
 
 def probes(args):
     """Linear probes of the relation between two objects, named by their colours, on 1200 fresh
-    two-object scenes: target = where the object whose colour comes first in data.COLOUR_NAMES is
+    two-object scenes: target = where the object whose colour comes first in shapes.COLOUR_NAMES is
     relative to the other (left / right / above / below; chance ~25%). A bag of words cannot
     read it from a caption; one pooled vector can only if it binds colour to place."""
     import numpy as np
     import torch
-    import data
     import encoders
     import shapes_encoders
     from features import Features
@@ -122,15 +122,15 @@ def probes(args):
     rng = np.random.default_rng(4242)
     scenes = []
     while len(scenes) < 1200:
-        s = data.sample_scene(rng, 2)
+        s = shapes.sample_scene(rng, 2)
         if s["objects"][0]["colour"] != s["objects"][1]["colour"]:
             scenes.append(s)
     def target(s):
-        a, b = sorted(s["objects"], key=lambda o: data.COLOUR_NAMES.index(o["colour"]))
-        return ["left", "right", "above", "below"].index(data.relation(a, b))
+        a, b = sorted(s["objects"], key=lambda o: shapes.COLOUR_NAMES.index(o["colour"]))
+        return ["left", "right", "above", "below"].index(shapes.relation(a, b))
     y = torch.tensor([target(s) for s in scenes])
-    captions = [data.caption(s, int(rng.integers(4))) for s in scenes]     # styles 0-3 name the relation
-    images = data.render_all(scenes)[0]
+    captions = [shapes.caption(s, int(rng.integers(4))) for s in scenes]     # styles 0-3 name the relation
+    images = shapes.render_all(scenes)[0]
     enc = lambda e, xs: Features.cat([e.encode(xs[i:i + 200]) for i in range(0, len(xs), 200)])
     rows = [("majority class", 100 * y.bincount().max().item() / len(y))]
     for pos in (False, True):
@@ -173,14 +173,13 @@ def paraphrases(args):
     (chance 50). A form the encoder itself reads as its swap gives an aligner nothing to read."""
     import numpy as np
     import torch
-    import data
     import encoders
     torch.set_num_threads(1)
-    forms = list(range(1, 5)) + [f"h{k}" for k in range(len(data.HELD_OUT_TEMPLATES))]
+    forms = list(range(1, 5)) + [f"h{k}" for k in range(len(shapes.HELD_OUT_TEMPLATES))]
     rng = np.random.default_rng(4243)
     scenes = []
     while len(scenes) < 200:
-        s = data.sample_scene(rng, 2)
+        s = shapes.sample_scene(rng, 2)
         a, b = s["objects"]
         if a["colour"] != b["colour"] and a["shape"] != b["shape"]:
             scenes.append(s)
@@ -188,11 +187,11 @@ def paraphrases(args):
     for text in args.texts:
         _, enc = encoders.load_encoders("shapes-cnn", args.minilm if text == "minilm" else "shapes-text", args.cache_dir)
         vec = lambda captions: torch.nn.functional.normalize(enc.encode(captions).pooled.float(), dim=-1)
-        canonical = [data.minimal_pairs(s, 0) for s in scenes]
+        canonical = [shapes.minimal_pairs(s, 0) for s in scenes]
         true0 = vec([t for t, _ in canonical])
         swaps0 = {k: vec([d[k] for _, d in canonical]) for k, _ in SWAPS}
         for form in forms:
-            captions = [data.minimal_pairs(s, form)[0] for s in scenes]
+            captions = [shapes.minimal_pairs(s, form)[0] for s in scenes]
             v = vec(captions)
             near = [100 * ((v * true0).sum(-1) > (v * swaps0[k]).sum(-1)).float().mean().item() for k, _ in SWAPS]
             print(f"| {text} | {form} | {captions[0]} | " + " | ".join(f"{x:.1f}" for x in near) + " |")
@@ -201,20 +200,19 @@ def paraphrases(args):
 # ---------------------------------------------------------------- --breakdown: which phrasing fails?
 def breakdown(args):
     """Each trained run's harder binding test per caption form: the all-styles set by training style,
-    the held-out set by template (data.HELD_OUT_TEMPLATES), from the run's method.pt."""
+    the held-out set by template (shapes.HELD_OUT_TEMPLATES), from the run's method.pt."""
     import torch
-    import data
     import encoders
     import evaluate
     from methods import METHODS
     torch.set_num_threads(1)
-    world = data.shapes_world()
+    world = shapes.shapes_world()
     for run in args.breakdown:
         config = json.loads((Path(run) / "config.json").read_text())
         img_enc, txt_enc = encoders.load_encoders(config["image_encoder"], config["text_encoder"], args.cache_dir)
         rows = []
         for split, forms in (("binding_styles", [str(k) for k in range(5)]),
-                             ("binding_templates", [f"h{k}" for k in range(len(data.HELD_OUT_TEMPLATES))])):
+                             ("binding_templates", [f"h{k}" for k in range(len(shapes.HELD_OUT_TEMPLATES))])):
             s = world[split]
             img = img_enc.encode(s.images)
             txt = {k: txt_enc.encode(c) for k, c in [("true", s.captions), *s.distractors.items()]}

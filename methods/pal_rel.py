@@ -34,7 +34,7 @@ alpha, choice 2); pos -> pos; c -> c; u -> self.u; rho -> rho; V -> self.V; M ->
 W -> self.W; U -> self.U; o -> o; alpha_l -> alpha; d -> d; tau_p -> self.tau_p;
 tau -> self.tau.
 
-Measured on the Shapes world's harder binding test (data.binding_sets, docs/binding.md):
+Measured on the Shapes world's harder binding test (shapes.binding_sets, docs/binding.md):
 seed 0, default encoders, `python align.py --method pal_rel --epochs 5 --threads 1`.
 
 Deviations / choices:

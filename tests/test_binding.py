@@ -1,5 +1,5 @@
 """Binding: hard negatives (data.py's scene swaps and noun-phrase rule, align.py --hard-negatives),
-the harder binding test (data.binding_sets), the position-aware tiny CNN, and the relation-aware
+the harder binding test (shapes.binding_sets), the position-aware tiny CNN, and the relation-aware
 variant methods/pal_rel.py.
 
 Each test checks against an independent reference: exact strings written by hand,
@@ -14,13 +14,14 @@ import torch
 import torch.nn.functional as F
 
 import align
-import data
 import shapes_encoders
 from conftest import random_features
 from methods.cov import CoV
 from methods.linear import Linear
 from methods.pal import PAL
 from methods.pal_rel import PALRel, grid_positions, word_positions_code
+import negatives
+import shapes
 
 
 # ---------------------------------------------------------------- the swaps (data.py)
@@ -32,23 +33,23 @@ def two_object_scene(colour_b="blue", shape_b="square", size_b="large"):
 
 def test_scene_swaps_are_the_minimal_pairs_written_by_hand():
     s = two_object_scene()
-    assert data.scene_swaps(s, 0) == ["a small blue circle to the left of a large red square",
+    assert shapes.scene_swaps(s, 0) == ["a small blue circle to the left of a large red square",
                                       "a small red circle to the right of a large blue square",
                                       "a large blue square to the left of a small red circle"]
-    assert data.scene_swaps(s, 1) == ["a large red square to the right of a small blue circle",
+    assert shapes.scene_swaps(s, 1) == ["a large red square to the right of a small blue circle",
                                       "a large blue square to the left of a small red circle",
                                       "a small red circle to the right of a large blue square"]
-    assert data.scene_swaps(s, 3, object_order=False) == [
+    assert shapes.scene_swaps(s, 3, object_order=False) == [
         "a picture of a large red square and a small blue circle , the circle is to the left of the square",
         "a picture of a large blue square and a small red circle , the circle is to the right of the square"]
     # same colours: no attribute swap; identical phrases: reversing the relation would stay true
     same = two_object_scene(colour_b="red", shape_b="circle", size_b="small")
-    assert data.scene_swaps(same, 0) == []
-    assert data.scene_swaps(dict(objects=same["objects"][:1], background=None), 0) == []
+    assert shapes.scene_swaps(same, 0) == []
+    assert shapes.scene_swaps(dict(objects=same["objects"][:1], background=None), 0) == []
 
 
 def test_hard_negatives_never_hold_the_own_caption_and_always_differ():
-    train = data.shapes_world()["train"]
+    train = shapes.shapes_world()["train"]
     assert len(train.hard_negatives) == len(train.captions)
     n_with = 0
     for cap, negs in zip(train.captions, train.hard_negatives):
@@ -59,7 +60,7 @@ def test_hard_negatives_never_hold_the_own_caption_and_always_differ():
 
 
 def test_binding_captions_and_distractors_are_never_training_hard_negatives():
-    world = data.shapes_world()
+    world = shapes.shapes_world()
     sets = [v for k, v in world.items() if k.startswith("binding")]
     held_out = {c for b in sets for c in [*b.captions, *(d for v in b.distractors.values() for d in v)]}
     negatives = {c for negs in world["train"].hard_negatives for c in negs}
@@ -87,11 +88,11 @@ COCO_STYLE = {  # caption -> the swaps of the noun-phrase rule, written by hand
 
 def test_word_swap_rule_on_coco_style_captions():
     for caption, expected in COCO_STYLE.items():
-        assert data.word_swaps(caption) == expected, caption
-    applies = sum(bool(data.word_swaps(c)) for c in COCO_STYLE) / len(COCO_STYLE)
+        assert negatives.word_swaps(caption) == expected, caption
+    applies = sum(bool(negatives.word_swaps(c)) for c in COCO_STYLE) / len(COCO_STYLE)
     assert applies == 8 / 12
-    shapes = data.shapes_world()["train"].captions
-    frac = sum(bool(data.word_swaps(c)) for c in shapes) / len(shapes)
+    captions = shapes.shapes_world()["train"].captions
+    frac = sum(bool(negatives.word_swaps(c)) for c in captions) / len(captions)
     assert abs(frac - 0.6558) < 1e-4             # 3935 of 6000: the captions that name two or three objects
 
 
@@ -104,15 +105,15 @@ def test_word_swaps_on_every_shapes_form_never_give_a_true_caption():
     counts = {f: [0, 0] for f in forms}
     n = 0
     while n < 200:
-        s = data.sample_scene(rng, 2)
+        s = shapes.sample_scene(rng, 2)
         a, b = s["objects"]
         if a["colour"] == b["colour"] or a["shape"] == b["shape"]:
             continue
         n += 1
-        rows = {f: data.minimal_pairs(s, f) for f in forms}
+        rows = {f: shapes.minimal_pairs(s, f) for f in forms}
         true = {t for t, _ in rows.values()}
         for f, (t, dis) in rows.items():
-            swaps = data.word_swaps(t)
+            swaps = negatives.word_swaps(t)
             assert t not in swaps and not (set(swaps) & true), (t, swaps)
             counts[f][0] += dis["attribute_swap"] in swaps
             counts[f][1] += len(set(swaps) - {dis["attribute_swap"]}) > 0
@@ -124,17 +125,17 @@ def test_word_swaps_on_every_shapes_form_never_give_a_true_caption():
     # h1 no relation phrase of the list; h2 and h3 swap at "on" ("on its left", "on the left"), never "above it"
 
 
-# ---------------------------------------------------------------- the harder binding test (data.binding_sets)
+# ---------------------------------------------------------------- the harder binding test (shapes.binding_sets)
 def replay_world(seed, n_train, n_test, n_cls, n_seg, n_bind):
     """The world's scenes drawn again exactly as shapes_world draws them, from its one stream."""
     rng = np.random.default_rng(seed)
     n_obj = lambda: int(rng.integers(1, 4))
-    train = [data.sample_scene(rng, n_obj()) for _ in range(n_train)]
-    test = [data.sample_scene(rng, n_obj()) for _ in range(n_test)]
-    [data.sample_scene(rng, 1) for _ in range(n_cls)] + [data.sample_scene(rng, n_obj()) for _ in range(n_seg)]
+    train = [shapes.sample_scene(rng, n_obj()) for _ in range(n_train)]
+    test = [shapes.sample_scene(rng, n_obj()) for _ in range(n_test)]
+    [shapes.sample_scene(rng, 1) for _ in range(n_cls)] + [shapes.sample_scene(rng, n_obj()) for _ in range(n_seg)]
     bind = []
     while len(bind) < n_bind:
-        s = data.sample_scene(rng, 2)
+        s = shapes.sample_scene(rng, 2)
         if s["objects"][0]["colour"] != s["objects"][1]["colour"]:
             bind.append(s)
     styles = [int(rng.integers(5)) for _ in train]
@@ -143,12 +144,12 @@ def replay_world(seed, n_train, n_test, n_cls, n_seg, n_bind):
 
 def test_harder_sets_leave_every_other_set_as_it_was():
     size = dict(n_train=40, n_test=6, n_cls=5, n_seg=5, n_bind=12)
-    w = data.shapes_world(3, **size)
+    w = shapes.shapes_world(3, **size)
     train, test, bind, styles = replay_world(3, **size)
-    assert w["train"].captions == [data.caption(s, k) for s, k in zip(train, styles)]
-    assert torch.equal(w["train"].images, data.render_all(train)[0])
-    assert w["test"].captions == [data.caption(s, k) for s in test for k in range(5)]
-    assert w["binding"].captions == [data.caption(s, 0) for s in bind]
+    assert w["train"].captions == [shapes.caption(s, k) for s, k in zip(train, styles)]
+    assert torch.equal(w["train"].images, shapes.render_all(train)[0])
+    assert w["test"].captions == [shapes.caption(s, k) for s in test for k in range(5)]
+    assert w["binding"].captions == [shapes.caption(s, 0) for s in bind]
     c = w["binding_canonical"]                                    # the binding set plus its object-order swaps
     assert torch.equal(c.images, w["binding"].images) and c.captions == w["binding"].captions
     for kind in ("attribute_swap", "relation_swap"):
@@ -160,13 +161,13 @@ def test_harder_sets_leave_every_other_set_as_it_was():
 
 def test_minimal_pairs_written_by_hand():
     s = two_object_scene()                                       # a small red circle left of a large blue square
-    assert data.minimal_pairs(s, 0) == ("a small red circle to the left of a large blue square", {
+    assert shapes.minimal_pairs(s, 0) == ("a small red circle to the left of a large blue square", {
         "attribute_swap": "a small blue circle to the left of a large red square",
         "relation_swap": "a small red circle to the right of a large blue square",
         "object_swap": "a large blue square to the left of a small red circle"})
-    assert data.minimal_pairs(s, 3)[1]["object_swap"] == \
+    assert shapes.minimal_pairs(s, 3)[1]["object_swap"] == \
         "a picture of a small red circle and a large blue square , the square is to the left of the circle"
-    got = {f: data.minimal_pairs(s, f) for f in ("h0", "h1", "h2", "h3", "h4")}
+    got = {f: shapes.minimal_pairs(s, f) for f in ("h0", "h1", "h2", "h3", "h4")}
     assert [t for t, _ in got.values()] == [
         "to the left of a large blue square is a small red circle",
         "a large blue square is to the right and a small red circle is to the left",
@@ -178,24 +179,24 @@ def test_minimal_pairs_written_by_hand():
                             "object_swap": "a small red circle has a large blue square on its left"}
 
 
-PHRASE = r"an? (?:(?:small|large) )?(?:" + "|".join(data.COLOUR_NAMES) + ") (?:" + "|".join(data.SHAPES) + ")"
+PHRASE = r"an? (?:(?:small|large) )?(?:" + "|".join(shapes.COLOUR_NAMES) + ") (?:" + "|".join(shapes.SHAPES) + ")"
 
 
 def skeleton(caption):
     """The caption's wording with every object phrase and shape word replaced: its template."""
-    return re.sub(r"\b(" + "|".join(data.SHAPES) + r")\b", "S", re.sub(PHRASE, "X", caption))
+    return re.sub(r"\b(" + "|".join(shapes.SHAPES) + r")\b", "S", re.sub(PHRASE, "X", caption))
 
 
 def test_held_out_templates_are_in_no_training_caption_and_pairs_in_no_training_relation():
-    world = data.shapes_world()
+    world = shapes.shapes_world()
     seen = {skeleton(c) for split in ("train", "test") for c in world[split].captions}
     assert len(seen) == 3 * 4 * 2 + 4   # 3 wordings (styles 0, 1, 4 share one) x 4 relations x 2 or 3 objects; 1 object
     assert not seen & {skeleton(c) for c in world["binding_templates"].captions}
     assert len({skeleton(c) for c in world["binding_templates"].captions}) == 5 * 4  # every template, relation
     train, _, _, _ = replay_world(0, 6000, 500, 480, 300, 300)
-    related = data.related_pairs(train)
+    related = shapes.related_pairs(train)
     phrases = lambda c: frozenset(re.findall(PHRASE, c)[:2])
-    assert related == {phrases(data.caption(s, 0)) for s in train if len(s["objects"]) >= 2}
+    assert related == {phrases(shapes.caption(s, 0)) for s in train if len(s["objects"]) >= 2}
     combos = world["binding_combos"]
     assert all(len(phrases(c)) == 2 and phrases(c) not in related for c in combos.captions)
     assert len({phrases(c) for c in combos.captions}) == 25          # the 25 such pairs (colour and shape differ)
@@ -204,7 +205,7 @@ def test_held_out_templates_are_in_no_training_caption_and_pairs_in_no_training_
 
 
 def test_harder_sets_swaps_are_three_different_false_captions():
-    world = data.shapes_world()
+    world = shapes.shapes_world()
     negatives = {c for negs in world["train"].hard_negatives for c in negs}
     for name in ("binding_styles", "binding_templates", "binding_combos"):
         s = world[name]
@@ -241,15 +242,15 @@ def test_hard_negative_loss_matches_a_loop(make):
     txt = random_features(B, 4, 6, lengths=[4, 3, 2, 4, 1], seed=2)
     neg = random_features(B * M, 4, 6, lengths=[4, 3] * B, seed=3)
     has_neg = torch.tensor([[True, True], [True, False], [False, False], [True, True], [False, True]])
-    got = align.hard_negative_loss(method, img, txt, neg, has_neg, align.contrastive_scale(method))
-    want = naive_hard_negative_loss(method, img, txt, neg, has_neg, align.contrastive_scale(method))
+    got = negatives.hard_negative_loss(method, img, txt, neg, has_neg, negatives.contrastive_scale(method))
+    want = naive_hard_negative_loss(method, img, txt, neg, has_neg, negatives.contrastive_scale(method))
     assert torch.allclose(got, want, atol=1e-5)
     # the training loop's path: method.loss first, then the term on the same batch, same value
     method.loss(img, txt)
-    after = align.hard_negative_loss(method, img, txt, neg, has_neg, align.contrastive_scale(method))
+    after = negatives.hard_negative_loss(method, img, txt, neg, has_neg, negatives.contrastive_scale(method))
     assert torch.allclose(after, want, atol=1e-5)
     # no swaps at all: the term is the image -> text half of InfoNCE
-    none = align.hard_negative_loss(method, img, txt, neg, torch.zeros(B, M, dtype=torch.bool), 1 / method.tau)
+    none = negatives.hard_negative_loss(method, img, txt, neg, torch.zeros(B, M, dtype=torch.bool), 1 / method.tau)
     S = method.score(method.embed_image(img), method.embed_text(txt)) / method.tau
     assert torch.allclose(none, F.cross_entropy(S, torch.arange(B)), atol=1e-5)
 
@@ -277,14 +278,14 @@ def test_filip_hard_negative_term_is_negclip_on_its_own_image_to_text_score():
         total = total - (torch.stack(logits) / filip.tau).log_softmax(0)[i]
     want = total / B
     with torch.no_grad():
-        got = align.hard_negative_loss(filip, img, txt, neg, has_neg, align.contrastive_scale(filip))
-    assert align.contrastive_scale(filip) == 1 / filip.tau
+        got = negatives.hard_negative_loss(filip, img, txt, neg, has_neg, negatives.contrastive_scale(filip))
+    assert negatives.contrastive_scale(filip) == 1 / filip.tau
     assert torch.allclose(got, want, atol=1e-5), (got, want)
     # and without swaps, the term is the image -> text half of FILIP's own InfoNCE logits
     from methods.cov import max_mean
     i2t = max_mean(filip.embed_image(img), filip.embed_text(txt))[0] / filip.tau
     with torch.no_grad():
-        none = align.hard_negative_loss(filip, img, txt, neg, torch.zeros(B, M, dtype=torch.bool), 1 / filip.tau)
+        none = negatives.hard_negative_loss(filip, img, txt, neg, torch.zeros(B, M, dtype=torch.bool), 1 / filip.tau)
     assert torch.allclose(none, F.cross_entropy(i2t, torch.arange(B)), atol=1e-5)
 
 
@@ -298,8 +299,8 @@ def test_hard_negative_loss_has_finite_gradients_with_a_learned_scale():
     txt = random_features(4, 3, 6, seed=2)
     neg = random_features(8, 3, 6, seed=3)
     has_neg = torch.tensor([[True, False], [False, False], [True, True], [False, True]])
-    scale = align.contrastive_scale(sail)
-    loss = align.hard_negative_loss(sail, img, txt, neg, has_neg, scale)
+    scale = negatives.contrastive_scale(sail)
+    loss = negatives.hard_negative_loss(sail, img, txt, neg, has_neg, scale)
     loss.backward()
     assert torch.isfinite(sail.log_t.grad) and sail.log_t.grad != 0
     assert all(torch.isfinite(p.grad).all() for p in sail.parameters() if p.grad is not None)
@@ -311,11 +312,11 @@ def test_hard_negative_loss_trains_cov_through_its_inference_only_score():
     """CoV marks score() no_grad; the term must still reach its parameters, at CoV's InfoNCE temperature."""
     torch.manual_seed(0)
     cov = CoV(8, 6, dim=16, n_regions=2)
-    assert align.contrastive_scale(cov) == 1 / cov.tau_g
+    assert negatives.contrastive_scale(cov) == 1 / cov.tau_g
     img = random_features(4, 5, 8, grid=(2, 2), seed=1)
     txt = random_features(4, 3, 6, seed=2)
     neg = random_features(4, 3, 6, seed=3)
-    loss = align.hard_negative_loss(cov, img, txt, neg, torch.ones(4, 1, dtype=torch.bool), align.contrastive_scale(cov))
+    loss = negatives.hard_negative_loss(cov, img, txt, neg, torch.ones(4, 1, dtype=torch.bool), negatives.contrastive_scale(cov))
     loss.backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in cov.parameters())
 
@@ -523,11 +524,11 @@ def test_sincos_code_is_the_closed_form():
 def test_the_position_code_puts_each_patch_tokens_place_in_it():
     """The architecture, at one random initialisation: with the sin-cos code before the last block each
     patch token says where it is; without it only the zero-padded border does."""
-    images, _ = data.pretrain_images(200, seed=777)
+    images, _ = shapes.pretrain_images(200, seed=777)
     acc = {}
     for pos in (True, False):
         torch.manual_seed(0)
-        model = shapes_encoders.TinyImageEncoder(len(data.CLASS_NAMES) + 1, pos=pos)
+        model = shapes_encoders.TinyImageEncoder(len(shapes.CLASS_NAMES) + 1, pos=pos)
         enc = shapes_encoders.ShapesImageEncoder(model)
         assert enc.name == ("shapes-cnn-pos1" if pos else "shapes-cnn")   # separate feature cache keys
         acc[pos] = position_probe(enc, images)

@@ -118,7 +118,7 @@ DRIVER = """
 import functools, sys
 sys.path.insert(0, sys.argv[1])
 import align, data
-data.DATASETS["shapes"] = functools.cache(data.DATASETS["shapes"])   # the Shapes world made once
+shapes.shapes_world = functools.cache(shapes.shapes_world)   # the Shapes world made once
 for method, hp in (("pal", ["--hp", "K=64"]), ("csa", [])):
     align.main(["--method", method, "--out", sys.argv[2] + "/" + method, *hp, *sys.argv[3:]])
 """
@@ -183,7 +183,7 @@ if kill_after and distributed.rank() == 1:
             os.kill(os.getpid(), signal.SIGKILL)
     distributed.say = say
 image, text = encoders.load_encoders("shapes-cnn", "shapes-text", sys.argv[2])
-test = data.shapes_world(n_train=16, n_test=96, n_cls=8, n_seg=8, n_bind=8)["test"]
+test = shapes.shapes_world(n_train=16, n_test=96, n_cls=8, n_seg=8, n_bind=8)["test"]
 for enc, inputs, modality in ((image, test.images, "image"), (text, test.captions, "text")):
     f = cache.extract(enc, inputs, sys.argv[2], batch_size=8, dataset="t", split="test", modality=modality)
     assert isinstance(f, shards.StoredFeatures) and len(f) == len(inputs)

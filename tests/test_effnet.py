@@ -12,9 +12,9 @@ import torch
 
 import encoders
 import shapes_encoders
-import data
 import model_files
 import layers
+import shapes
 
 cnn_encoders = pytest.importorskip("cnn_encoders")
 EfficientNet = pytest.importorskip("efficientnet_lite_pytorch").EfficientNet
@@ -97,7 +97,7 @@ def test_image_layer_outside_the_stages_is_one_error():
 
 @pytest.mark.slow
 def test_select_layers_scores_every_stage():
-    w = data.shapes_world(0, n_train=16, n_test=2, n_cls=2, n_seg=2, n_bind=2)
+    w = shapes.shapes_world(0, n_train=16, n_test=2, n_cls=2, n_seg=2, n_bind=2)
     vocab = shapes_encoders.SPECIALS + sorted({x for c in w["train"].captions
                                                for x in shapes_encoders.WordTokenizer.split(c)})
     img = random_lite()

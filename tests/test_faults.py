@@ -22,7 +22,6 @@ import torch
 
 import align
 import cache
-import data
 import encoders
 import outfolder
 import shapes_encoders
@@ -31,6 +30,7 @@ from methods.linear import Linear
 from methods.mlp import MLP
 import cnn_encoders
 import storage
+import shapes
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ("--method", "linear", "--epochs", "3")          # every full run: 3 short epochs, 20 test images
@@ -101,7 +101,7 @@ def reference(shared, tmp_path_factory):
 def plant_tiny_encoders(folder, seed, vocab):
     """Random-init tiny encoders saved as the cache's pretrained checkpoints (as a re-pretraining would)."""
     torch.manual_seed(seed)
-    image, text = shapes_encoders.TinyImageEncoder(len(data.CLASS_NAMES)), shapes_encoders.TinyTextEncoder(len(vocab))
+    image, text = shapes_encoders.TinyImageEncoder(len(shapes.CLASS_NAMES)), shapes_encoders.TinyTextEncoder(len(vocab))
     storage.atomic_save({"key": "shapes-cnn-1", "state": image.state_dict(), "acc": 0.0},   # seed 1: cached
                       folder / "encoders" / "shapes-cnn-seed1.pt")                      # (seed 0 ships)
     storage.atomic_save({"key": "shapes-text-1", "state": text.state_dict(), "vocab": vocab, "acc": 0.0},

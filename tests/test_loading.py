@@ -16,6 +16,7 @@ from methods import budget
 from methods.linear import Linear
 import loader
 import shards
+import shapes
 
 
 class RandomEncoder:
@@ -168,18 +169,17 @@ def test_cpu_default_caps_epochs_by_the_budget_and_halves_an_over_budget_batch(m
 # ----------------------------------------------------------------------------- the cold path: rendering
 def test_render_with_grids_made_once_matches_the_per_call_grids():
     import numpy as np
-    import data
     rng = np.random.default_rng(7)
-    scenes = [data.sample_scene(rng, int(rng.integers(1, 4))) for _ in range(20)]
+    scenes = [shapes.sample_scene(rng, int(rng.integers(1, 4))) for _ in range(20)]
     for obj in (o for s in scenes for o in s["objects"]):
-        yy, xx = np.mgrid[0:data.SIZE, 0:data.SIZE] + 0.5             # the grid as render made it per call
+        yy, xx = np.mgrid[0:shapes.SIZE, 0:shapes.SIZE] + 0.5             # the grid as render made it per call
         dx, dy, r = xx - obj["x"], yy - obj["y"], obj["r"]
         naive = {"circle": dx ** 2 + dy ** 2 <= r ** 2, "square": (abs(dx) <= 0.85 * r) & (abs(dy) <= 0.85 * r),
                  "triangle": (dy >= -r) & (dy <= 0.8 * r) & (abs(dx) <= 0.6 * (dy + r)),
                  "cross": ((abs(dx) <= r / 3) & (abs(dy) <= r)) | ((abs(dy) <= r / 3) & (abs(dx) <= r))}[obj["shape"]]
-        assert np.array_equal(data.shape_mask(obj), naive)
-    images, shape_masks, object_masks = data.render_all(scenes)
-    one_by_one = [data.render(s) for s in scenes]
-    assert images.is_contiguous() and images.shape == (20, 3, data.SIZE, data.SIZE)
+        assert np.array_equal(shapes.shape_mask(obj), naive)
+    images, shape_masks, object_masks = shapes.render_all(scenes)
+    one_by_one = [shapes.render(s) for s in scenes]
+    assert images.is_contiguous() and images.shape == (20, 3, shapes.SIZE, shapes.SIZE)
     for k, x in enumerate((images, shape_masks, object_masks)):
         assert torch.equal(x, torch.stack([r[k] for r in one_by_one]))

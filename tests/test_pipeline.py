@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import data
 import encoders
 import shapes_encoders as se
 import similarity
@@ -17,16 +16,17 @@ import cache
 import model_files
 import layers
 import shards
+import shapes
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def tiny_shapes(n=40, seed=0):
     """A small Shapes PairSet and randomly initialised tiny encoders (no pretraining needed)."""
-    w = data.shapes_world(seed, n_train=n, n_test=2, n_cls=2, n_seg=2, n_bind=2)
+    w = shapes.shapes_world(seed, n_train=n, n_test=2, n_cls=2, n_seg=2, n_bind=2)
     vocab = se.SPECIALS + sorted({x for c in w["train"].captions for x in se.WordTokenizer.split(c)})
     torch.manual_seed(seed)
-    img = se.ShapesImageEncoder(se.TinyImageEncoder(len(data.CLASS_NAMES), pos=True))
+    img = se.ShapesImageEncoder(se.TinyImageEncoder(len(shapes.CLASS_NAMES), pos=True))
     txt = se.ShapesTextEncoder(se.TinyTextEncoder(len(vocab)), se.WordTokenizer(vocab))
     return w, img, txt
 

@@ -22,6 +22,7 @@ import similarity
 import cnn_encoders
 import model_files
 import layers
+import shapes
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = "a an the dog cat man red blue on of in photo sits rides is".split()
@@ -411,10 +412,10 @@ def test_align_selects_layers_and_streams_memmapped_features(tiny_world, models,
 
 
 def test_layer_selection_runs_on_the_shapes_encoders():
-    w = data.shapes_world(0, n_train=40, n_test=2, n_cls=2, n_seg=2, n_bind=2)
+    w = shapes.shapes_world(0, n_train=40, n_test=2, n_cls=2, n_seg=2, n_bind=2)
     vocab = shapes_encoders.SPECIALS + sorted({x for c in w["train"].captions for x in shapes_encoders.WordTokenizer.split(c)})
     torch.manual_seed(0)
-    img = shapes_encoders.ShapesImageEncoder(shapes_encoders.TinyImageEncoder(len(data.CLASS_NAMES)))     # random init suffices
+    img = shapes_encoders.ShapesImageEncoder(shapes_encoders.TinyImageEncoder(len(shapes.CLASS_NAMES)))     # random init suffices
     txt = shapes_encoders.ShapesTextEncoder(shapes_encoders.TinyTextEncoder(len(vocab)), shapes_encoders.WordTokenizer(vocab))
     li, lt, table = layers.select_layers(img, txt, w["train"], "mknn", n=30, log=lambda s: None)
     assert set(table) == {(i, t) for i in range(1, 5) for t in (1, 2)} and (img.layer, txt.layer) == (li, lt)

@@ -28,6 +28,7 @@ from test_real import write_ade, write_karpathy, write_models, write_voc
 import layers
 import shards
 import storage
+import shapes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -270,11 +271,11 @@ def test_a_cached_encoder_checkpoint_of_other_shapes_is_rebuilt(tmp_path, monkey
     the tiny CNN): pretrained again (here a stand-in for the minute of pretraining), not a traceback."""
     import shapes_encoders as se
     torch.manual_seed(0)
-    small = se.TinyImageEncoder(len(data.CLASS_NAMES), D=16)
+    small = se.TinyImageEncoder(len(shapes.CLASS_NAMES), D=16)
     storage.atomic_save({"key": "shapes-cnn-1", "state": small.state_dict(), "acc": 0.9},   # seed 1 (seed 0 ships)
                       tmp_path / "encoders" / "shapes-cnn-seed1.pt")
     calls = []
-    fresh_image = se.TinyImageEncoder(len(data.CLASS_NAMES))
+    fresh_image = se.TinyImageEncoder(len(shapes.CLASS_NAMES))
     monkeypatch.setattr(se, "pretrain_image_encoder", lambda *a, **k: calls.append("image") or (fresh_image, 0.5))
     vocab = se.SPECIALS + ["a", "dog"]
     monkeypatch.setattr(se, "pretrain_text_encoder", lambda *a, **k: calls.append("text") or

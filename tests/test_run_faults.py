@@ -20,7 +20,6 @@ import pytest
 import torch
 
 import align
-import data
 import outfolder
 import recycling
 from conftest import random_features
@@ -29,17 +28,18 @@ from methods import METHODS
 from methods.mlp import MLP
 from test_real import models, write_karpathy  # noqa: F401  (the tiny Hugging Face models fixture)
 import storage
+import shapes
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ("--eval-images", "20", "--no-figures", "--threads", "1")
 
 
-SHAPES = functools.cache(data.DATASETS["shapes"])              # the Shapes world, rendered once here
+SHAPES = functools.cache(shapes.shapes_world)              # the Shapes world, rendered once here
 
 
 @pytest.fixture(autouse=True)
 def shapes_once(monkeypatch):
-    monkeypatch.setitem(data.DATASETS, "shapes", SHAPES)
+    monkeypatch.setattr(shapes, "shapes_world", SHAPES)
 
 
 def run(cache_dir, out, *extra):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import shapes_encoders as se
+import shapes
 
 MB = 2**20
 
@@ -60,7 +61,7 @@ import sys, torch
 sys.path.insert(0, sys.argv[1])
 import data, shapes_encoders as se
 torch.set_num_threads(1)
-w = data.shapes_world(0, n_train=96, n_test=2, n_cls=2, n_seg=2, n_bind=2)["train"]
+w = shapes.shapes_world(0, n_train=96, n_test=2, n_cls=2, n_seg=2, n_bind=2)["train"]
 image, text = se.load_shapes_encoders(sys.argv[2], log=lambda *a: None)
 fi, ft = image.encode(w.images), text.encode(w.captions)
 torch.save({"image": fi.tokens.half(), "text": ft.tokens.half(), "pooled": ft.pooled.half()}, sys.argv[3])
@@ -89,8 +90,7 @@ def test_the_float16_features_are_the_same_under_other_cpu_kernels(tmp_path):
 
 
 def test_encode_is_the_float64_forward_rounded(tmp_path):
-    import data
-    w = data.shapes_world(0, n_train=8, n_test=2, n_cls=2, n_seg=2, n_bind=2)["train"]
+    w = shapes.shapes_world(0, n_train=8, n_test=2, n_cls=2, n_seg=2, n_bind=2)["train"]
     image, text = se.load_shapes_encoders(tmp_path, log=lambda *a: None)
     with torch.no_grad():
         x = se.shapes_pixels(w.images).double()

@@ -10,6 +10,7 @@ import outfolder
 from simulated_device import simulated_cuda
 import features
 import shards
+import shapes
 
 TINY = ["--device", "cuda", "--threads", "1", "--epochs", "1", "--eval-images", "24"]
 
@@ -121,10 +122,9 @@ def test_cached_features_are_keyed_by_the_precision_they_were_computed_in(monkey
 def test_head_rows_come_to_the_host_after_extraction_on_the_device(cache_dir, monkeypatch):
     """Module.to is in place: after an extraction on the device the encoder's head lives there, and
     head() still gives host rows (the analyses' MLP and weight_pairs run on the host)."""
-    import data
     import encoders
     image_enc, text_enc = encoders.load_encoders("shapes-cnn", "shapes-text", cache_dir)
-    images = data.DATASETS["shapes"]()["test"].images[:2]
+    images = shapes.shapes_world()["test"].images[:2]
     with simulated_cuda(monkeypatch):
         image_enc.encode(images, "cuda")
         W, b, names = image_enc.head()

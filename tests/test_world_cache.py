@@ -5,6 +5,7 @@ import torch
 
 import cache
 import data
+import shapes
 
 SMALL = dict(n_train=12, n_test=4, n_cls=4, n_seg=4, n_bind=4)
 
@@ -23,7 +24,7 @@ def test_the_world_is_written_once_and_read_back_without_rendering(tmp_path, mon
     files = list((tmp_path / "world").glob("*.pt"))
     assert len(files) == 1
     cache._WORLDS.clear()                                           # as a new process would start
-    monkeypatch.setattr(data, "shapes_world", lambda *a, **k: (_ for _ in ()).throw(AssertionError("rendered")))
+    monkeypatch.setattr(shapes, "shapes_world", lambda *a, **k: (_ for _ in ()).throw(AssertionError("rendered")))
     read = cache.shapes_world(tmp_path, 0, **SMALL)
     same_sets(read, built)
 
@@ -31,11 +32,11 @@ def test_the_world_is_written_once_and_read_back_without_rendering(tmp_path, mon
 def test_the_world_matches_a_fresh_build_and_other_settings_get_other_files(tmp_path):
     read = cache.shapes_world(tmp_path, 1, **SMALL)
     cache._WORLDS.clear()
-    same_sets(cache.shapes_world(tmp_path, 1, **SMALL), data.shapes_world(1, **SMALL))
+    same_sets(cache.shapes_world(tmp_path, 1, **SMALL), shapes.shapes_world(1, **SMALL))
     cache.shapes_world(tmp_path, 2, **SMALL)
     cache.shapes_world(tmp_path, 1, **dict(SMALL, n_test=5))
     assert len(list((tmp_path / "world").glob("*.pt"))) == 3
-    assert read["test"].captions == data.shapes_world(1, **SMALL)["test"].captions
+    assert read["test"].captions == shapes.shapes_world(1, **SMALL)["test"].captions
 
 
 def test_an_edit_to_data_py_changes_the_key(tmp_path, monkeypatch):
@@ -54,4 +55,4 @@ def test_a_corrupt_world_file_is_rebuilt(tmp_path):
     raw[len(raw) // 2] ^= 0xFF
     f.write_bytes(bytes(raw))
     cache._WORLDS.clear()
-    same_sets(cache.shapes_world(tmp_path, 0, **SMALL), data.shapes_world(0, **SMALL))
+    same_sets(cache.shapes_world(tmp_path, 0, **SMALL), shapes.shapes_world(0, **SMALL))
