@@ -20,7 +20,6 @@ import collections
 import hashlib
 import json
 import os
-import re
 import stat
 import unicodedata
 from dataclasses import dataclass, field
@@ -62,52 +61,6 @@ class BindingSet:
     images: object
     captions: list
     distractors: dict
-
-
-# ---------------------------------------------------------------------------
-# Real datasets on disk: standard layouts, lazy images
-# ---------------------------------------------------------------------------
-# The layouts below are the ones the official archives unpack to. A missing
-# REQUIRED file (the COCO / Flickr30K Karpathy split) is one error naming the
-# layout and where to download it; a missing OPTIONAL evaluation set is one
-# printed line, and the run goes on without it.
-#
-# Choices (where the papers are silent):
-# 1. COCO train = the Karpathy "train" split (the 82,783 train2014 images; PAL's
-#    "~80K pairs"), one caption per image: the FIRST one, so every run and
-#    method sees the same pairs. Test = Karpathy "test": 5,000 images, their
-#    first 5 captions (25,000). Flickr30K likewise (29K train, 1K test). An
-#    image with no caption is left out (one printed line): every caption keeps
-#    its own image through txt_to_img, and retrieval has no query without an answer.
-# 2. Classification: the test split of each torchvision set, read with
-#    download=False from <data-root>/<name> as torchvision's download=True
-#    writes it. Class names are torchvision's, "_" and CamelCase split into
-#    lower-case words ("AnnualCrop" -> "annual crop"). Caltech101 and EuroSAT
-#    have no test split: all their images are used.
-# 3. Segmentation: each image and its mask are centre-cropped to a square;
-#    masks are resized (nearest) to SEG_SIZE x SEG_SIZE and stored uint8. A
-#    square image is resized straight to the encoder's input size (encoders.py),
-#    so mask pixels and patch tokens cover the same square. Background and
-#    unlabelled pixels are IGNORE (PAL's mIoU-fg): VOC20 = VOC2012 val, 20
-#    classes; Pascal Context = the 59-class mmsegmentation layout; ADE20K = the
-#    150 classes of ADEChallengeData2016.
-# 4. Faults are found before any encoder runs: the split file is parsed and
-#    checked entry by entry (valid UTF-8 JSON, an "images" list, every entry's
-#    filename / split / sentences, every sentence's "raw"), and every image and
-#    mask file is checked to exist and be non-empty, each fault one `error:`
-#    line naming the file. A file that exists but cannot be decoded (truncated,
-#    a decompression bomb) is one line naming it when it is read; there are no
-#    worker processes. A mask must have its image's size (their crops cover the same pixels),
-#    be a one-band PNG (not RGB, not a JPEG) and hold only the set's labels and 255, and a
-#    segmentation ids file must list each image once (its pixels would count twice).
-# 5. 16-bit grey images (PIL modes I;16, I) are scaled to 8 bits (/ 257), not
-#    clipped at 255; float grey images (mode F, float TIFFs) in [0, 1] are scaled by 255, others
-#    taken as 0..255; 16-bit colour PNGs PIL already reads as 8-bit RGB.
-# 6. identity(): what features of a set are computed from, for the feature
-#    cache key and the training checkpoint: image files by path, size and
-#    modification time (one stat each, where a content hash of COCO's images
-#    would read 19 GB on every run), texts and in-memory images by content.
-SEG_SIZE = 224  # side of the stored segmentation masks (the usual ViT input side)
 
 
 def rgb(img):
@@ -406,174 +359,22 @@ def karpathy_dataset(root, sub, split_file, image_dir, layout, url, name):
     return sets
 
 
-# ----------------------------------------------------------------- zero-shot classification sets
-# name: (torchvision class, test-split kwargs, label attribute, class-name attribute)
-TORCHVISION_SETS = {
-    "stl10": ("STL10", dict(split="test"), "labels", "classes"),
-    "cifar10": ("CIFAR10", dict(train=False), "targets", "classes"),
-    "cifar100": ("CIFAR100", dict(train=False), "targets", "classes"),
-    "caltech101": ("Caltech101", {}, "y", "categories"),
-    "dtd": ("DTD", dict(split="test"), "_labels", "classes"),
-    "eurosat": ("EuroSAT", {}, "targets", "classes"),
-    "food101": ("Food101", dict(split="test"), "_labels", "classes"),
-    "flowers102": ("Flowers102", dict(split="test"), "_labels", "classes"),
-    "pets": ("OxfordIIITPet", dict(split="test"), "_labels", "classes"),
-}
-
-
-def pretty(name):
-    """A class name as words: "AnnualCrop" -> "annual crop", "aquarium_fish" -> "aquarium fish"."""
-    return re.sub(r"(?<=[a-z])(?=[A-Z])", " ", name).replace("_", " ").lower().strip()
-
-
-def torchvision_set(name, root):
-    """LabelSet of one torchvision classification set's test split, or None (one printed line) when absent."""
-    import torchvision.datasets as tvd
-    cls, kwargs, label_attr, names_attr = TORCHVISION_SETS[name]
-    try:
-        ds = getattr(tvd, cls)(str(Path(root) / name), download=False, **kwargs)
-    except (RuntimeError, FileNotFoundError, OSError) as e:
-        print(f"[data] {name}: not found under {Path(root) / name} (optional; put torchvision's {cls}(root=..., "
-              f"download=True) layout there) - skipped [{type(e).__name__}]")
-        return None
-    labels = torch.as_tensor(np.asarray(getattr(ds, label_attr)), dtype=torch.long)
-    names = [pretty(c) for c in getattr(ds, names_attr)]
-    images = LazyImages(range(len(ds)), load=lambda i: ds[i][0], source=lambda: tree_identity(Path(root) / name))
-    return LabelSet(images, labels, names)
-
-
-# ----------------------------------------------------------------- zero-shot segmentation sets
-VOC_CLASSES = ["aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow", "dining table",
-               "dog", "horse", "motorbike", "person", "potted plant", "sheep", "sofa", "train", "tv monitor"]
-CONTEXT_CLASSES = [  # the 59 classes of mmsegmentation's PascalContextDataset59, label k + 1 in the PNGs
-    "aeroplane", "bag", "bed", "bedclothes", "bench", "bicycle", "bird", "boat", "book", "bottle", "building", "bus",
-    "cabinet", "car", "cat", "ceiling", "chair", "cloth", "computer", "cow", "cup", "curtain", "dog", "door", "fence",
-    "floor", "flower", "food", "grass", "ground", "horse", "keyboard", "light", "motorbike", "mountain", "mouse",
-    "person", "plate", "platform", "potted plant", "road", "rock", "sheep", "shelves", "sidewalk", "sign", "sky",
-    "snow", "sofa", "table", "track", "train", "tree", "truck", "tv monitor", "wall", "water", "window", "wood"]
-ADE_CLASSES = [  # the 150 classes of ADEChallengeData2016 (objectInfo150), label k + 1 in the PNGs
-    "wall", "building", "sky", "floor", "tree", "ceiling", "road", "bed", "windowpane", "grass", "cabinet", "sidewalk",
-    "person", "earth", "door", "table", "mountain", "plant", "curtain", "chair", "car", "water", "painting", "sofa",
-    "shelf", "house", "sea", "mirror", "rug", "field", "armchair", "seat", "fence", "desk", "rock", "wardrobe", "lamp",
-    "bathtub", "railing", "cushion", "base", "box", "column", "signboard", "chest of drawers", "counter", "sand",
-    "sink", "skyscraper", "fireplace", "refrigerator", "grandstand", "path", "stairs", "runway", "case",
-    "pool table", "pillow", "screen door", "stairway", "river", "bridge", "bookcase", "blind", "coffee table",
-    "toilet", "flower", "book", "hill", "bench", "countertop", "stove", "palm", "kitchen island", "computer",
-    "swivel chair", "boat", "bar", "arcade machine", "hovel", "bus", "towel", "light", "truck", "tower",
-    "chandelier", "awning", "streetlight", "booth", "television receiver", "airplane", "dirt track", "apparel",
-    "pole", "land", "bannister", "escalator", "ottoman", "bottle", "buffet", "poster", "stage", "van", "ship",
-    "fountain", "conveyer belt", "canopy", "washer", "plaything", "swimming pool", "stool", "barrel", "basket",
-    "waterfall", "tent", "bag", "minibike", "cradle", "oven", "ball", "food", "step", "tank", "trade name",
-    "microwave", "pot", "animal", "bicycle", "lake", "dishwasher", "screen", "blanket", "sculpture", "hood",
-    "sconce", "vase", "traffic light", "tray", "ashcan", "fan", "pier", "crt screen", "plate", "monitor",
-    "bulletin board", "shower", "radiator", "glass", "clock", "flag"]
-# name: (ids file, image pattern, mask pattern, class names, label of class 0 in the PNGs), relative to <data-root>
-SEGMENTATION_SETS = {
-    "voc20": ("VOCdevkit/VOC2012/ImageSets/Segmentation/val.txt", "VOCdevkit/VOC2012/JPEGImages/{}.jpg",
-              "VOCdevkit/VOC2012/SegmentationClass/{}.png", VOC_CLASSES, 1),
-    "context": ("VOCdevkit/VOC2010/ImageSets/SegmentationContext/val.txt", "VOCdevkit/VOC2010/JPEGImages/{}.jpg",
-                "VOCdevkit/VOC2010/SegmentationClassContext/{}.png", CONTEXT_CLASSES, 1),
-    "ade20k": (None, "ADEChallengeData2016/images/validation/{}.jpg",
-               "ADEChallengeData2016/annotations/validation/{}.png", ADE_CLASSES, 1),
-}
-SEGMENTATION_URLS = {
-    "voc20": "http://host.robots.ox.ac.uk/pascal/VOC/voc2012/VOCtrainval_11-May-2012.tar",
-    "context": "VOC2010 trainval tar + mmsegmentation's tools/dataset_converters/pascal_context.py",
-    "ade20k": "http://data.csail.mit.edu/places/ADEchallenge/ADEChallengeData2016.zip",
-}
-
-
-def read_mask(path, lut, image=None, top=255):
-    """A label PNG -> uint8 (SEG_SIZE, SEG_SIZE): centre square, nearest resize, labels mapped by lut.
-    image: its image file, which must have the mask's size (else the crops would cover other pixels).
-    top: the set's highest label; a mask with another label (but IGNORE), a colour mask or a JPEG is refused."""
-    from PIL import Image
-    try:
-        size = Image.open(image).size if image is not None else None              # its header only
-    except Exception as e:
-        raise SystemExit(f"error: cannot read image {image} ({type(e).__name__}: {e}); replace it (extract it "
-                         f"again from its archive)") from None
-    again = "use the set's own label PNGs (extract them again from their archive)"
-    try:
-        m = Image.open(path)
-        if size not in (None, m.size):
-            raise SystemExit(f"error: mask {path} is {m.size[0]} x {m.size[1]} pixels but its image {image} is "
-                             f"{size[0]} x {size[1]}: one of them belongs to another image; extract both again "
-                             f"from their archive")
-        if m.format == "JPEG":                                                    # lossy: labels change at edges
-            raise SystemExit(f"error: mask {path} is a JPEG: its lossy compression changes the labels along every "
-                             f"edge; {again}")
-        if len(m.getbands()) > 1:                                                 # RGB, RGBA, LA: colours
-            raise SystemExit(f"error: mask {path} is a colour image (mode {m.mode}): its pixels are colours, not "
-                             f"class labels (a palette mask saved as {m.mode}?); {again}, one label per pixel")
-        a = np.asarray(m)                                                         # every pixel, before the crop
-        bad = (a > top) & (a != IGNORE)
-        if bad.any():
-            raise SystemExit(f"error: mask {path} holds label {int(a[bad].min())} on {int(bad.sum())} pixels, but "
-                             f"this set's labels are 0..{top} and {IGNORE} (unlabelled): it is not one of its label "
-                             f"PNGs (a palette mask saved as grey reads colours as labels); {again}")
-        m = centre_square(m).resize((SEG_SIZE, SEG_SIZE), Image.NEAREST)
-        return torch.from_numpy(lut[np.asarray(m, dtype=np.uint8)])
-    except Exception as e:
-        raise SystemExit(f"error: cannot read mask {path} ({type(e).__name__}: {e}); replace it (extract it again "
-                         f"from its archive)") from None
-
-
-def segmentation_set(name, root):
-    """MaskSet of one segmentation set's validation split, or None (one printed line) when absent."""
-    ids_file, image_pattern, mask_pattern, names, first_label = SEGMENTATION_SETS[name]
-    root = Path(root)
-    if ids_file is None:  # ADE20K: every annotation file of the folder
-        folder = (root / mask_pattern).parent
-        masks = folder.glob("*.png") if folder.is_dir() else []
-        ids = sorted(p.stem for p in masks if not p.name.startswith("._"))   # ._x.png: macOS's metadata of x.png
-    else:
-        ids = (root / ids_file).read_text(encoding="utf-8-sig").split() if (root / ids_file).exists() else []
-        twice = [i for i, n in collections.Counter(ids).items() if n > 1]
-        if twice:                               # its pixels would count twice in every class's IoU
-            raise SystemExit(f"error: {root / ids_file} lists {twice[0]} {ids.count(twice[0])} times "
-                             f"({len(twice)} id(s) listed more than once); list each image once")
-    if not ids:
-        print(f"[data] {name}: not found under {root} (optional; expected {ids_file or mask_pattern}; "
-              f"from {SEGMENTATION_URLS[name]}) - skipped")
-        return None
-    listed_in = root / ids_file if ids_file else None
-    images = LazyImages([root / image_pattern.format(i) for i in ids], square=True, listed_in=listed_in)
-    images.check(f"{name} images")                                   # every file before any is read
-    LazyImages([root / mask_pattern.format(i) for i in ids], listed_in=listed_in).check(f"{name} masks")
-    lut = np.full(256, IGNORE, dtype=np.uint8)                       # background, unlabelled -> IGNORE
-    lut[first_label:first_label + len(names)] = np.arange(len(names))  # label k + first_label -> class k
-    masks = torch.stack([read_mask(root / mask_pattern.format(i), lut, root / image_pattern.format(i),
-                                   top=first_label + len(names) - 1) for i in ids])   # (N, S, S) uint8
-    return MaskSet(images, masks, names)
-
-
-def evaluation_sets(root):
-    """Every optional classification / segmentation set found under root, keyed by name."""
-    sets = {}
-    for name in TORCHVISION_SETS:
-        sets[name] = torchvision_set(name, root)
-    for name in SEGMENTATION_SETS:
-        sets[name] = segmentation_set(name, root)
-    return {k: v for k, v in sets.items() if v is not None}
-
-
 def coco(root="data"):
-    """COCO 2014 + Karpathy split (train: one caption per image; test: 5K / 25K), plus the
-    evaluation sets found under root (and Flickr30K's test split as "flickr" when present)."""
+    """COCO 2014 + Karpathy split (train: one caption per image; test: 5K / 25K), and Flickr30K's
+    test split as "flickr" when present (align.py adds eval_sets.evaluation_sets)."""
     sets = karpathy_dataset(root, "coco", "dataset_coco.json", "", COCO_LAYOUT, COCO_URL, "COCO")
     flickr_dir = Path(root) / "flickr30k"
     if (flickr_dir / "dataset_flickr30k.json").exists():
         sets["flickr"] = karpathy_dataset(root, "flickr30k", "dataset_flickr30k.json", "flickr30k-images",
                                           FLICKR_LAYOUT, FLICKR_URL, "Flickr30K")["test"]
-    return sets | evaluation_sets(root)
+    return sets
 
 
 def flickr(root="data"):
-    """Flickr30K + Karpathy split (train: one caption per image; test: 1K / 5K), plus the evaluation sets."""
+    """Flickr30K + Karpathy split (train: one caption per image; test: 1K / 5K)."""
     sets = karpathy_dataset(root, "flickr30k", "dataset_flickr30k.json", "flickr30k-images",
                             FLICKR_LAYOUT, FLICKR_URL, "Flickr30K")
-    return sets | evaluation_sets(root)
+    return sets
 
 
 DATASETS = {"coco": coco, "flickr": flickr}   # real sets on disk; "shapes" is shapes.py

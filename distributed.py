@@ -254,7 +254,7 @@ def split_blocker(method, hard_negatives):
 
 
 class Training:
-    """The training loop's hooks (align.train): which rows this rank takes, and the step's loss.
+    """The training loop's hooks (train.train): which rows this rank takes, and the step's loss.
 
     Single process: rows() is every row and loss is method.loss, untouched. Under torchrun:
     split (the global batch sliced across ranks, DDP summing the gradients), or rank 0 alone."""

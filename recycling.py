@@ -68,6 +68,7 @@ import data
 from shards import ConcatFeatures
 from features import Features
 from similarity import mutual_knn
+import eval_sets
 
 
 # ---------------------------------------------------------------- alignment data (§4)
@@ -355,10 +356,10 @@ def analyses_table(d):
 
 # ---------------------------------------------------------------- the analyses of a run (align.py --analyses)
 
-def class_name_features(F, names, args, device="cpu"):
+def class_name_features(run, names, args, device="cpu"):
     """Text features of the raw class names of the image encoder's head (weight recycling §4), fp32 on
     the host; the text encoder runs on device, where the run's other features were extracted."""
-    return cache.extract(F["text_encoder"], names, args.cache_dir, device=device, dataset=args.data,
+    return cache.extract(run.text_encoder, names, args.cache_dir, device=device, dataset=args.data,
                          split="head", modality="classnames").to("cpu")
 
 
@@ -387,20 +388,20 @@ def weight_aligned_mlp(W, names_txt, steps=None, lr=None):
     return fit_full_batch(mlp, *weight_pairs(W, names_txt), steps, lr)
 
 
-def cannot_analyse(F, args):
-    """Why the analyses cannot run on F (no usable head, no classification set), or None; align.py
-    asks before any features are extracted."""
+def cannot_analyse(run, args):
+    """Why the analyses cannot run on run (align.Run: no usable head, no classification set), or None;
+    align.py asks before any features are extracted."""
     try:
-        F["image_encoder"].head()
+        run.image_encoder.head()
     except SystemExit as e:
         return str(e).removeprefix("error: ")
-    if not any(isinstance(s, data.LabelSet) for s in F["sets"].values()):
-        return (f"--data {args.data} has no classification set (put one of {', '.join(data.TORCHVISION_SETS)} in "
+    if not any(isinstance(s, data.LabelSet) for s in run.sets.values()):
+        return (f"--data {args.data} has no classification set (put one of {', '.join(eval_sets.TORCHVISION_SETS)} in "
                 f"torchvision's layout under {args.data_root}/<name>)")
     return None
 
 
-def recycling_analyses(F, args, device):
+def recycling_analyses(run, args, device):
     """The weight-recycling paper's analyses of the image encoder's head (Table 1, Fig. 1, App. I,
     Table 2) on every classification set of --data (Shapes: "cls"; real data: the torchvision
     sets found under --data-root), keyed by set name.
@@ -410,18 +411,18 @@ def recycling_analyses(F, args, device):
     on frozen features vs methods/mlp.py aligned on the head rows alone, then fine-tuned
     on one pair per class (App. H) against "A photo of a {class}".
     """
-    why = cannot_analyse(F, args)
+    why = cannot_analyse(run, args)
     if why:
         print(f"[analyses] skipped: {why}")
         return {}
-    W, b, names = F["image_encoder"].head()
-    label_sets = [k for k, s in F["sets"].items() if isinstance(s, data.LabelSet)]
-    names_txt = class_name_features(F, names, args, device)
+    W, b, names = run.image_encoder.head()
+    label_sets = [k for k, s in run.sets.items() if isinstance(s, data.LabelSet)]
+    names_txt = class_name_features(run, names, args, device)
     mlp = weight_aligned_mlp(W, names_txt)
     results = {}
     for name in label_sets:
-        s, out = F["sets"][name], {}
-        feats, labels, even = analysis_features(s, F[name, "image"])
+        s, out = run.sets[name], {}
+        feats, labels, even = analysis_features(s, run.features[name, "image"])
         y_head = head_class_index(s.class_names, names)[labels]   # (M,) head row, -1: not a head class
         tr, te = even & (y_head >= 0), ~even & (y_head >= 0)
         if y_head[tr].unique().numel() >= 2 and y_head[te].unique().numel() >= 2:
@@ -434,7 +435,7 @@ def recycling_analyses(F, args, device):
         fewest = int(per_class[per_class > 0].min()) if len(per_class) else 0     # held-out images of the rarest class
         shots = tuple(n for n in (1, 2, 4) if n < fewest)
         if shots:
-            prompts = cache.extract(F["text_encoder"], [FEW_SHOT_TEMPLATE.format(c) for c in s.class_names],
+            prompts = cache.extract(run.text_encoder, [FEW_SHOT_TEMPLATE.format(c) for c in s.class_names],
                                     args.cache_dir, dataset=args.data, split=name, modality="fewshot",
                                     template=FEW_SHOT_TEMPLATE).to("cpu")  # the key holds the text
             aligned = lambda sf, sl: finetune_mlp_classifier(mlp, prompts, sf, sl)

@@ -92,7 +92,7 @@ def main():
         order = torch.randperm(len(feats), generator=torch.Generator().manual_seed(epoch))
         rates, mems, t_win, t_epoch = [], [], time.time(), time.time()
         for step in range(steps):
-            batch = feats[order[step * args.batch:(step + 1) * args.batch]].to("cpu")  # what align.train does
+            batch = feats[order[step * args.batch:(step + 1) * args.batch]].to("cpu")  # what train.train does
             batch.tokens.mean()                                                          # touch every value
             if (step + 1) % args.window == 0:
                 rates.append(args.window * args.batch / (time.time() - t_win))

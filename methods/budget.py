@@ -4,7 +4,7 @@ A method declares the paper's training settings once (`defaults`, methods/__init
 a GPU, and whenever --epochs is given, they stand. On a CPU with no --epochs, cpu_default
 keeps a run within CPU_BUDGET_TFLOP of training matrix products, counted from the shapes
 (forward_gflop), so the choice is the same on every machine; cpu_threads picks the training
-threads from the same count. align.py prints what either rule chose and writes it to config.json.
+threads from the same count. train.resolve_loop prints what either rule chose; config.json holds it.
 """
 import copy
 import math
@@ -39,31 +39,31 @@ def cpu_threads(gflop, cores):
     return cores if gflop is not None and gflop >= BIG_STEP_GFLOP else 1
 
 
-def cpu_default(args, method, img, txt):
-    """On a CPU with no --epochs: the method's own loop settings, unless its training would spend
-    more than CPU_BUDGET_TFLOP; then its batch is halved (not below 32) while one epoch alone is
-    over the budget or the budget holds fewer than MIN_STEPS steps, and it trains for as many
-    epochs as the budget holds (at least 1). Sets
-    args.epochs (and args.batch_size when halved); returns (the forward GFLOP of a step at the
-    batch used, the line that says what changed, or None). On a GPU, and whenever --epochs is
-    given, the method's own (paper) settings stand."""
+def cpu_default(epochs, batch_size, method, img, txt):
+    """On a CPU with no --epochs (epochs, batch_size: the flags as given, None when not): the method's
+    own loop settings, unless its training would spend more than CPU_BUDGET_TFLOP; then its batch is
+    halved (not below 32, and only when --batch-size is not given) while one epoch alone is over the
+    budget or the budget holds fewer than MIN_STEPS steps, and it trains for as many epochs as the
+    budget holds (at least 1). Returns (the forward GFLOP of a step at the batch used, the settings
+    that change: {} or {"epochs", "batch_size"}, the words that say what changed, or None). On a GPU,
+    and whenever --epochs is given, the method's own (paper) settings stand."""
     d = method.defaults
-    own_batch = min(args.batch_size or d["batch_size"], len(img))
+    own_batch = min(batch_size or d["batch_size"], len(img))
     gflop = forward_gflop(method, img, txt, own_batch)
-    if args.epochs is not None:
-        return gflop, None
+    if epochs is not None:
+        return gflop, {}, None
     cost = lambda epochs, gf, b: 3 * gf * (len(img) // b) * epochs / 1000          # TFLOP: forward + backward ~ 3x
     own_epochs = d["epochs"] if d.get("epochs") is not None else math.ceil(d["steps"] / (len(img) // own_batch))
     own_cost, batch = cost(own_epochs, gflop, own_batch), own_batch
     if own_cost <= CPU_BUDGET_TFLOP:
-        return gflop, None
+        return gflop, {}, None
     steps_held = lambda gf, b: int(CPU_BUDGET_TFLOP // cost(1, gf, b)) * (len(img) // b)
-    while args.batch_size is None and batch >= 64 and (cost(1, gflop, batch) > CPU_BUDGET_TFLOP
-                                                        or steps_held(gflop, batch) < MIN_STEPS):
+    while batch_size is None and batch >= 64 and (cost(1, gflop, batch) > CPU_BUDGET_TFLOP
+                                                   or steps_held(gflop, batch) < MIN_STEPS):
         batch //= 2
         gflop = forward_gflop(method, img, txt, batch)
-    args.epochs = max(1, min(own_epochs, int(CPU_BUDGET_TFLOP // cost(1, gflop, batch))))
-    args.batch_size = batch if batch != own_batch else args.batch_size
-    return gflop, (f"[cpu default] {args.method}: epochs {args.epochs}, batch {batch} (the method's own: epochs {own_epochs}, "
-                   f"batch {own_batch}: {own_cost:.1f} TFLOP of training, over the CPU budget of {CPU_BUDGET_TFLOP:g}); "
-                   f"pass --epochs/--batch-size/--hp to override")
+    epochs = max(1, min(own_epochs, int(CPU_BUDGET_TFLOP // cost(1, gflop, batch))))
+    line = (f"epochs {epochs}, batch {batch} (the method's own: epochs "
+            f"{own_epochs}, batch {own_batch}: {own_cost:.1f} TFLOP of training, over the CPU budget of "
+            f"{CPU_BUDGET_TFLOP:g}); pass --epochs/--batch-size/--hp to override")
+    return gflop, {"epochs": epochs, "batch_size": batch}, line

@@ -16,8 +16,10 @@ import torch
 import align
 import cache
 import outfolder
-from conftest import random_features
+from conftest import random_features, train_with
 from methods.linear import Linear
+import checks
+import train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,13 +56,13 @@ def test_training_is_deterministic_and_resume_continues_exactly(tmp_path):
     img, txt = planted_pairs()   # 64 pairs, batch 16: 4 steps an epoch
     torch.manual_seed(0)
     straight = Linear(8, 6, K=4)
-    align.train(straight, img, txt, loop_args(), tmp_path / "a", "cpu")
+    train_with(straight, img, txt, loop_args(), tmp_path / "a", "cpu")
     torch.manual_seed(0)
     interrupted = StopAtCall(8, 6, K=4, n=10)      # dies in epoch 3, after the checkpoint of epoch 2
     with pytest.raises(KeyboardInterrupt):
-        align.train(interrupted, img, txt, loop_args(), tmp_path / "b", "cpu")
+        train_with(interrupted, img, txt, loop_args(), tmp_path / "b", "cpu")
     resumed = Linear(8, 6, K=4)
-    align.train(resumed, img, txt, loop_args(resume=True), tmp_path / "b", "cpu")
+    train_with(resumed, img, txt, loop_args(resume=True), tmp_path / "b", "cpu")
     for k, v in straight.state_dict().items():
         assert torch.allclose(v, resumed.state_dict()[k], atol=1e-6), k
 
@@ -69,7 +71,7 @@ def test_nan_loss_stops_with_epoch_and_step_and_keeps_the_checkpoint(tmp_path):
     img, txt = planted_pairs()   # 64 pairs, batch 16: 4 steps an epoch; call 6 = epoch 2, step 2
     m = StopAtCall(8, 6, K=4, n=6, nan=True)
     with pytest.raises(FloatingPointError, match=r"epoch 2, step 2"):
-        align.train(m, img, txt, loop_args(), tmp_path, "cpu")
+        train_with(m, img, txt, loop_args(), tmp_path, "cpu")
     saved = torch.load(outfolder.partial(tmp_path) / "checkpoint.pt", weights_only=True)   # where --resume reads it
     assert saved["epoch"] == 0 and all(torch.isfinite(v).all() for v in saved["method"].values())
 
@@ -79,7 +81,7 @@ def test_final_loss_is_the_last_epoch_s_printed_mean(tmp_path, capsys):
     decimals), not a float32 step loss whose last digits depend on the CPU's kernels."""
     img, txt = planted_pairs(128)                  # batch 16: 8 steps an epoch
     torch.manual_seed(0)
-    result = align.train(Linear(8, 6, K=4), img, txt, loop_args(epochs=2), tmp_path, "cpu")
+    result = train_with(Linear(8, 6, K=4), img, txt, loop_args(epochs=2), tmp_path, "cpu")
     epochs = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[train] epoch")]
     printed = float(epochs[-1].split(" loss ")[1].split()[0])
     assert len(epochs) == 2 and result["final_loss"] == printed, (result, epochs)
@@ -96,7 +98,7 @@ def test_training_loop_waits_on_the_host_per_epoch_not_per_step(tmp_path, capsys
     img, txt = planted_pairs(512)                  # batch 16: 32 steps an epoch
     torch.manual_seed(0)
     with HostSyncs() as syncs:
-        align.train(Linear(8, 6, K=4), img, txt, loop_args(epochs=2), tmp_path, "cpu")
+        train_with(Linear(8, 6, K=4), img, txt, loop_args(epochs=2), tmp_path, "cpu")
     on_device = [w for w in syncs.where if w.startswith(("align.py", "methods/", "distributed.py"))]
     assert len(on_device) <= 2 * 4, f"{len(on_device)} host syncs in 64 steps: {on_device[:12]}"
     epochs = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[train] epoch")]
@@ -109,11 +111,11 @@ def test_training_loop_waits_on_the_host_per_epoch_not_per_step(tmp_path, capsys
 def test_nan_loss_stops_within_finite_every_steps_at_its_first_step(tmp_path, monkeypatch):
     """Between two looks the loop runs on (on NaN weights after a NaN step); the error still names the
     first non-finite step, and no checkpoint of that epoch is written."""
-    monkeypatch.setattr(align, "FINITE_EVERY", 4)
+    monkeypatch.setattr(train, "FINITE_EVERY", 4)
     img, txt = planted_pairs(256)                  # batch 16: 16 steps an epoch
     m = StopAtCall(8, 6, K=4, n=22, nan=True)      # call 22 = epoch 2, step 6: seen after step 8
     with pytest.raises(FloatingPointError, match=r"loss is nan at epoch 2, step 6\. The last good checkpoint is "):
-        align.train(m, img, txt, loop_args(), tmp_path, "cpu")
+        train_with(m, img, txt, loop_args(), tmp_path, "cpu")
     assert m.calls == 16 + 8                       # steps 7 and 8 ran, not step 9
     saved = torch.load(outfolder.partial(tmp_path) / "checkpoint.pt", weights_only=True)   # beside --out
     assert saved["epoch"] == 0 and all(torch.isfinite(v).all() for v in saved["method"].values())
@@ -146,10 +148,10 @@ def test_feature_cache_is_reused_keyed_and_rebuilt_when_broken(tmp_path, capsys)
 
 
 def test_empty_captions_stop_with_where_they_are():
-    align.check_texts(["a red circle", "a cross"], "shapes/train")
+    checks.check_texts(["a red circle", "a cross"], "shapes/train")
     with pytest.raises(SystemExit, match=r"^error: 2 caption\(s\) in coco/test with no text to align \(the first, at "
                                          r"index 1, is empty\); give them text or remove them from the annotation file$"):
-        align.check_texts(["a red circle", "", "  "], "coco/test")
+        checks.check_texts(["a red circle", "", "  "], "coco/test")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
@@ -159,9 +161,9 @@ def test_cuda_without_a_gpu_is_one_clear_error():
 
 
 def test_hp_parsing_checks_names():
-    assert align.parse_hp(Linear, ["K=64", "tau=0.1"]) == {"K": 64, "tau": 0.1}
+    assert checks.parse_hp(Linear, ["K=64", "tau=0.1"]) == {"K": 64, "tau": 0.1}
     with pytest.raises(SystemExit, match="one of"):
-        align.parse_hp(Linear, ["k=64"])
+        checks.parse_hp(Linear, ["k=64"])
 
 
 # ----------------------------------------------------------------------------- subprocess runs

@@ -4,12 +4,12 @@ import argparse
 import pytest
 import torch
 
-import align
 import cache
 from shards import StoredFeatures
 from features import Features
 from methods.linear import Linear
 import shards
+from conftest import train_with
 
 
 class FakeEncoder:
@@ -97,7 +97,7 @@ def test_the_training_loop_streams_batches_from_the_memmap(tmp_path, monkeypatch
     torch.manual_seed(0)
     method = Linear(3, 3)
     args = argparse.Namespace(epochs=2, batch_size=8, lr=1e-2, weight_decay=0.0, seed=0, resume=False)
-    result = align.train(method, img, txt, args, tmp_path, "cpu")
+    result = train_with(method, img, txt, args, tmp_path, "cpu")
     assert result["final_loss"] is not None and result["final_loss"] == result["final_loss"]  # finite, ran
 
 

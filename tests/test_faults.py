@@ -25,12 +25,13 @@ import cache
 import encoders
 import outfolder
 import shapes_encoders
-from conftest import interrupted, random_features
+from conftest import interrupted, random_features, train_with
 from methods.linear import Linear
 from methods.mlp import MLP
 import cnn_encoders
 import storage
 import shapes
+import checks
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ("--method", "linear", "--epochs", "3")          # every full run: 3 short epochs, 20 test images
@@ -198,13 +199,13 @@ def test_bad_inputs_stop_with_one_line_before_any_work(row, bad_input_runs):
 def test_batch_of_one_is_allowed_where_the_loss_is_per_pair_and_refused_from_too_few_pairs(tmp_path):
     args = Namespace(eval_images=None, num_pairs=None, threads=0, epochs=1, batch_size=1, lr=None, weight_decay=None,
                      seed=0, select_pairs=5000, method="mlp", align_data="pairs", hard_negatives=False)
-    align.check_flags(args, MLP)                             # 1 - cos per pair: a batch of one learns
+    checks.check_flags(args, MLP)                             # 1 - cos per pair: a batch of one learns
     with pytest.raises(SystemExit, match=r"--batch-size 1: Linear takes batch_size in \[2, inf\)"):
-        align.check_flags(args, Linear)
+        checks.check_flags(args, Linear)
     img, txt = random_features(1, 2, 4), random_features(1, 2, 4, seed=1)   # --num-pairs 1: a batch of one
     loop = Namespace(epochs=1, batch_size=None, lr=None, weight_decay=None, seed=0, resume=False)
     with pytest.raises(SystemExit, match=r"a batch of 1 pair\(s\).*Linear takes batch_size in \[2, inf\)"):
-        align.train(Linear(4, 4, K=4), img, txt, loop, tmp_path, "cpu")
+        train_with(Linear(4, 4, K=4), img, txt, loop, tmp_path, "cpu")
 
 
 def test_hub_names_never_touch_the_network_when_offline(tmp_path, monkeypatch, shared):
@@ -368,17 +369,17 @@ def test_interrupted_writes_leave_no_file_and_resume_restores_dropout_and_the_la
                                             resume=False), **kw})
     torch.manual_seed(0)
     straight = MLP(8, 6)
-    done = align.train(straight, img, txt, loop(), tmp_path / "a", "cpu")
+    done = train_with(straight, img, txt, loop(), tmp_path / "a", "cpu")
 
     torch.manual_seed(0)
     with pytest.raises(KeyboardInterrupt):
-        align.train(interrupted(MLP, at_call=10)(8, 6), img, txt, loop(), tmp_path / "b", "cpu")
+        train_with(interrupted(MLP, at_call=10)(8, 6), img, txt, loop(), tmp_path / "b", "cpu")
     torch.manual_seed(123)                                   # another process: other RNG state
     resumed = MLP(8, 6)
-    align.train(resumed, img, txt, loop(resume=True), tmp_path / "b", "cpu")
+    train_with(resumed, img, txt, loop(resume=True), tmp_path / "b", "cpu")
     for k, v in straight.state_dict().items():
         assert torch.equal(v, resumed.state_dict()[k]), k
-    again = align.train(MLP(8, 6), img, txt, loop(resume=True), tmp_path / "a", "cpu")  # interrupted in evaluation
+    again = train_with(MLP(8, 6), img, txt, loop(resume=True), tmp_path / "a", "cpu")  # interrupted in evaluation
     assert again["final_loss"] == done["final_loss"]
 
 
@@ -400,9 +401,9 @@ def test_resume_refuses_a_checkpoint_of_other_settings_or_a_truncated_one(refere
     # other dims (another encoder) under the same flags: refused with the shapes, never loaded into them
     img, txt = random_features(32, 2, 8, seed=1), random_features(32, 2, 6, seed=2)
     loop = lambda d: Namespace(epochs=1, batch_size=16, lr=None, weight_decay=None, seed=0, resume=d)
-    align.train(Linear(8, 6, K=4), img, txt, loop(False), tmp_path / "dims", "cpu")
+    train_with(Linear(8, 6, K=4), img, txt, loop(False), tmp_path / "dims", "cpu")
     with pytest.raises(SystemExit, match=r"shape\.\S+ \[4, 8\] there, \[4, 6\] now"):
-        align.train(Linear(6, 6, K=4), random_features(32, 2, 6), txt, loop(True), tmp_path / "dims", "cpu")
+        train_with(Linear(6, 6, K=4), random_features(32, 2, 6), txt, loop(True), tmp_path / "dims", "cpu")
 
 
 # ----------------------------------------------------------------------------- 10. read-only or full cache

@@ -9,9 +9,8 @@ from argparse import Namespace
 import pytest
 import torch
 
-import align
 import cache
-from conftest import interrupted, random_features
+from conftest import interrupted, random_features, train_with
 from methods import budget
 from methods.linear import Linear
 import loader
@@ -72,14 +71,14 @@ def test_training_on_memory_mapped_sets_matches_in_ram_and_resumes_exactly(tmp_p
     for name, (a, b) in {"ram": (img_d, txt_d), "mmap": (img, txt)}.items():
         torch.manual_seed(0)
         runs[name] = Linear(8, 6, K=4)
-        align.train(runs[name], a, b, args(), tmp_path / name, "cpu")
+        train_with(runs[name], a, b, args(), tmp_path / name, "cpu")
 
     torch.manual_seed(0)
     with pytest.raises(KeyboardInterrupt):
-        align.train(interrupted(Linear, at_call=10)(8, 6, K=4), img, txt, args(), tmp_path / "cut", "cpu")  # epoch 3 (call 10 of 12)
+        train_with(interrupted(Linear, at_call=10)(8, 6, K=4), img, txt, args(), tmp_path / "cut", "cpu")  # epoch 3 (call 10 of 12)
     assert not any(t.name == "read-ahead" for t in threading.enumerate())   # the reader stopped with the loop
     resumed = Linear(8, 6, K=4)
-    align.train(resumed, img, txt, args(resume=True), tmp_path / "cut", "cpu")
+    train_with(resumed, img, txt, args(resume=True), tmp_path / "cut", "cpu")
     for k, v in runs["ram"].state_dict().items():
         assert torch.equal(v, runs["mmap"].state_dict()[k]), k
         assert torch.equal(v, resumed.state_dict()[k]), k
@@ -119,10 +118,6 @@ def test_forward_gflop_counts_the_matrix_products_and_changes_nothing():
     assert budget.cpu_threads(None, 4) == 1
 
 
-def cpu_args(**kw):
-    return Namespace(**{**dict(method="linear", epochs=None, batch_size=None), **kw})
-
-
 def test_cpu_default_caps_epochs_by_the_budget_and_halves_an_over_budget_batch(monkeypatch):
     N, D = 2048, 64
     img, txt = random_features(N, 2, D, seed=1), random_features(N, 3, D, seed=2)
@@ -130,40 +125,36 @@ def test_cpu_default_caps_epochs_by_the_budget_and_halves_an_over_budget_batch(m
     tflop = lambda B, epochs: 3 * linear_gflop(B, D, D, 512) * (N // B) * epochs / 1000
     # within the budget: the paper's settings stand
     monkeypatch.setattr(budget, "CPU_BUDGET_TFLOP", tflop(256, 20) * 1.01)
-    args = cpu_args()
-    assert budget.cpu_default(args, m, img, txt)[1] is None and args.epochs is None and args.batch_size is None
+    assert budget.cpu_default(None, None, m, img, txt)[1:] == ({}, None)
     # 7.5 epochs' worth: 7 epochs at the paper's batch (56 steps), and the line says so
     monkeypatch.setattr(budget, "MIN_STEPS", 50)
     monkeypatch.setattr(budget, "CPU_BUDGET_TFLOP", tflop(256, 7.5))
-    args = cpu_args()
-    gflop, line = budget.cpu_default(args, m, img, txt)
-    assert (args.epochs, args.batch_size) == (7, None) and gflop == pytest.approx(linear_gflop(256, D, D, 512))
+    gflop, change, line = budget.cpu_default(None, None, m, img, txt)
+    assert change == dict(epochs=7, batch_size=256) and gflop == pytest.approx(linear_gflop(256, D, D, 512))
     assert "epochs 7, batch 256 (the method's own: epochs 20, batch 256" in line and "--epochs" in line
     # fewer than MIN_STEPS steps in the budget: halved once (128: 16 steps an epoch, 10 epochs = 160 >= 100)
     monkeypatch.setattr(budget, "MIN_STEPS", 100)
     assert 7 * 8 < 100 <= int(tflop(256, 7.5) // tflop(128, 1)) * 16
-    args = cpu_args()
-    budget.cpu_default(args, m, img, txt)
-    assert (args.epochs, args.batch_size) == (int(tflop(256, 7.5) // tflop(128, 1)), 128)
+    change = budget.cpu_default(None, None, m, img, txt)[1]
+    assert change == dict(epochs=int(tflop(256, 7.5) // tflop(128, 1)), batch_size=128)
+    # --batch-size given: never halved
+    assert budget.cpu_default(None, 256, m, img, txt)[1] == dict(epochs=7, batch_size=256)
     monkeypatch.setattr(budget, "MIN_STEPS", 1)
     # one epoch at batch 128 is over the budget, one at 64 is not (per epoch, the (B, B) term grows with B):
     # the batch is halved twice, then 1 epoch
     monkeypatch.setattr(budget, "CPU_BUDGET_TFLOP", tflop(64, 1.2))
     assert tflop(128, 1) > budget.CPU_BUDGET_TFLOP
-    args = cpu_args()
-    gflop, line = budget.cpu_default(args, m, img, txt)
-    assert (args.epochs, args.batch_size) == (1, 64) and gflop == pytest.approx(linear_gflop(64, D, D, 512))
+    gflop, change, line = budget.cpu_default(None, None, m, img, txt)
+    assert change == dict(epochs=1, batch_size=64) and gflop == pytest.approx(linear_gflop(64, D, D, 512))
     assert "epochs 1, batch 64 (the method's own: epochs 20, batch 256" in line
     # --epochs given: nothing changes, whatever the budget
     monkeypatch.setattr(budget, "CPU_BUDGET_TFLOP", 1e-9)
-    args = cpu_args(epochs=3)
-    assert budget.cpu_default(args, m, img, txt)[1] is None and (args.epochs, args.batch_size) == (3, None)
+    assert budget.cpu_default(3, None, m, img, txt)[1:] == ({}, None)
     # a step budget ("steps": 400, e.g. MLP) is the paper's count too: ceil(400 / steps per epoch) epochs
     m.defaults = dict(Linear.defaults, steps=400, epochs=None)
     monkeypatch.setattr(budget, "CPU_BUDGET_TFLOP", tflop(256, 10.5))
-    args = cpu_args()
-    line = budget.cpu_default(args, m, img, txt)[1]
-    assert args.epochs == 10 and "the method's own: epochs 50" in line   # 400 steps / 8 per epoch
+    _, change, line = budget.cpu_default(None, None, m, img, txt)
+    assert change["epochs"] == 10 and "the method's own: epochs 50" in line   # 400 steps / 8 per epoch
 
 
 # ----------------------------------------------------------------------------- the cold path: rendering

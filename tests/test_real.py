@@ -23,6 +23,7 @@ import cnn_encoders
 import model_files
 import layers
 import shapes
+import eval_sets
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = "a an the dog cat man red blue on of in photo sits rides is".split()
@@ -103,7 +104,7 @@ def data_root(tmp_path_factory):
 
 # ----------------------------------------------------------------------------- datasets
 def test_coco_karpathy_splits(data_root, capsys):
-    sets = data.coco(data_root)
+    sets = data.coco(data_root) | eval_sets.evaluation_sets(data_root)
     train, test = sets["train"], sets["test"]
     assert len(train.images) == 6 and torch.equal(train.txt_to_img, torch.arange(6))
     assert all(c.startswith(f"train {i} caption 0 ") for i, c in enumerate(train.captions))   # the first caption
@@ -138,8 +139,8 @@ def test_missing_required_files_give_one_clear_error(tmp_path):
 
 
 def test_segmentation_masks_map_labels_and_follow_the_centre_crop(data_root):
-    voc = data.segmentation_set("voc20", data_root)
-    S = data.SEG_SIZE
+    voc = eval_sets.segmentation_set("voc20", data_root)
+    S = eval_sets.SEG_SIZE
     assert voc.masks.shape == (2, S, S) and voc.masks.dtype == torch.uint8 and len(voc.class_names) == 20
     m = voc.masks[0]
     assert m[:S // 2, :S // 2].eq(data.IGNORE).all()        # background 0 -> ignored
@@ -148,13 +149,13 @@ def test_segmentation_masks_map_labels_and_follow_the_centre_crop(data_root):
     assert m[S // 2:, S // 2:].eq(data.IGNORE).all()         # border 255 -> ignored
     assert not m.eq(19).any()                                # the cropped-off margins (label 20) are gone
     assert voc.images[0].size == (28, 28)                    # the image is cropped the same way
-    ade = data.segmentation_set("ade20k", data_root)
+    ade = eval_sets.segmentation_set("ade20k", data_root)
     assert ade.masks[:, :, :S // 2].eq(data.IGNORE).all() and ade.masks[:, :, S // 2:].eq(149).all()
-    assert data.segmentation_set("context", data_root) is None
+    assert eval_sets.segmentation_set("context", data_root) is None
 
 
 def test_torchvision_classification_set(data_root):
-    s = data.torchvision_set("eurosat", data_root)
+    s = eval_sets.torchvision_set("eurosat", data_root)
     assert s.class_names == ["annual crop", "forest", "sea lake"]
     assert s.labels.tolist() == [0, 0, 1, 1, 2, 2] and s.images[5].mode == "RGB"
 

@@ -29,6 +29,8 @@ import layers
 import shards
 import storage
 import shapes
+import checks
+import eval_sets
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -146,7 +148,7 @@ def caption_index_features(sets):
     k_img = torch.tensor([float(p.stem.split("_")[1]) for p in train.images.keys])
     k_txt = torch.tensor([float(c.split()[1]) for c in train.captions])
     F = lambda v: Features.from_vectors(v[:, None].repeat(1, 4))
-    return {("train", "image"): F(k_img), ("train", "text"): F(k_txt), "sets": sets}
+    return align.Run(None, None, sets, features={("train", "image"): F(k_img), ("train", "text"): F(k_txt)})
 
 
 @pytest.mark.parametrize("num_pairs", [None, 4])
@@ -157,7 +159,8 @@ def test_a_train_image_without_captions_never_shifts_the_pairs(tmp_path, num_pai
     rewrite(tmp_path, split)
     sets = data.coco(tmp_path)
     assert len(sets["train"].captions) == 5
-    img, txt = align.alignment_data(Namespace(num_pairs=num_pairs, align_data="pairs"), caption_index_features(sets))
+    img, txt, _ = align.alignment_data(Namespace(num_pairs=num_pairs, align_data="pairs"),
+                                       caption_index_features(sets))
     assert len(img) == len(txt) == (num_pairs or 5)
     assert torch.equal(img.pooled, txt.pooled)                                   # every pair is an image and its caption
 
@@ -166,10 +169,10 @@ def test_pairs_come_from_txt_to_img_when_an_image_has_several_captions():
     images_ = torch.arange(4.0)                                                  # image i holds i
     links = torch.tensor([0, 1, 1, 3, 2, 3])
     sets = {"train": data.PairSet(torch.zeros(4, 3, 2, 2, dtype=torch.uint8), ["c"] * 6, links)}
-    F = {("train", "image"): Features.from_vectors(images_[:, None]), ("train", "text"):
-         Features.from_vectors(links.float()[:, None]), "sets": sets}
+    run = align.Run(None, None, sets, features={("train", "image"): Features.from_vectors(images_[:, None]),
+                                                ("train", "text"): Features.from_vectors(links.float()[:, None])})
     for n in (None, 3):
-        img, txt = align.alignment_data(Namespace(num_pairs=n, align_data="pairs"), F)
+        img, txt, _ = align.alignment_data(Namespace(num_pairs=n, align_data="pairs"), run)
         assert len(txt) == (n or 6) and torch.equal(img.pooled, txt.pooled)
 
 
@@ -222,7 +225,7 @@ def test_a_folder_where_a_cache_file_or_a_result_goes_is_one_line_before_the_wor
     out = tmp_path / "out"
     (out / "metrics.json").mkdir(parents=True)
     with pytest.raises(SystemExit) as e:
-        align.check_out_data(Namespace(resume=False, data="shapes", data_root="data"), out)
+        checks.check_out_data(Namespace(resume=False, data="shapes", data_root="data"), out)
     assert f"--out {out} holds a folder metrics.json, where this run writes a file" in one_line(e)
 
 
@@ -512,7 +515,7 @@ def test_a_voc_mask_of_another_size_than_its_image_is_one_line(tmp_path):
     image = tmp_path / "VOCdevkit" / "VOC2012" / "JPEGImages" / "2007_000002.jpg"
     Image.new("RGB", (36, 36)).save(image)                                      # its mask is 36 x 28
     with pytest.raises(SystemExit) as e:
-        data.segmentation_set("voc20", tmp_path)
+        eval_sets.segmentation_set("voc20", tmp_path)
     assert "2007_000002.png is 36 x 28 pixels but its image" in one_line(e) and str(image) in str(e.value)
 
 
@@ -521,7 +524,7 @@ def test_a_missing_voc_mask_is_one_line_before_any_encoder_runs(tmp_path):
     mask = tmp_path / "VOCdevkit" / "VOC2012" / "SegmentationClass" / "2007_000002.png"
     mask.unlink()
     with pytest.raises(SystemExit) as e:
-        data.segmentation_set("voc20", tmp_path)
+        eval_sets.segmentation_set("voc20", tmp_path)
     assert "1 of 2 voc20 masks are missing" in one_line(e) and str(mask) in str(e.value)
 
 
@@ -564,16 +567,16 @@ def test_a_voc_mask_that_holds_no_labels_or_an_image_listed_twice_is_one_line(tm
     write_voc(tmp_path)
     mask, ids = voc_mask_fault(tmp_path, fault)
     with pytest.raises(SystemExit) as e:
-        data.segmentation_set("voc20", tmp_path)
+        eval_sets.segmentation_set("voc20", tmp_path)
     assert says in one_line(e) and str(ids if fault == "listed twice" else mask) in str(e.value)
 
 
 def test_a_voc_ids_file_saved_with_a_byte_order_mark_loads(tmp_path):
     write_voc(tmp_path)
-    want = data.segmentation_set("voc20", tmp_path).masks
+    want = eval_sets.segmentation_set("voc20", tmp_path).masks
     ids = tmp_path.joinpath(*VOC_BASE, "ImageSets", "Segmentation", "val.txt")
     ids.write_bytes(b"\xef\xbb\xbf" + ids.read_bytes())          # not "image \ufeff2007_000001.jpg is missing"
-    assert torch.equal(data.segmentation_set("voc20", tmp_path).masks, want)
+    assert torch.equal(eval_sets.segmentation_set("voc20", tmp_path).masks, want)
 
 
 # ----------------------------------------------------------------------------- model folder faults
@@ -775,10 +778,10 @@ def test_a_run_on_other_data_never_overwrites_the_results_in_its_out(tmp_path, m
     assert (out / "metrics.json").read_bytes() == first and "[data]" not in capsys.readouterr().out
     same = ["--data", "coco", "--data-root", str(tmp_path / "a"), "--threads", "1", "--epochs", "1", "--method",
             "linear", "--image-encoder", str(models / "dinov2"), "--text-encoder", str(models / "bert")]
-    align.check_out_data(align.parse_args(same + ["--no-figures"]), out)   # the same settings: a rerun replaces them
-    align.check_out_data(align.parse_args([*same[:3], str(tmp_path / "a" / "coco"), *same[4:]]), out)  # <root>/coco
+    checks.check_out_data(align.parse_args(same + ["--no-figures"]), out)   # the same settings: a rerun replaces them
+    checks.check_out_data(align.parse_args([*same[:3], str(tmp_path / "a" / "coco"), *same[4:]]), out)  # <root>/coco
     with pytest.raises(SystemExit, match="holds the results of a run on other data"):   # --resume: the same rule
-        align.check_out_data(align.parse_args([*same[:3], str(tmp_path / "b"), *same[4:], "--resume"]), out)
+        checks.check_out_data(align.parse_args([*same[:3], str(tmp_path / "b"), *same[4:], "--resume"]), out)
 
 
 def test_a_run_of_another_method_never_overwrites_the_results_in_its_out(tmp_path):
@@ -790,13 +793,13 @@ def test_a_run_of_another_method_never_overwrites_the_results_in_its_out(tmp_pat
     (out / "config.json").write_text(json.dumps(dict(vars(align.parse_args([])), out=str(out))))   # a PAL run's
     for extra in ([], ["--resume"]):
         with pytest.raises(SystemExit) as e:
-            align.check_out_data(align.parse_args(["--method", "linear", *extra]), out)
+            checks.check_out_data(align.parse_args(["--method", "linear", *extra]), out)
         assert f"--out {out} holds the results of a pal run (this run: linear); pass another --out" in one_line(e)
     with pytest.raises(SystemExit) as e:
-        align.check_out_data(align.parse_args(["--hp", "K=64"]), out)
+        checks.check_out_data(align.parse_args(["--hp", "K=64"]), out)
     assert "holds the results of a run with other settings (hp [] there, ['K=64'] now); pass another --out " \
            f"(e.g. --out {out}-2)" in one_line(e)
-    align.check_out_data(align.parse_args(["--threads", "1", "--no-figures", "--out", "x"]), out)   # a rerun
+    checks.check_out_data(align.parse_args(["--threads", "1", "--no-figures", "--out", "x"]), out)   # a rerun
 
 
 @pytest.mark.slow
@@ -1048,7 +1051,7 @@ def test_macos_metadata_files_in_the_ade_annotations_are_not_taken_for_masks(tmp
     folder = tmp_path / "ADEChallengeData2016" / "annotations" / "validation"
     for mask in list(folder.iterdir()):
         (folder / f"._{mask.name}").write_bytes(b"\0\5\26\7 Mac OS X metadata")
-    masks = data.segmentation_set("ade20k", tmp_path)
+    masks = eval_sets.segmentation_set("ade20k", tmp_path)
     assert len(masks.images) == 2
 
 
@@ -1068,7 +1071,7 @@ def test_a_caption_of_invisible_characters_or_a_lone_surrogate_is_one_line(tmp_p
         data.coco(tmp_path)
     assert f"test image test_1.jpg: {says}" in one_line(e)
     with pytest.raises(SystemExit, match=r"1 caption\(s\) in coco/test with no text to align"):
-        align.check_texts(["a dog", raw], "coco/test")
+        checks.check_texts(["a dog", raw], "coco/test")
 
 
 def test_a_test_image_that_is_a_symlink_to_a_training_image_is_overlap(tmp_path):
@@ -1144,12 +1147,12 @@ def test_a_non_square_crop_is_cropped_as_the_models_processor_crops(tmp_path, mo
     assert enc.encode([img]).grid == (4, 6)
 
 
-@pytest.mark.parametrize("shards", [False, True])
-def test_activations_beyond_fp16_are_one_line_naming_the_layer(tmp_path, models, monkeypatch, shards):
+@pytest.mark.parametrize("sharded", [False, True])
+def test_activations_beyond_fp16_are_one_line_naming_the_layer(tmp_path, models, monkeypatch, sharded):
     """Activations above 65504 became inf in the fp16 cache with no word; token methods then stopped
     with "loss is nan ... Try a lower --lr", the wrong advice. Now one line when the file or shard is
     written, naming the encoder and its layer; nothing is cached."""
-    if shards:
+    if sharded:
         monkeypatch.setattr(shards, "MEMMAP_BYTES", 0)
         monkeypatch.setattr(shards, "SHARD_BYTES", 4096)
     enc = encoders.load_hf_text(str(models / "bert"))

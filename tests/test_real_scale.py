@@ -13,6 +13,8 @@ import torch
 
 from features import Features
 from methods.sail import SAIL
+from conftest import train_with
+import train
 
 D_IMG, D_TXT, K_LATENT = 1280, 384, 32
 
@@ -103,14 +105,13 @@ def test_mlp_budget_is_400_steps_whatever_the_data_size(tmp_path, monkeypatch):
     (5 steps per epoch at batch 512) both get ~400 optimizer steps: 400 and 80 epochs."""
     import argparse
 
-    import align
     from methods.mlp import MLP
-    monkeypatch.setattr(align.cache, "atomic_save", lambda *a, **k: None)   # no checkpoint per epoch here
+    monkeypatch.setattr(train.storage, "atomic_save", lambda *a, **k: None)   # no checkpoint per epoch here
     for n, epochs in ((24, 400), (3000, 80)):
         m = MLP(12, 16)
         calls = []                                     # count the steps; a zero loss keeps each one cheap
         m.loss = lambda img, txt: calls.append(1) or (0 * m.g_bar[0].bias.sum(), {})
         img, txt = Features.from_vectors(torch.randn(n, 12)), Features.from_vectors(torch.randn(n, 16))
         args = argparse.Namespace(epochs=None, batch_size=None, lr=None, weight_decay=None, seed=0, resume=False)
-        align.train(m, img, txt, args, tmp_path, "cpu")
+        train_with(m, img, txt, args, tmp_path, "cpu")
         assert len(calls) == 400 and len(calls) == epochs * (n // min(512, n))

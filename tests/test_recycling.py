@@ -10,8 +10,10 @@ import torch.nn.functional as F
 import recycling as R
 import similarity as S
 from features import Features
-from conftest import random_features
+from conftest import random_features, train_with
 from test_real import models  # noqa: F401  (the tiny Hugging Face models fixture)
+import align
+import eval_sets
 
 
 def orthogonal(D, seed=0):
@@ -349,7 +351,6 @@ def test_weights_plus_pairs_on_a_memory_mapped_training_set(tmp_path, monkeypatc
     """D_aug = pairs ∪ head rows when the pairs are StoredFeatures (sharded, memory-mapped):
     rows equal the in-memory union, batches read only their own rows, the training loop runs on it."""
     import argparse
-    import align
     from shards import StoredFeatures
     from methods.linear import Linear
     from test_cache import FakeEncoder, extract, shard_rows
@@ -377,7 +378,7 @@ def test_weights_plus_pairs_on_a_memory_mapped_training_set(tmp_path, monkeypatc
     monkeypatch.setattr(StoredFeatures, "__getitem__", lambda self, i: asked.append(len(torch.arange(len(self))[i].reshape(-1))) or read(self, i))
     args = argparse.Namespace(epochs=2, batch_size=8, lr=1e-2, weight_decay=0.0, seed=0, resume=False)
     torch.manual_seed(0)
-    result = align.train(Linear(3, 3), aug_img, aug_txt, args, tmp_path, "cpu")
+    result = train_with(Linear(3, 3), aug_img, aug_txt, args, tmp_path, "cpu")
     assert result["final_loss"] == result["final_loss"] and asked and max(asked) <= 8  # batches only, never all rows
 
 
@@ -387,7 +388,6 @@ def test_analyses_run_on_real_data_with_a_head_and_a_torchvision_set(tmp_path, m
     a torchvision set (EuroSAT's ImageFolder layout, classes cat, dog, car, forest). Table 1 is
     checked against the checkpoint's own logits; Table 2 uses "A photo of a {class}"."""
     import align
-    import data
     import cache
     import encoders
     from transformers import BeitConfig, BeitForImageClassification
@@ -413,7 +413,7 @@ def test_analyses_run_on_real_data_with_a_head_and_a_torchvision_set(tmp_path, m
     assert set(rec) == {"eurosat"}
     assert set(rec["eurosat"]) == {"neural_collapse", "prototype_alignment", "modality_gap", "few_shot"}
     # Table 1: the head's top-1 on the held-out (odd) images of head classes = the checkpoint's own logits
-    s = data.torchvision_set("eurosat", root)
+    s = eval_sets.torchvision_set("eurosat", root)
     head_of = {v: k for k, v in head.items()}
     odd = [i for i in range(len(s.labels)) if i % 2 == 1 and s.class_names[s.labels[i]] in head_of]
     y = torch.tensor([head_of[s.class_names[s.labels[i]]] for i in odd])
@@ -436,8 +436,8 @@ def test_analyses_say_in_one_line_what_is_skipped(capsys):
         def head(self):
             return torch.randn(3, 4), torch.zeros(3), ["a", "b", "c"]
     args = argparse.Namespace(data="coco", data_root="/data")
-    assert R.recycling_analyses({"image_encoder": NoHead(), "sets": {}}, args, "cpu") == {}
-    assert R.recycling_analyses({"image_encoder": Head(), "sets": {"train": None}}, args, "cpu") == {}
+    assert R.recycling_analyses(align.Run(NoHead(), None, {}), args, "cpu") == {}
+    assert R.recycling_analyses(align.Run(Head(), None, {"train": None}), args, "cpu") == {}
     out = capsys.readouterr().out.strip().splitlines()
     assert out == ["[analyses] skipped: tiny-dinov2 has no linear classification head. Use ...",
                    "[analyses] skipped: --data coco has no classification set (put one of stl10, cifar10, cifar100, "

@@ -29,6 +29,8 @@ from methods.mlp import MLP
 from test_real import models, write_karpathy  # noqa: F401  (the tiny Hugging Face models fixture)
 import storage
 import shapes
+import checks
+import train
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ("--eval-images", "20", "--no-figures", "--threads", "1")
@@ -83,8 +85,8 @@ def test_config_holds_the_resolved_loop_settings_of_a_run_without_epochs(cache_d
     assert ckpt["epoch"] == 19 and ckpt["settings"]["epochs"] == 20 and ckpt["settings"]["batch_size"] == 256
     # MLP declares 400 steps at batch 512: on 300 pairs, batch 300, 1 step an epoch, 400 epochs
     args = align.parse_args(["--method", "mlp"])
-    assert align.loop_plan(args, MLP(8, 6), 300) == (dict(epochs=400, batch_size=300, lr=5e-3, weight_decay=0.0,
-                                                          seed=0), 1)
+    assert train.loop_plan(train.loop_settings(args, MLP.defaults), MLP(8, 6), 300) == dict(
+        epochs=400, batch_size=300, lr=5e-3, weight_decay=0.0, seed=0)
 
 
 @pytest.mark.slow
@@ -294,9 +296,9 @@ def test_every_method_reads_a_head_row_as_its_one_vector_or_refuses_it(name):
         args = align.parse_args(["--method", name, "--align-data", mode])
         if mode in (HEAD_ROWS.get(name) or ()):
             with pytest.raises(SystemExit, match=re.escape(f"--method {name} --align-data {mode}: ") + ".*head row"):
-                align.check_flags(args, METHODS[name])
+                checks.check_flags(args, METHODS[name])
             continue
-        align.check_flags(args, METHODS[name])
+        checks.check_flags(args, METHODS[name])
         torch.manual_seed(0)
         m = METHODS[name](8, 6, **({"K": 8} if name in ("pal", "pal_rel") else {}))
         if m.fit is not None:

@@ -11,6 +11,7 @@ from simulated_device import simulated_cuda
 import features
 import shards
 import shapes
+from conftest import train_with
 
 TINY = ["--device", "cuda", "--threads", "1", "--epochs", "1", "--eval-images", "24"]
 
@@ -78,20 +79,19 @@ def test_resume_restores_the_cuda_generator(tmp_path, monkeypatch):
     """Dropout on CUDA draws from the CUDA generator: a checkpoint keeps its state and --resume restores it."""
     from argparse import Namespace
 
-    import align
     from conftest import random_features
     from methods.mlp import MLP
     args = Namespace(epochs=1, batch_size=16, lr=None, weight_decay=None, seed=0, resume=False)
     img, txt = random_features(32, 1, 8, seed=1), random_features(32, 1, 6, seed=2)
     with simulated_cuda(monkeypatch):
         torch.manual_seed(0)
-        align.train(MLP(8, 6).to("cuda"), img, txt, args, tmp_path, "cuda")
+        train_with(MLP(8, 6).to("cuda"), img, txt, args, tmp_path, "cuda")
         saved = torch.cuda.get_rng_state()
         state = torch.load(outfolder.checkpoint(tmp_path), weights_only=False)
         assert torch.equal(state["cuda_rng"], saved)
         torch.cuda.set_rng_state(torch.Generator().manual_seed(99).get_state())
         args.resume = True
-        align.train(MLP(8, 6).to("cuda"), img, txt, args, tmp_path, "cuda")
+        train_with(MLP(8, 6).to("cuda"), img, txt, args, tmp_path, "cuda")
         assert torch.equal(torch.cuda.get_rng_state(), saved)
 
 

@@ -1,0 +1,269 @@
+"""Training: what a run depends on (its settings, compared on --resume), the loop's settings
+resolved once, and the one training loop every method trains in.
+
+run_settings and resolved_hp say what a checkpoint and config.json record; resolve_loop picks the
+epochs, batch and threads (on a CPU within methods/budget.py's FLOP budget); fit_or_train runs a
+method's closed-form fit or train, the mini-batch loop with the method's optimiser, a cosine
+schedule, a checkpoint each epoch, --resume, and a clear stop on a non-finite loss.
+"""
+import inspect
+import time
+from pathlib import Path
+
+import torch
+
+import data
+import distributed
+import loader
+import outfolder
+import storage
+from checks import LOOP_RANGES, describe, hp_names, in_range
+from errors import RunError
+from features import Features
+from methods import budget
+from negatives import contrastive_scale, hard_negative_loss
+
+
+def data_identity(args, sets):
+    """What the training data is: the data folder by its real path and data.identity of the training set
+    (its files by path, size and time, its captions, their image links)."""
+    return dict(data_root=data.data_folder(args.data, args.data_root), data_hash=data.identity(sets["train"]))
+
+
+# ---------------------------------------------------------------------------
+# Settings: what a run depends on, resolved once
+# ---------------------------------------------------------------------------
+def run_settings(args, method_cls, hp, image_enc, text_enc, sets):
+    """What a checkpoint depends on besides the loop's settings (compared on --resume): the method
+    and every hyperparameter, the data and its identity, the encoders, their layers and weights."""
+    params = inspect.signature(method_cls.__init__).parameters
+    full_hp = {n: params[n].default for n in hp_names(method_cls)} | hp
+    return dict(method=args.method, data=args.data, image_encoder=args.image_encoder,
+                text_encoder=args.text_encoder, image_layer=args.image_layer,
+                text_layer=args.text_layer, select_layers=args.select_layers,
+                align_data=args.align_data, num_pairs=args.num_pairs,
+                hard_negatives=args.hard_negatives, **{f"hp.{k}": v for k, v in full_hp.items()},
+                image_layer_used=image_enc.layer, text_layer_used=text_enc.layer,
+                image_weights=getattr(image_enc, "fingerprint", None),
+                text_weights=getattr(text_enc, "fingerprint", None),
+                **data_identity(args, sets))
+
+
+def resolved_hp(method, settings):
+    """Every hyperparameter as the method runs it (config.json's "hp"): the keyword's value from
+    settings (given, else the __init__ default), or what __init__ resolved it to when it keeps it
+    under its own name (PAL's pooling None -> "cap"; methods/__init__.py)."""
+    kept = vars(method)                                   # the instance's plain attributes
+    plain = lambda x: x is None or isinstance(x, (bool, int, float, str))
+    return {name: kept[name] if plain(kept.get(name, ())) else value
+            for name, value in ((k[3:], v) for k, v in settings.items() if k.startswith("hp."))}
+
+
+def software():
+    """What ran the run, recorded but not compared (outfolder.OUTPUT_ONLY): python, torch,
+    transformers (its installed version, without importing it) and the git commit of this code
+    (None outside a checkout)."""
+    import importlib.metadata
+    import platform
+    import subprocess
+    try:
+        transformers = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        transformers = None
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+                                capture_output=True, text=True, timeout=10)
+        commit = commit.stdout.strip() if commit.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return dict(python=platform.python_version(), torch=torch.__version__,
+                transformers=transformers, commit=commit or None)
+
+
+def loop_settings(args, defaults):
+    """The training loop's settings as given: the flags, else the method's defaults."""
+    pick = lambda flag, name, fallback=None: flag if flag is not None else defaults.get(name, fallback)
+    return dict(epochs=pick(args.epochs, "epochs"),
+                batch_size=args.batch_size or defaults.get("batch_size"), lr=pick(args.lr, "lr"),
+                weight_decay=pick(args.weight_decay, "weight_decay", 0.0), seed=args.seed)
+
+
+def loop_plan(given, method, n):
+    """The loop's settings as they run on n pairs, from the settings given (loop_settings): the batch
+    at most n, a step budget ("steps", methods/__init__.py) as ceil(steps / steps per epoch) epochs.
+    A batch the method cannot train on is refused."""
+    batch = min(given["batch_size"], n)
+    low = method.ranges.get("batch_size", LOOP_RANGES["batch_size"])
+    if not in_range(batch, low):
+        raise RunError(f"a batch of {batch} pair(s) ({n} alignment pairs): "
+                       f"{type(method).__name__} takes batch_size {describe(low)}; use more pairs")
+    steps = n // batch                  # the last partial batch is dropped: InfoNCE wants full ones
+    epochs = given["epochs"] if given["epochs"] is not None else -(-method.defaults["steps"] // steps)
+    return dict(given, epochs=epochs, batch_size=batch)
+
+
+def resolve_loop(args, method, img, txt, device, cores):
+    """The loop's settings as the run will use them (config.json holds these; train takes them): the
+    flags, else the method's defaults, on a CPU with no --epochs within the FLOP budget of
+    methods/budget.py; and the thread counts."""
+    threads = dict(encode_threads=torch.get_num_threads(), train_threads=torch.get_num_threads())
+    given = loop_settings(args, method.defaults)
+    if method.loss is None:
+        return {**given, **threads}
+    loop = loop_plan(given, method, len(img))             # a batch it cannot train on stops here
+    distributed.check_batch(method, loop["batch_size"], args.hard_negatives)
+    if device == "cpu":
+        gflop, budgeted, line = budget.cpu_default(args.epochs, args.batch_size, method, img, txt)
+        if line:
+            print(f"[cpu default] {args.method}: {line}")
+            loop = loop_plan({**given, **budgeted}, method, len(img))
+            distributed.check_batch(method, loop["batch_size"], args.hard_negatives)
+        torch.set_num_threads(args.threads or budget.cpu_threads(gflop, cores))
+        threads["train_threads"] = torch.get_num_threads()
+        print(f"[threads] training on {threads['train_threads']} (a step's forward: {gflop:.2f} "
+              f"GFLOP of matrix products)")
+    return {**loop, **threads}
+
+
+def load_checkpoint(ckpt, settings):
+    """A --resume checkpoint, refused with one line when it is truncated, holds code, or was
+    written under other settings (listing what differs); only the keys of `settings` count."""
+    try:
+        state = storage.load_plain(ckpt)
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        raise RunError(f"--resume: {ckpt} is truncated or corrupt ({type(e).__name__}); delete it "
+                       f"to start over, or run without --resume") from None
+    old = state.get("settings", {}) if isinstance(state, dict) else {}
+    diff = [f"{k} {old.get(k)!r} there, {v!r} now" for k, v in settings.items() if old.get(k) != v]
+    if diff:
+        raise RunError(f"--resume: {ckpt} was written under other settings: {'; '.join(diff)}. "
+                       f"Rerun with its settings, or without --resume (or with another --out) to "
+                       f"start over")
+    return state
+
+
+# ---------------------------------------------------------------------------
+# The one training loop
+# ---------------------------------------------------------------------------
+def fit_or_train(method, img, txt, loop, out, device, resume=False, settings=None, negatives=None):
+    """A closed-form fit, or the training loop; {"seconds", "final_loss"} (the last epoch's mean loss, as printed)."""
+    t0, result = time.time(), {"seconds": 0.0, "final_loss": None}
+    if method.fit is not None:  # closed forms are global: pooled vectors, never a whole token cache
+        if distributed.world() > 1 and method.loss is None and not distributed.end_group():
+            return result                   # torchrun: rank 0 fits alone, the others leave before the fit
+        if distributed.rank() == 0:
+            vectors = lambda f: Features.from_vectors(f.pooled).to(device)
+            method.fit(vectors(img), vectors(txt))
+        distributed.broadcast_state(method)
+        result = {"seconds": round(time.time() - t0, 2), "final_loss": None}
+    if method.loss is not None:
+        try:
+            result = train(method, img, txt, loop, out, device, resume, settings, negatives)
+        except FloatingPointError as e:
+            raise RunError(str(e)) from None
+    return result
+
+
+FINITE_EVERY = 50  # steps between the host's looks at the loss (on a GPU each is a sync), and each epoch's end
+
+
+def stop_if_not_finite(losses, epoch, first, ckpt, saved, lr):
+    """Raise FloatingPointError at the first non-finite loss of losses (steps first + 1, first + 2, ...),
+    with where it happened and what to do; one host sync. Steps after it have run, on NaN weights, but
+    no checkpoint was written since: the run stops before its epoch's checkpoint, metrics or method.pt."""
+    if not losses:
+        return
+    losses = torch.stack(losses)                                         # (n,)
+    finite = torch.isfinite(losses).tolist()                             # the one copy to the host
+    if not all(finite):
+        i = finite.index(False)
+        raise FloatingPointError(
+            f"loss is {losses[i].item()} at epoch {epoch + 1}, step {first + i + 1}. "
+            f"The last good checkpoint is {ckpt if saved else 'not written yet'}. "
+            f"Try a lower --lr (now {lr:g}), then rerun with --resume.")
+
+
+def train(method, img, txt, loop, out, device, resume=False, settings=None, negatives=None):
+    """Mini-batch training of method.loss with the method's optimiser, a cosine schedule,
+    a checkpoint each epoch, --resume, and a clear stop on a non-finite loss.
+
+    loop: the loop's settings as they run (epochs, batch_size, lr, weight_decay, seed; resolve_loop
+    or loop_plan); resume: go on from out's checkpoint when there is one (--resume).
+    settings: what the run depends on besides the loop's own settings (method, hp, data,
+    encoders' weights, ...); stored in the checkpoint, and a --resume under other settings
+    is refused with what differs (load_checkpoint).
+    negatives: (Features, index (N, M)) of --hard-negatives: hard_negative_loss joins each step."""
+    d = method.defaults
+    loop = {k: loop[k] for k in ("epochs", "batch_size", "lr", "weight_decay", "seed")}   # not the threads
+    epochs, batch_size, lr, wd = loop["epochs"], loop["batch_size"], loop["lr"], loop["weight_decay"]
+    steps_per_epoch = len(img) // batch_size      # the last partial batch is dropped: InfoNCE wants full ones
+    shapes = {f"shape.{k}": list(v.shape) for k, v in method.state_dict().items()}
+    settings = {**(settings or {}), **loop, **shapes}
+    opt_cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[d.get("optimizer", "adamw")]
+    params = [p for p in method.parameters() if p.requires_grad]
+    opt = opt_cls(params, lr=lr, weight_decay=wd, betas=d.get("betas", (0.9, 0.999)))
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, epochs * steps_per_epoch))
+    start, ckpt, last = 0, outfolder.partial(out) / "checkpoint.pt", None   # written each epoch
+    if resume and outfolder.checkpoint(out).exists():
+        state = load_checkpoint(outfolder.checkpoint(out), settings)
+        method.load_state_dict(state["method"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        torch.set_rng_state(state["rng"])           # dropout continues as in an uninterrupted run
+        if str(device).startswith("cuda") and state.get("cuda_rng") is not None:
+            torch.cuda.set_rng_state(state["cuda_rng"])  # dropout of the method's device tensors draws here
+        start, last = state["epoch"] + 1, state.get("loss")
+        print(f"[train] resumed from {outfolder.checkpoint(out)} after epoch {start}")
+    elif resume:
+        print(f"[train] --resume: no checkpoint at {ckpt} yet; starting at epoch 1")
+    dd = distributed.Training(method, batch_size, negatives is not None)  # torchrun: rows, the loss
+    if not dd.active:
+        return {"seconds": 0.0, "final_loss": None}                     # rank 0 trains alone
+    print(f"[train] {epochs} epochs x {steps_per_epoch} steps, batch {batch_size}, {opt_cls.__name__} "
+          f"lr {lr:g} wd {wd:g}")
+    t0, loss = time.time(), torch.tensor(float("nan"))
+    for epoch in range(start, epochs):
+        method.train()
+        g = torch.Generator().manual_seed(loop["seed"] * 100003 + epoch)  # the order: (seed, epoch) only
+        order = torch.randperm(len(img), generator=g)
+        t_epoch = time.time()
+        total = torch.zeros((), dtype=torch.float64, device=device)  # the epoch's loss, summed on the device
+        sums, pending, first = {}, [], 0                             # logs' sums; losses not yet checked
+        index_batches = (dd.rows(order[step * batch_size:(step + 1) * batch_size])  # this rank's slice
+                         for step in range(steps_per_epoch))
+        batches = loader.batch_loader(img, txt, index_batches, device)
+        for step, (idx, img_b, txt_b) in enumerate(batches):
+            loss, logs = dd.loss(img_b, txt_b)            # method.loss unless split by torchrun
+            if negatives is not None:             # --hard-negatives: L = L_method + L_hn (never split)
+                j = negatives[1][idx]                                           # (B, M), -1 = none
+                neg = loader.batch_to(negatives[0][j.clamp(min=0).flatten()], device)
+                loss = loss + hard_negative_loss(method, img_b, txt_b, neg, (j >= 0).to(device),
+                                                 contrastive_scale(method))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if d.get("grad_clip"):
+                torch.nn.utils.clip_grad_norm_(params, d["grad_clip"])
+            opt.step()
+            sched.step()
+            total += loss.detach()                        # queued on the device: no host sync a step
+            pending.append(loss.detach())
+            for k, v in logs.items():
+                sums[k] = sums.get(k, 0) + v
+            if len(pending) == FINITE_EVERY:              # the host looks every FINITE_EVERY steps ...
+                stop_if_not_finite(pending, epoch, first, ckpt, epoch > start or start > 0, lr)
+                pending, first = [], step + 1
+        stop_if_not_finite(pending, epoch, first, ckpt, epoch > start or start > 0, lr)  # ... and at the end
+        dt, n = time.time() - t_epoch, max(1, steps_per_epoch)
+        means = "".join(f"  {k} {float(v) / n:.4f}" for k, v in sums.items())
+        mean = total.item() / n
+        print(f"[train] epoch {epoch + 1:3d}/{epochs}  loss {mean:.4f}{means}  "
+              f"{steps_per_epoch / max(dt, 1e-9):.1f} steps/s  {time.time() - t0:.0f}s")
+        last = round(mean, 4)  # final_loss: the epoch's mean as printed (float32 sums part below 1e-4 across CPUs)
+        if distributed.rank() == 0:
+            ckpt.parent.mkdir(parents=True, exist_ok=True)      # partial(out): --out is untouched until the end
+            storage.atomic_save({"method": method.state_dict(), "opt": opt.state_dict(),
+                               "sched": sched.state_dict(), "epoch": epoch,
+                               "rng": torch.get_rng_state(), "loss": last, "settings": settings,
+                               "cuda_rng": torch.cuda.get_rng_state() if str(device).startswith("cuda") else None},
+                              ckpt)
+    return {"seconds": round(time.time() - t0, 2), "final_loss": last}  # resumed when done: as saved
