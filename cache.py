@@ -142,8 +142,10 @@ def extract_ranks(encoder, inputs, path, folder, key, batch_size, device, cache_
 # its sets to <cache-dir>/world/, keyed by the sizes, the seed and the bytes of data.py
 # (the code that draws and renders it), so an edit to the world never reads a stale one.
 def world_key(seed, sizes):
-    source = hashlib.sha1(Path(data.__file__).read_bytes()).hexdigest()[:12]
-    return cache_key(dataset="shapes", split="world", modality="all", seed=seed, data_py=source, **sizes)
+    """The world's cache key: the seed, the set sizes and the bytes of the code that builds it
+    (shapes.py and data.py's containers), so an edit to either builds it anew."""
+    source = hashlib.sha1(b"".join(Path(m.__file__).read_bytes() for m in (shapes, data))).hexdigest()[:12]
+    return cache_key(dataset="shapes", split="world", modality="all", seed=seed, source=source, **sizes)
 
 
 def shapes_world(cache_dir, seed=0, **sizes):

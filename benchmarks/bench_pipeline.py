@@ -7,14 +7,14 @@
 (a) feature reads: rows/s of the training loader's read stage (loader.read_ahead over
     memory-mapped shards.StoredFeatures shards of fixed-length image rows, random batches, fp16
     host batches) against a plain numpy fancy-index of the same shards (sorted indices, one copy
-    per shard, one thread); ratio = reader / numpy (target >= 2/3). Also the whole loader
+    per shard, one thread); ratio = reader / numpy (expected >= 2/3). Also the whole loader
     (loader.batch_loader: batches as fp32 on the device, what a training step reads).
 (b) extraction: images/s of JPEG decode + resize alone (model_files.ImagePreprocess), of the model
     alone (a randomly initialised DINOv2 config, tokens back on the host), and of cache.extract
-    over the files (the pipeline); ratio = pipeline / the slower of the two (target >= 0.8).
+    over the files (the pipeline); ratio = pipeline / the slower of the two (expected >= 0.8).
 (c) layer selection (layers.select_layers, mknn): seconds against the naive form (every layer's
     tokens read per layer, both kNN sets recomputed for every layer pair on the host); ratio =
-    naive / now (target >= 10), and the seconds of a rerun (read from the cache).
+    naive / this (expected >= 10), and the seconds of a rerun (read from the cache).
 (d) evaluation of the token-level methods (evaluate.embed + evaluate.score_matrix, every image x
     every caption): seconds against the matrix-product bound, 2 x the multiply-adds of the
     token similarities over the captions' real lengths at this device's measured fp32 matmul
@@ -125,7 +125,7 @@ def bench_reader(z, work, device, repeats, sync):
     print(f"(a) feature reads: {n} rows x {z['T']} tokens x {z['D']} fp16 ({mb:.0f} MB in {len(views)} shards), "
           f"random batches of {z['batch']}; {loader.READ_WORKERS} reader threads, {loader.READ_AHEAD} batches ahead")
     print(f"    reader rows/s            {n / rd_t:10.0f}  [{n / rd_min:.0f}]   ratio to numpy {np_t / rd_t:.2f} "
-          f"(target >= 0.67)")
+          f"(expected >= 0.67)")
     print(f"    numpy fancy-index rows/s {n / np_t:10.0f}  [{n / np_min:.0f}]   (the bound)")
     print(f"    loader rows/s            {n / ld_t:10.0f}  [{n / ld_min:.0f}]   ratio to numpy {np_t / ld_t:.2f} "
           f"(batches as fp32 on {device}: the training loop's input)")
@@ -199,7 +199,7 @@ def bench_extraction(z, work, device, repeats, sync):
     print(f"    decode images/s          {n / d_t:10.1f}  [{n / d_min:.1f}]")
     print(f"    model images/s           {n / m_t:10.1f}  [{n / m_min:.1f}]")
     print(f"    pipeline images/s        {n / p_t:10.1f}  [{n / p_min:.1f}]   ratio to the slower {n / p_t / bound:.2f} "
-          f"(target >= 0.8)")
+          f"(expected >= 0.8)")
     h_t, h_min = timed(host_work, repeats, lambda: None)
     f_t = rows * m_t / n                                                    # the forward of a shard's rows
     print(f"    host work per shard s    {h_t:10.3f}  [{h_min:.3f}]   {rows} rows x {T} x {D} fp16 (cat, gather, save, "
@@ -263,8 +263,8 @@ def bench_layers(z, work, device, repeats, sync):
     L = img.n_layers * txt.n_layers
     print(f"(c) layer selection, mknn on {n} pairs (k = {k}): {img.n_layers} image x {txt.n_layers} text layers "
           f"= {L} pairs, on {device}" + ("" if share == 1 else f" (naive: {round(share * L)} pairs timed, scaled to {L})"))
-    print(f"    layer selection s        {now_t:10.2f}  [{now_min:.2f}]   ratio naive / now {naive / now_t:.1f} "
-          f"(target >= 10)")
+    print(f"    layer selection s        {now_t:10.2f}  [{now_min:.2f}]   ratio naive / this {naive / now_t:.1f} "
+          f"(expected >= 10)")
     print(f"    naive layer selection s  {naive:10.2f}")
     print(f"    scoring alone s          {scoring:10.3f}   naive {naive_scoring:.3f} s, ratio {naive_scoring / scoring:.1f} "
           f"(the kNN part: each layer's sets once; the rest is the encoders' forwards)")
@@ -314,7 +314,7 @@ def bench_evaluation(z, device, repeats, sync):
         macs = I * int(lengths.sum()) * N * K + (I * int(lengths.sum()) * N * N if name == "text_guided" else 0)
         t, t_min = timed(run, repeats, sync)
         bound = macs / rate
-        print(f"    evaluation {name:12s} s {t:9.2f}  [{t_min:.2f}]   bound {bound:.2f} s, ratio bound / now "
+        print(f"    evaluation {name:12s} s {t:9.2f}  [{t_min:.2f}]   bound {bound:.2f} s, ratio bound / measured "
               f"{bound / t:.2f}")
         out[f"{name}_s"] = {"value": t, "ratio": bound / t}
     return out

@@ -1,6 +1,8 @@
 """The Shapes world cached like the features: built once, read back equal, keyed by what builds it."""
 import shutil
+from pathlib import Path
 
+import pytest
 import torch
 
 import cache
@@ -39,12 +41,13 @@ def test_the_world_matches_a_fresh_build_and_other_settings_get_other_files(tmp_
     assert read["test"].captions == shapes.shapes_world(1, **SMALL)["test"].captions
 
 
-def test_an_edit_to_data_py_changes_the_key(tmp_path, monkeypatch):
+@pytest.mark.parametrize("module", [shapes, data])
+def test_an_edit_to_the_code_that_builds_the_world_changes_the_key(tmp_path, monkeypatch, module):
     before = cache.world_key(0, SMALL)
-    edited = tmp_path / "data.py"
-    shutil.copy(data.__file__, edited)
+    edited = tmp_path / Path(module.__file__).name
+    shutil.copy(module.__file__, edited)
     edited.write_text(edited.read_text() + "\n# an edit\n")
-    monkeypatch.setattr(data, "__file__", str(edited))
+    monkeypatch.setattr(module, "__file__", str(edited))
     assert cache.world_key(0, SMALL) != before
 
 
