@@ -32,10 +32,11 @@ Deviations / choices:
    Optimiser as CoV here (Adam, lr 3e-3, weight decay 1e-4, 30 epochs, batch 128).
 6. The words w_j exclude CLS / SEP / BOS / EOS (the token contract), so 1/L in Eq. (3) counts
    words only.
-7. Fast form of Eqs. (2)-(3) without v_hat (I, T, L, K): w_j . vhat_j = sum_p a_jp s_jp and
-   ||vhat_j||^2 = a_j^T G a_j with the patch Gram matrix G = v v^T (N, N), so a pair costs
-   L N (K + N) multiply-adds instead of 2 L N K (a training step at batch 128: 2.0 s against
-   12.6 s); tests/test_fast_forms.py checks it against v_hat formed, values and gradients.
+7. fast=True (the default) trains and scores Eqs. (2)-(3) without forming v_hat (I, T, L, K):
+   w_j . vhat_j = sum_p a_jp s_jp and ||vhat_j||^2 = a_j^T G a_j with the patch Gram matrix
+   G = v v^T (N, N), so a pair costs L N (K + N) multiply-adds instead of 2 L N K (a training step
+   at batch 128: 2.0 s against 12.6 s). fast=False runs the equations as written
+   (text_guided_score_paper); tests/test_fast_forms.py checks the two equal, values and gradients.
 """
 import torch.nn as nn
 import torch.nn.functional as F
@@ -44,6 +45,18 @@ from . import Method
 from .cov import real_word_mean
 from .losses import info_nce_of_logits
 from .pal import cap
+
+
+def text_guided_score_paper(v, w, tau_a):
+    """Eq. (1)-(3) as written, for all pairs: v (I, N, K) patches, w (T, L, K) words -> S (I, T),
+    with Eq. (2)'s v_hat (I, T, L, K) formed (fast=False)."""
+    v_ok = v.abs().sum(-1) > 0                                          # (I, N)
+    (I, N, K), (T, L, _) = v.shape, w.shape
+    s = (v.reshape(I * N, K) @ w.reshape(T * L, K).T).view(I, N, T * L)  # cos(w_j, v_p), (I, N, T*L); 0 at padding
+    _, a = cap(s, v_ok, tau_a)                                          # Eq. (1): a_jp over the real p, (I, N, T*L)
+    v_hat = a.transpose(1, 2) @ v                                       # Eq. (2): sum_p a_jp v_p, (I, T*L, K)
+    cos = F.cosine_similarity(v_hat.view(I, T, L, K), w[None], dim=-1)  # cos(w_j, v_hat_j), (I, T, L)
+    return real_word_mean(cos, w)                                       # Eq. (3), (I, T)
 
 
 def text_guided_score(v, w, tau_a):
@@ -69,7 +82,7 @@ def text_guided_score(v, w, tau_a):
 
 class TextGuided(Method):
     defaults = dict(lr=3e-3, epochs=30, batch_size=128, weight_decay=1e-4, optimizer="adam")  # as CoV here
-    ranges = dict(K="[1, inf)", tau_a="(0, inf)", tau="(0, inf)", score_chunk="[1, inf)")  # valid --hp
+    ranges = dict(K="[1, inf)", tau_a="(0, inf)", tau="(0, inf)", score_chunk="[1, inf)", fast=(True, False))  # valid --hp
 
     split_loss = True  # its loss reads the batch only through embed_image / embed_text (distributed.py)
     refuses_align_data = dict.fromkeys(("weights", "weights+pairs"),  # head rows: one vector each
@@ -83,11 +96,18 @@ class TextGuided(Method):
                  K=512,              # shared dim, as CoV
                  tau_a=0.1,          # word-to-patch attention, choice 2
                  tau=0.05,           # InfoNCE, choice 4
-                 score_chunk=None):  # max elements of one per-pair chunk in score(); None: 2^20 CPU, 2^28 GPU (choice 3)
+                 score_chunk=None,   # max elements of one per-pair chunk in score(); None: 2^20 CPU, 2^28 GPU (choice 3)
+                 fast=True):         # Eqs. (2)-(3) without v_hat formed (choice 7); False: as written
         super().__init__()
         self.P_v = nn.Linear(d_image, K)
         self.P_t = nn.Linear(d_text, K)
-        self.tau_a, self.tau, self.score_chunk = tau_a, tau, score_chunk
+        self.tau_a, self.tau, self.score_chunk, self.fast = tau_a, tau, score_chunk, fast
+
+    def pair_scores(self, v, w):
+        """S (I, T) of Eq. (3) for every pair of v (I, N, K) and w (T, L, K)."""
+        if self.fast:
+            return text_guided_score(v, w, self.tau_a)
+        return text_guided_score_paper(v, w, self.tau_a)
 
     def embed_image(self, img):
         return F.normalize(self.P_v(img.patches()), dim=-1)       # (B, H*W, K), no aggregation yet
@@ -108,11 +128,11 @@ class TextGuided(Method):
         S = img_emb.new_empty(I, T)
         for i in range(0, I, ci):
             for t in range(0, T, ct):
-                S[i:i + ci, t:t + ct] = text_guided_score(img_emb[i:i + ci], txt_emb[t:t + ct], self.tau_a)
+                S[i:i + ci, t:t + ct] = self.pair_scores(img_emb[i:i + ci], txt_emb[t:t + ct])
         return S
 
     def loss(self, img, txt):
-        S = text_guided_score(self.embed_image(img), self.embed_text(txt), self.tau_a)  # (B, B)
+        S = self.pair_scores(self.embed_image(img), self.embed_text(txt))  # (B, B)
         logits = S / self.tau
         loss = info_nce_of_logits(logits)                                # symmetric InfoNCE (losses.py)
         return loss, {"nce": loss.detach()}

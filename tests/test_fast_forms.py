@@ -135,18 +135,11 @@ def test_pal_fast_and_paper_forms_give_the_same_embeddings_loss_and_gradients(po
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
-def naive_text_guided_score(v, w, tau_a):
-    """text_guided.py's Eq. (1)-(3) with v_hat (I, T, L, K) formed, the paper form."""
-    v_ok, w_ok = v.abs().sum(-1) > 0, w.abs().sum(-1) > 0                     # (I, N), (T, L)
-    s = torch.einsum("ink,tlk->itln", v, w).masked_fill(~v_ok[:, None, None, :], float("-inf"))
-    a = (s / tau_a).softmax(-1)                                                # Eq. (1), (I, T, L, N)
-    v_hat = torch.einsum("itln,ink->itlk", a, v)                               # Eq. (2), (I, T, L, K)
-    cos = F.cosine_similarity(v_hat, w[None], dim=-1)                          # (I, T, L)
-    return (cos * w_ok[None]).sum(-1) / w_ok.sum(-1)[None].clamp_min(1)       # Eq. (3), (I, T)
-
-
 def test_text_guided_score_matches_v_hat_formed_values_and_gradients():
-    from methods.text_guided import TextGuided, text_guided_score
+    """The fast form against the paper form (v_hat formed, text_guided_score_paper), which is checked
+    against a loop over the pairs and words."""
+    from methods.text_guided import TextGuided, text_guided_score, text_guided_score_paper
+    naive_text_guided_score = text_guided_score_paper
     g = torch.Generator().manual_seed(3)
     v = F.normalize(torch.randn(4, 6, 8, generator=g), dim=-1)
     v[1, 4:] = 0                                                               # padded patches
@@ -162,6 +155,15 @@ def test_text_guided_score_matches_v_hat_formed_values_and_gradients():
         assert torch.allclose(b.grad, a.grad, atol=1e-5)
     m = TextGuided(8, 8, K=8, score_chunk=2 * 3 * 6)                           # score() in chunks of 2 pairs
     assert torch.allclose(m.score(v, w), S0.detach(), atol=1e-6)
+    assert torch.allclose(TextGuided(8, 8, K=8, fast=False).score(v, w), S0.detach(), atol=1e-6)
+    # the paper form against a loop: a_jp = softmax over the real patches of v_p . w_j / tau_a (the method's words
+    # are unit vectors, so this is Eq. (1)'s cosine), v_hat_j = sum_p a_jp v_p
+    for i in range(4):
+        real_v = v[i][v[i].abs().sum(-1) > 0]                                  # (N_i, K)
+        for t in range(5):
+            real_w = w[t][w[t].abs().sum(-1) > 0]                              # (L_t, K)
+            cos = [F.cosine_similarity((real_v @ wj / 0.1).softmax(0) @ real_v, wj, dim=0) for wj in real_w]
+            assert abs(S0[i, t].item() - sum(cos).item() / len(cos)) < 1e-5
 
 
 @needs_fast
