@@ -262,11 +262,6 @@ def miou_from_counts(inter, union):
     # END EXERCISE 10
 
 
-def miou_from_predictions(pred, gt, C, ignore_index=255):
-    """mIoU-fg (percent) of predictions vs ground truth, pooled over all pixels given."""
-    return miou_from_counts(*iou_counts(pred, gt, C, ignore_index))
-
-
 def segmentation(method, img, masks, class_txt, n_templates, ignore_index=255, batch_size=64, device="cpu"):
     """Zero-shot segmentation mIoU-fg (percent), PAL's protocol.
 

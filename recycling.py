@@ -51,9 +51,8 @@ Deviations / choices (where the paper is silent):
    App. B's cosine classifier; §4.1 writes w_i.
 6. Fig. 1's n defaults to (1, 2, 5, 10, 20), counts above the smallest class size skipped;
    the paper's n is {1, 5, 10, 20, 30, 40, 50} (50: all IN-1K validation images of a class).
-7. align.py --analyses with an image encoder without a usable head, or data without a
-   classification set, stops before any features are extracted (cannot_analyse), not with
-   "[analyses] skipped" after the training; recycling_analyses itself still skips.
+7. cannot_analyse says why the analyses cannot run (no usable head, no classification set), so
+   align.py refuses --analyses before any features are extracted (docs/faults.md).
 
 The analyses on the Shapes world, next to the paper's numbers: docs/results.md
 ("Weight recycling"), from `python align.py --analyses`.

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from . import Method
 from .cov import max_mean as token_max   # Eq. (4)-(5): the two terms of CoV's max-sum, Eq. (6)
-from .losses import info_nce_of_logits
+from .losses import info_nce_of_logits, score_in_chunks
 
 
 class FILIP(Method):
@@ -64,15 +64,7 @@ class FILIP(Method):
         return self.embed_image(img)[:, :, None]                  # (B, H*W, 1, K)
 
     def score(self, img_emb, txt_emb):
-        (I, N, _), (T, L, _) = img_emb.shape, txt_emb.shape
-        ct = max(1, min(T, self.score_chunk // (N * L)))          # texts per chunk
-        ci = max(1, self.score_chunk // (ct * N * L))             # images per chunk
-        S = img_emb.new_empty(I, T)
-        for i in range(0, I, ci):
-            for t in range(0, T, ct):
-                s_i2t, s_t2i = token_max(img_emb[i:i + ci], txt_emb[t:t + ct])
-                S[i:i + ci, t:t + ct] = s_i2t + s_t2i
-        return S
+        return score_in_chunks(lambda v, w: sum(token_max(v, w)), img_emb, txt_emb, self.score_chunk)  # s_i2t + s_t2i
 
     def contrastive_score(self, img_emb, txt_emb):  # what loss() scales by 1 / tau for image -> text
         return token_max(img_emb, txt_emb)[0]                     # s_i2t, (N_img, N_txt)

@@ -6,6 +6,8 @@ ICML 2021; PAL Eq. (8), §4.3), written once.
 info_nce(h_v, h_l, tau): s = h_v h_l^T, a dot product of L2-normalised embeddings (B, K) each.
 info_nce_of_logits(logits): the same from a (B, B) logit matrix s / tau whose diagonal holds the pairs,
 for methods whose score is not a dot product (CoV's max-sum, the text-guided score).
+score_in_chunks: the (images, texts) score matrix of the token-level methods (CoV, FILIP, text-guided),
+whose per-pair tensors do not fit at once, in chunks of pairs.
 """
 import torch
 import torch.nn.functional as F
@@ -31,3 +33,17 @@ def info_nce_of_logits(logits, logits_t2i=None):
     cols = logits if logits_t2i is None else logits_t2i                          # (B, B)
     return (F.cross_entropy(logits, target) + F.cross_entropy(cols.T, target)) / 2
     # END EXERCISE 2
+
+
+def score_in_chunks(pair_score, img_emb, txt_emb, limit):
+    """S (I, T) = pair_score(img_emb, txt_emb) of img_emb (I, N, K) and txt_emb (T, L, K), computed on
+    chunks of images x texts whose per-pair (N, L) entries hold at most `limit` elements in all."""
+    (I, N, _), (T, L, _) = img_emb.shape, txt_emb.shape
+    ct = max(1, min(T, limit // (N * L)))                     # texts per chunk
+    ci = max(1, limit // (ct * N * L))                        # images per chunk
+    S = img_emb.new_empty(I, T)
+    for i in range(0, I, ci):
+        for t in range(0, T, ct):
+            S[i:i + ci, t:t + ct] = pair_score(img_emb[i:i + ci], txt_emb[t:t + ct])
+    return S
+

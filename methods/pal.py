@@ -24,24 +24,23 @@ Anchor analysis: Table 4 (anchor_overlap), Fig. 3 (draw_anchor_figure).
 
 Deviations / choices:
 1. tau = 0.05, fixed (the paper does not give it): STRUCTURE's value, shared with the Linear head.
-2. CAP reads the patch and word tokens only (no global, CLS or EOS token, encoders.py's token
-   contract): Shapes RSum 508.3, against 508.2 with every token (the default run, 15 epochs).
+2. CAP reads the patch and word tokens only (no global, CLS or EOS token, features.py's token
+   contract): the paper pools the encoder's tokens; the global token only repeats their mean.
 3. pooling, Table 5's ablation: "cap" = Eqs. (5)-(6); "mean" = masked mean of R ("+ full tokens");
    "global" = the relative representation of the pooled vector ("global only").
-4. Anchors start as N(0, I) draws (the paper does not say): copies of real tokens trained worse,
-   Shapes RSum 535 against 556.
-5. AdamW at lr 3e-2, no weight decay (it only shrinks the anchors' norms): Shapes RSum 556, against
-   534 at 1e-2; 20 epochs, batch 256 (the paper states no optimiser, lr, epochs or batch).
+4. Anchors start as N(0, I) draws (the paper does not say how they start).
+5. AdamW at lr 3e-2, no weight decay (it only shrinks the anchors' norms); 20 epochs, batch 256
+   (the paper states no optimiser, lr, epochs or batch; docs/results.md, "PAL's choices").
 6. Table 4's Dice weighs the top-5 anchors by their p (clamped >= 0, normalised to sum 1):
    sum_k min(u_k, w_k); the set Dice of two top-5 sets equals the hard overlap |A∩B| / 5 exactly.
 7. dense_image returns each patch's r_t (Eq. 4), L2-normalised, for zero-shot segmentation.
 8. Aligned on classifier-head rows alone (--align-data weights, not in the paper): test images are
-   pooled as the head read them, "global" for a pooled head (RSum 53.9 against CAP's 22 on a
-   1280-d ImageNet CNN + MiniLM), CAP for the Shapes CNN's per-patch head; align.py passes head_rows.
+   pooled as the head read them ("global" for a pooled head, CAP for the Shapes CNN's per-patch
+   head); align.py passes head_rows. A head row among image tokens is one vector (with_head_rows).
 9. fast (default True where methods/fast_cap.py is present): pool() runs Eqs. (3)-(6) through
-   fast_cap.chunked_cap, the same p in chunks with a hand-written backward (tests/test_fast_forms.py
-   checks values and gradients): a training step 169 ms instead of 346 ms of CPU
-   (`python benchmarks/bench_cap.py`); fast=False trains the paper form written out in pool().
+   fast_cap.chunked_cap, the same p in chunks with a hand-written backward, about twice as fast
+   (`python benchmarks/bench_cap.py`; tests/test_fast_forms.py checks values and gradients);
+   fast=False trains the paper form written out in pool().
 """
 import importlib.util
 from pathlib import Path
@@ -58,6 +57,14 @@ if HAVE_FAST:
     from .fast_cap import chunked_cap
 
 # ---------------------------------------------------------------- helpers
+def with_head_rows(x, Z, mask):
+    """The patches Z (B, H*W, D) and mask (B, H*W) of images x with slot 0 in front: masked for an
+    image, the row's one vector for a classifier-head row among them (--align-data weights+pairs,
+    choice 8: a head row has no patch, so CAP reads its vector as its only token)."""
+    vector = ~mask.any(1)                                  # (B,) True for a head row: no real patch
+    return torch.cat([x.tokens[:, :1], Z], 1), torch.cat([vector[:, None], mask], 1)
+
+
 
 
 def relative(Z, A):
@@ -192,13 +199,11 @@ class PAL(Method):
 
     @staticmethod
     def Z(x, modality):
-        """The patch or word tokens CAP reads (choice 2): Z (B, T, D) and its mask (B, T)."""
+        """The tokens CAP reads (choice 2): Z (B, T, D) and its mask (B, T): an image's H*W patches
+        (not its global token), a caption's words."""
         if modality == "image" and x.grid is not None:
             H, W = x.grid
-            Z, mask = x.tokens[:, 1:1 + H * W], x.mask[:, 1:1 + H * W]   # patches, no global token (token contract)
-            vector = ~mask.any(1)                          # (B,) a sample that is ONE vector (a head row in D_aug)
-            Z = torch.cat([x.tokens[:, :1], Z], 1)         # ... reads that vector as its only token
-            return Z, torch.cat([vector[:, None], mask], 1)
+            return with_head_rows(x, x.tokens[:, 1:1 + H * W], x.mask[:, 1:1 + H * W])
         return x.tokens, x.mask                            # words (the contract); head rows alone: their one vector
 
     def tokens(self, x, modality):

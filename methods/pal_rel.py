@@ -34,22 +34,24 @@ alpha, choice 2); pos -> pos; c -> c; u -> self.u; rho -> rho; V -> self.V; M ->
 W -> self.W; U -> self.U; o -> o; alpha_l -> alpha; d -> d; tau_p -> self.tau_p;
 tau -> self.tau.
 
-Measured on the Shapes world's harder binding test (shapes.binding_sets, docs/binding.md):
-seed 0, default encoders, `python align.py --method pal_rel --epochs 5 --threads 1`.
-
-Deviations / choices:
-1. Positions come from the patch grid (Features.grid), as a ViT's position embedding: the default shapes-cnn (no position code) gives canonical attribute / relation / object-order swaps 100.0 / 100.0 / 100.0.
-2. beta (R1) is CAP's alpha over the patches (PAL's Z masks the global token): one chunked pass with fast=True (pal.py choice 9), the paper form with fast=False; tests/test_fast_forms.py checks one against the other.
-3. U, V and u start at zero, so PAL-Rel starts as PAL exactly (tests/test_binding.py: scores equal to 1e-6).
-4. The 1/K in (R4): without it one Adam step (lr 3e-2) made the relation term ~100: loss 14.8 after the first epoch (chance 5.5).
-5. The 1/K on the TEXT side (prompt averaging in evaluate.py renormalises e_l): on the image side, zero-shot top-1 69.8 instead of 100.0 (MiniLM, 10 epochs).
+Deviations / choices (each measured in docs/binding.md, "PAL-Rel's choices, measured"):
+1. Positions come from the patch grid (Features.grid), as a ViT's position embedding: no position
+   code is needed in the tokens.
+2. beta (R1) is CAP's alpha over the patches (PAL's Z masks the global token): one chunked pass with
+   fast=True (pal.py choice 9).
+3. U, V and u start at zero, so PAL-Rel starts as PAL exactly (tests/test_binding.py: scores equal
+   to 1e-6).
+4. The 1/K in (R4) keeps the relation term on the scale of h_v . h_l: without it one Adam step made
+   it dominate the loss.
+5. The 1/K sits on the TEXT side (evaluate.py's prompt averaging renormalises e_l, which the image
+   side would distort).
 6. Gaussian anchors; tau, tau_p and lr as PAL (pal.py choices 1 and 4).
-7. dense_image: PAL's per-patch r_t with zeros in the relation part (a patch has no pair to compare).
-8. order="local", (R2) as above (default): held-out templates attribute / relation / object order 86.0 / 84.0 / 84.3, all five training styles 100.0 / 100.0 / 100.0.
-   order="relation": o_w = U^T y_w + G(t) q(w - r), q a sin-cos code (P dims), r = sum_j rho_j j, G(t) = reshape(V^T t, (2, P)), t the pooled text: 53.7 / 33.7 / 54.3 and 98.3 / 100.0 / 98.3.
-   order="index": the same with q(w), the word's index in the caption: 26.3 / 12.3 / 27.0 and 86.7 / 88.3 / 88.7.
-9. W = 8: W = 5 misses style 3's object phrases, 8-16 words before its relation word (style 3 attribute swap 51.7 against 100.0); W = 16 reaches the far object of "B has A on its left" (held-out templates 80.7 / 84.7 / 79.3).
-10. The passive held-out template ("B is flanked on the left by A") stays below chance (relation swap 26.7; the other four templates 90.0-100.0 on every swap): no training caption names the subject after the relation, the tiny text encoder reads "flanked" and "by" as [UNK], and MiniLM's own pooled vector puts it nearer its object-order swap than its meaning 91% of the time (benchmarks/binding.py --paraphrases). Object-order hard negatives do not move it (--hard-negatives: 86.0 / 81.3 / 82.7 on the held-out templates).
+7. dense_image: PAL's per-patch r_t with zeros in the relation part (a patch has no pair to
+   compare).
+8. order="local" ((R2) as above), the default: offsets from the relation word generalise to held-out
+   wordings; "relation" and "index" are the alternatives.
+9. W = 8 words either side: W = 5 misses the object phrases of the longest training style, W = 16
+   reaches past the nearer object phrase (worse on held-out templates).
 """
 import torch
 import torch.nn as nn
@@ -67,11 +69,6 @@ def sincos(x, P=32):
     """(..., P) sin-cos code of real positions x (...,) (Transformer-style, base 10000)."""
     freq = 10000.0 ** (-torch.arange(0, P, 2, device=x.device, dtype=torch.float32) / P)  # (P/2,)
     return torch.cat([torch.sin(x[..., None] * freq), torch.cos(x[..., None] * freq)], dim=-1)
-
-
-def word_positions_code(L, P=32, device=None):
-    """(L, P) sin-cos code of word index 0..L-1: q_w of (R2) with order="index"."""
-    return sincos(torch.arange(L, device=device, dtype=torch.float32), P)
 
 
 def grid_positions(H, W, device=None):

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from . import Method
 from .cov import real_word_mean
-from .losses import info_nce_of_logits
+from .losses import info_nce_of_logits, score_in_chunks
 from .pal import cap
 
 
@@ -120,16 +120,8 @@ class TextGuided(Method):
         return self.embed_image(img)[:, :, None]                  # (B, H*W, 1, K)
 
     def score(self, img_emb, txt_emb):
-        (I, N, _), (T, L, _) = img_emb.shape, txt_emb.shape
-        per_pair = L * N                                          # (N, L) entries per pair
         limit = self.score_chunk or (2 ** 20 if img_emb.device.type == "cpu" else 2 ** 28)  # GPU: few large kernels
-        ct = max(1, min(T, limit // per_pair))                    # texts per chunk
-        ci = max(1, limit // (ct * per_pair))                     # images per chunk
-        S = img_emb.new_empty(I, T)
-        for i in range(0, I, ci):
-            for t in range(0, T, ct):
-                S[i:i + ci, t:t + ct] = self.pair_scores(img_emb[i:i + ci], txt_emb[t:t + ct])
-        return S
+        return score_in_chunks(self.pair_scores, img_emb, txt_emb, limit)
 
     def loss(self, img, txt):
         S = self.pair_scores(self.embed_image(img), self.embed_text(txt))  # (B, B)

@@ -19,7 +19,7 @@ from conftest import random_features
 from methods.cov import CoV
 from methods.linear import Linear
 from methods.pal import PAL
-from methods.pal_rel import PALRel, grid_positions, word_positions_code
+from methods.pal_rel import PALRel, grid_positions, sincos
 import negatives
 import shapes
 
@@ -443,7 +443,7 @@ def test_pal_rel_reads_the_relation_from_word_order_and_the_pooled_text():
     m = PALRel(4, 3, K=2, tau_p=0.05, P=2, order="index")
     q0, q1 = torch.tensor([0.0, 1.0]), torch.tensor([math.sin(1.0), math.cos(1.0)])    # the P = 2 code of w = 0, 1
     g = torch.linalg.solve(torch.stack([q0, q1]), torch.tensor([-1.0, 1.0]))          # G's x row for r = 1
-    assert torch.allclose(word_positions_code(2, 2), torch.stack([q0, q1]), atol=1e-6)
+    assert torch.allclose(sincos(torch.arange(2.0), 2), torch.stack([q0, q1]), atol=1e-6)
     with torch.no_grad():
         m.A_v.copy_(torch.eye(4)[:2])
         m.A_l.copy_(torch.eye(3)[:2])

@@ -272,28 +272,28 @@ def test_miou_hand_made_and_ignore_pixels_excluded():
     pred = torch.tensor([[0, 1, 1],
                          [1, 0, 1]])
     # class 0: I = 1, U = 2 (pred 1 + gt 2 - 1); class 1: I = 2, U = 3 (pred 3 + gt 2 - 2) -> (1/2 + 2/3) / 2
-    got = ev.miou_from_predictions(pred, gt, 2)
+    got = miou_of(pred, gt, 2)
     assert got == pytest.approx(100 * (1 / 2 + 2 / 3) / 2), \
         f"mIoU {got:.4g}, expected 58.33 (class 0: I 1 / U 2, class 1: I 2 / U 3; the 255 pixels ignored)"
     pred2 = pred.clone()
     pred2[1, 1:] = torch.tensor([1, 0])           # only ignored pixels changed
-    got2 = ev.miou_from_predictions(pred2, gt, 2)
+    got2 = miou_of(pred2, gt, 2)
     assert got2 == got, f"changing the prediction on ignored (255) pixels moves mIoU from {got:.4g} to {got2:.4g}"
     # a class predicted but absent from gt counts with IoU 0; a class absent from both does not count
-    got = ev.miou_from_predictions(torch.tensor([0, 2]), torch.tensor([0, 0]), 4)
+    got = miou_of(torch.tensor([0, 2]), torch.tensor([0, 0]), 4)
     assert got == pytest.approx(100 * (1 / 2 + 0) / 2), (
         f"mIoU {got:.4g}, expected 25 (class 0 IoU 1/2, class 2 predicted but absent IoU 0, classes 1 and 3 "
         f"absent from both: not counted)")
     with pytest.raises(ValueError):
-        ev.miou_from_predictions(torch.tensor([0]), torch.tensor([7]), 2)
+        miou_of(torch.tensor([0]), torch.tensor([7]), 2)
 
 
 def test_miou_accumulates_over_the_set_not_per_image():
     gt1, pred1 = torch.zeros(2, 2, dtype=torch.long), torch.zeros(2, 2, dtype=torch.long)   # 4 px class 0, right
     gt2 = torch.tensor([[0, 1], [1, 1]])
     pred2 = torch.ones(2, 2, dtype=torch.long)                                                # all class 1
-    per_image = (ev.miou_from_predictions(pred1, gt1, 2) + ev.miou_from_predictions(pred2, gt2, 2)) / 2
-    pooled = ev.miou_from_predictions(torch.stack([pred1, pred2]), torch.stack([gt1, gt2]), 2)
+    per_image = (miou_of(pred1, gt1, 2) + miou_of(pred2, gt2, 2)) / 2
+    pooled = miou_of(torch.stack([pred1, pred2]), torch.stack([gt1, gt2]), 2)
     assert per_image == pytest.approx((100 + 100 * (0 + 3 / 4) / 2) / 2), f"per-image mean {per_image:.4g}, not 68.75"
     assert pooled == pytest.approx(100 * (4 / 5 + 3 / 4) / 2), \
         f"mIoU of the two images together {pooled:.4g}, expected 77.5 (intersections and unions summed over the set)"
@@ -428,3 +428,9 @@ def test_results_table_one_line_per_group():
     assert lines[1].startswith("classification/shapes") and "top1 95.30" in lines[1]
     assert "epochs 20" in lines[3]
     assert len({line.index(line.split()[1]) for line in lines}) == 1           # values start in one column
+
+
+def miou_of(pred, gt, C, ignore_index=255):
+    """mIoU-fg (percent) of predictions vs ground truth, pooled over all pixels given."""
+    return ev.miou_from_counts(*ev.iou_counts(pred, gt, C, ignore_index))
+

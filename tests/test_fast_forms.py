@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from conftest import random_features
 
 from methods.pal import PAL, cap, relative
-from methods.pal_rel import PALRel, grid_positions, word_positions_code
+from methods.pal_rel import PALRel, grid_positions, sincos
 
 try:
     from methods.fast_cap import chunked_cap
@@ -93,7 +93,7 @@ def naive_pal_rel(m, img, txt):
     p, alpha = cap(R, txt.mask, m.tau_p)
     B, L, _ = txt.tokens.shape
     G = (F.normalize(txt.pooled, dim=-1) @ m.V).view(B, 2, m.P)               # (R2) G(t)
-    o = F.normalize(txt.tokens, dim=-1) @ m.U + word_positions_code(L, m.P) @ G.transpose(1, 2)  # (R2)
+    o = F.normalize(txt.tokens, dim=-1) @ m.U + sincos(torch.arange(float(L)), m.P) @ G.transpose(1, 2)  # (R2)
     d = alpha.transpose(1, 2) @ o                                              # (R3)
     return e_v, torch.cat([F.normalize(p, dim=-1), d.flatten(1) / m.K], dim=1)
 
