@@ -1,9 +1,10 @@
 """Which layer of each frozen encoder to read: --image-layer / --text-layer checked, and
 --select-layers, the most similar pair of layers on the training pairs.
 
-The STRUCTURE paper's protocol (Groger et al., "With Limited Data for Multimodal Alignment, Let the
-STRUCTURE Guide You", 2025, Sec. 3): every layer's pooled vectors of n training pairs, compared by
-mutual kNN or CKA (similarity.py), the best pair chosen and cached.
+The layer selection protocol PAL adopts from STRUCTURE (Gröger et al., "With Limited Data for
+Multimodal Alignment, Let the STRUCTURE Guide You", NeurIPS 2025; PAL §5.1): every layer's pooled
+vectors of n training pairs, compared by linear CKA or mutual kNN (similarity.py), the most similar
+pair chosen and cached.
 """
 import math
 from pathlib import Path

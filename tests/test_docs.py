@@ -7,7 +7,9 @@ missing). Checked:
 - no machine paths: /work/, ../shared, /root/ anywhere, /tmp/ in Markdown prose;
 - every file named as `<name>.md` or `<name>.txt` exists in the repository;
 - every relative link in a Markdown file resolves to an existing file;
-- README.md has at most 250 lines, and every "path.py (N lines)" it states is the file's count.
+- README.md has at most 250 lines, and every "path.py (N lines)" it states is the file's count;
+- every top-level module opens with a docstring and holds at most MAX_MODULE_LINES lines, and
+  no top-level module imports another that imports it back (no import circle).
 And the figures of docs/ that a test can afford to reproduce are reproduced by their command:
 - docs/benchmarks.md, step benchmark: the GFLOP columns of both tables against the formulas of
   benchmarks/bench_steps.py (exact; the times are the machine's and are not rerun);
@@ -247,3 +249,47 @@ def test_the_line_counts_the_readme_states_are_the_files():
     wrong = [(p, int(n), len((ROOT / p).read_text().splitlines())) for p, n in stated
              if int(n) != len((ROOT / p).read_text().splitlines())]
     assert wrong == []
+
+
+# ---------------------------------------------------------------------------
+# The driver's files: each one a reader can hold, none in an import circle
+# ---------------------------------------------------------------------------
+MAX_MODULE_LINES = 470
+
+
+def top_level_imports(path):
+    """The project's top-level modules that path imports, anywhere in the file (a late import counts)."""
+    import ast
+    names = {p.stem for p in ROOT.glob("*.py")}
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+    return found & names - {path.stem}
+
+
+def test_every_top_level_module_opens_with_a_docstring_and_is_short():
+    import ast
+    for path in sorted(ROOT.glob("*.py")):
+        text = path.read_text()
+        assert ast.get_docstring(ast.parse(text)), f"{path.name} opens without a docstring"
+        assert len(text.splitlines()) <= MAX_MODULE_LINES, f"{path.name}: {len(text.splitlines())} lines"
+
+
+def test_no_import_circle_among_the_top_level_modules():
+    graph = {p.stem: top_level_imports(p) for p in ROOT.glob("*.py")}
+    state = {}
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            assert state.get(nxt) != "open", f"import circle: {' -> '.join(path + [nxt])}"
+            if nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = "done"
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+
