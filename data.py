@@ -63,6 +63,51 @@ class BindingSet:
     distractors: dict
 
 
+# ---------------------------------------------------------------------------
+# Real datasets on disk: standard layouts, lazy images
+# ---------------------------------------------------------------------------
+# The layouts below are the ones the official archives unpack to. A missing
+# REQUIRED file (the COCO / Flickr30K Karpathy split) is one error naming the
+# layout and where to download it; a missing OPTIONAL evaluation set is one
+# printed line, and the run goes on without it.
+#
+# Choices (where the papers are silent):
+# 1. COCO train = the Karpathy "train" split (the 82,783 train2014 images; PAL's
+#    "~80K pairs"), one caption per image: the FIRST one, so every run and
+#    method sees the same pairs. Test = Karpathy "test": 5,000 images, their
+#    first 5 captions (25,000). Flickr30K likewise (29K train, 1K test). An
+#    image with no caption is left out (one printed line): every caption keeps
+#    its own image through txt_to_img, and retrieval has no query without an answer.
+# 2. Classification: the test split of each torchvision set, read with
+#    download=False from <data-root>/<name> as torchvision's download=True
+#    writes it. Class names are torchvision's, "_" and CamelCase split into
+#    lower-case words ("AnnualCrop" -> "annual crop"). Caltech101 and EuroSAT
+#    have no test split: all their images are used.
+# 3. Segmentation: each image and its mask are centre-cropped to a square;
+#    masks are resized (nearest) to SEG_SIZE x SEG_SIZE and stored uint8. A
+#    square image is resized straight to the encoder's input size (encoders.py),
+#    so mask pixels and patch tokens cover the same square. Background and
+#    unlabelled pixels are IGNORE (PAL's mIoU-fg): VOC20 = VOC2012 val, 20
+#    classes; Pascal Context = the 59-class mmsegmentation layout; ADE20K = the
+#    150 classes of ADEChallengeData2016.
+# 4. Faults are found before any encoder runs: the split file is parsed and
+#    checked entry by entry (valid UTF-8 JSON, an "images" list, every entry's
+#    filename / split / sentences, every sentence's "raw"), and every image and
+#    mask file is checked to exist and be non-empty, each fault one `error:`
+#    line naming the file. A file that exists but cannot be decoded (truncated,
+#    a decompression bomb) is one line naming it when it is read; there are no
+#    worker processes. A mask must have its image's size (their crops cover the same pixels),
+#    be a one-band PNG (not RGB, not a JPEG) and hold only the set's labels and 255, and a
+#    segmentation ids file must list each image once (its pixels would count twice).
+# 5. 16-bit grey images (PIL modes I;16, I) are scaled to 8 bits (/ 257), not
+#    clipped at 255; float grey images (mode F, float TIFFs) in [0, 1] are scaled by 255, others
+#    taken as 0..255; 16-bit colour PNGs PIL already reads as 8-bit RGB.
+# 6. identity(): what features of a set are computed from, for the feature
+#    cache key and the training checkpoint: image files by path, size and
+#    modification time (one stat each, where a content hash of COCO's images
+#    would read 19 GB on every run), texts and in-memory images by content.
+
+
 def rgb(img):
     """A PIL image as 8-bit RGB; 16- and 32-bit grey images scaled from 0..65535 to 0..255, not clipped,
     float grey images in [0, 1] scaled by 255."""
