@@ -140,6 +140,9 @@ def seed_everything(seed):
     torch.manual_seed(seed)
 
 
+# ---------------------------------------------------------------------------
+# Data and frozen features
+# ---------------------------------------------------------------------------
 @dataclass
 class Run:
     """What a run holds between its stages: the frozen encoders, the data sets, the image encoder's

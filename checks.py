@@ -211,7 +211,7 @@ def check_memory(args, method_cls, hp, dims, device):
 
 
 # ---------------------------------------------------------------------------
-# Data and frozen features
+# The data's checks: captions with text, features that vary
 # ---------------------------------------------------------------------------
 def check_texts(texts, where):
     """An empty caption (no visible character) has no tokens to align, one that is not valid Unicode

@@ -135,7 +135,7 @@ def word_tokens(h, real, special):
 
 
 # ---------------------------------------------------------------------------
-# Moving batches to the device, and reading them ahead
+# The precision encoders run in on the device, and the host side of a batch
 # ---------------------------------------------------------------------------
 def autocast_dtype(device):
     """The encoders' autocast dtype on device: bf16 where the GPU computes it natively (Ampere and
