@@ -32,11 +32,13 @@ def cache_key(**parts):
 
     extract() puts in it what the features are computed from: data.identity() of the inputs (image
     files by path, size and modification time; texts and in-memory images by content), so two
-    data folders sharing a cache never read each other's features, and the encoder's weights fingerprint (see "Weights fingerprints" below: the tiny encoders'
+    data folders sharing a cache never read each other's features, and the encoder's weights
+    fingerprint (see "Weights fingerprints" below: the tiny encoders'
     content hash, a Hugging Face snapshot's commit or its files' hashes, torchvision's weights
     enum), so new weights under the same name never read the old weights' features."""
     text = repr(sorted(parts.items()))
-    return f"{parts.get('dataset')}-{parts.get('split')}-{parts.get('modality')}-" + hashlib.sha1(text.encode()).hexdigest()[:12]
+    return (f"{parts.get('dataset')}-{parts.get('split')}-{parts.get('modality')}-"
+            + hashlib.sha1(text.encode()).hexdigest()[:12])
 
 
 def feature_key(encoder, inputs, device="cpu", **key_parts):
@@ -89,8 +91,8 @@ def extract_file(encoder, inputs, path, key, batch_size, device, first, t0=None,
     progress = Progress(f"[features] {key}:", len(inputs), log=log, t0=t0)
     progress.update(len(first))
     parts = [shards.half(first)]                                   # fp16 at once, every batch: the cat stays fp16
-    for f in shards.encoded_batches(encoder, inputs, range(batch_size, len(inputs), batch_size), len(inputs), batch_size,
-                             device):
+    for f in shards.encoded_batches(encoder, inputs, range(batch_size, len(inputs), batch_size), len(inputs),
+                                    batch_size, device):
         parts.append(shards.half(f))
         progress.update(len(f))
     progress.close()
@@ -118,8 +120,8 @@ def extract_ranks(encoder, inputs, path, folder, key, batch_size, device, cache_
                 kind = "shards"
             else:
                 first = encoder.encode(inputs[:batch_size], device)
-                kind = "shards" if len(inputs) * 2 * first.tokens.shape[1] * first.tokens.shape[2] > shards.MEMMAP_BYTES \
-                    else "file"
+                kind = ("shards" if len(inputs) * 2 * first.tokens.shape[1] * first.tokens.shape[2]
+                        > shards.MEMMAP_BYTES else "file")
                 if kind == "file":                          # rank 0 alone, as one process would
                     extract_file(encoder, inputs, path, key, batch_size, device, first)
             if kind == "shards":

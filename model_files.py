@@ -98,7 +98,8 @@ def hf_preprocess(source, config, flag="--image-encoder"):
     except (OSError, ValueError) as e:
         if file.is_file():
             raise SystemExit(f"error: {flag} {source}: its preprocessor_config.json cannot be read "
-                             f"({type(e).__name__}: {first_line(e)}); copy it again from the model's download") from None
+                             f"({type(e).__name__}: {first_line(e)}); "
+                             f"copy it again from the model's download") from None
         return ImagePreprocess(round(size * 256 / 224), size)  # a hub model without one: the ViT default
     crop = p.crop_size if getattr(p, "do_center_crop", False) else p.size
     crop = (crop["height"], crop["width"]) if crop.get("height") else crop["shortest_edge"]   # (h, w): not squared
@@ -131,7 +132,8 @@ def read_json(file, flag, folder):
                          f"copy it again from the model's download") from None
 
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model",
@@ -249,7 +251,8 @@ def hf_source(name, flag):
     if isinstance(cached, str):
         return str(Path(cached).parent)                       # .../snapshots/<commit>
     parent = Path(name).expanduser().parent
-    if (parent != Path(".") and parent.is_dir()) or hub_unreachable():  # a mistyped folder (models/dinov2-larg), or offline
+    # a mistyped folder (models/dinov2-larg), or offline
+    if (parent != Path(".") and parent.is_dir()) or hub_unreachable():
         raise not_available(name, flag)
     return name
 

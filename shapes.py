@@ -212,7 +212,8 @@ def binding_sets(seed, n, train, bind, bind_images, taken):
     rng = np.random.default_rng((seed, 1))
     seen = related_pairs(train)
     novel = [(p, q) for i, p in enumerate(OBJECT_TYPES) for q in OBJECT_TYPES[i + 1:]
-             if p["colour"] != q["colour"] and p["shape"] != q["shape"] and frozenset([phrase(p), phrase(q)]) not in seen]
+             if p["colour"] != q["colour"] and p["shape"] != q["shape"]
+             and frozenset([phrase(p), phrase(q)]) not in seen]
 
     def draw(make, style):
         scenes, rows = [], []
@@ -277,7 +278,8 @@ def text_corpus(n, seed):
 
 def render_all(scenes):
     images, shape_masks, object_masks = zip(*(render(s) for s in scenes))
-    images = torch.from_numpy(np.stack([i.permute(1, 2, 0).numpy() for i in images])).permute(0, 3, 1, 2)  # (N, 3, S, S)
+    # (N, 3, S, S)
+    images = torch.from_numpy(np.stack([i.permute(1, 2, 0).numpy() for i in images])).permute(0, 3, 1, 2)
     return images.contiguous(), torch.stack(shape_masks), torch.stack(object_masks)  # one copy, not N strided ones
 
 
@@ -324,8 +326,9 @@ def shapes_world(seed=0, n_train=6000, n_test=500, n_cls=480, n_seg=300, n_bind=
                          hard_negatives),
         "test": PairSet(test_images, [caption(s, k) for s in test for k in range(5)],
                         torch.arange(n_test).repeat_interleave(5)),
-        "cls": LabelSet(cls_images, torch.tensor([CLASS_NAMES.index(f"{s['objects'][0]['colour']} {s['objects'][0]['shape']}")
-                                                  for s in cls]), CLASS_NAMES, TEMPLATES, cls_masks),
+        "cls": LabelSet(cls_images,
+                        torch.tensor([CLASS_NAMES.index(f"{s['objects'][0]['colour']} {s['objects'][0]['shape']}")
+                                      for s in cls]), CLASS_NAMES, TEMPLATES, cls_masks),
         "seg": MaskSet(seg_images, seg_masks, SHAPES, TEMPLATES),
         "binding": BindingSet(bind_images, [caption(s, 0) for s in bind],
                               {k: [d[k] for d in dis] for k in dis[0]}),

@@ -103,8 +103,9 @@ class TinyImageEncoder(nn.Module):
     def __init__(self, n_classes, D=96, pos=False):
         super().__init__()
         chans = [3, 32, 64, D, D]
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Conv2d(chans[i], chans[i + 1], 3, stride=2 if i < 3 else 1, padding=1),
-                                                  nn.BatchNorm2d(chans[i + 1]), nn.ReLU()) for i in range(4))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(chans[i], chans[i + 1], 3, stride=2 if i < 3 else 1, padding=1),
+                          nn.BatchNorm2d(chans[i + 1]), nn.ReLU()) for i in range(4))
         self.head = nn.Linear(D, n_classes + 1)  # last row: background
         self.pos = pos
 
@@ -239,7 +240,8 @@ class ShapesImageEncoder:
 
     @property
     def dim(self):
-        return self.model.blocks[(self.n_layers if self.layer == -1 else self.layer) - 1][0].out_channels  # after block `layer`
+        # after block `layer`
+        return self.model.blocks[(self.n_layers if self.layer == -1 else self.layer) - 1][0].out_channels
 
     @torch.no_grad()
     def encode(self, images, device="cpu"):
@@ -321,7 +323,8 @@ SHAPES_CNN_VERSION = "shapes-cnn-pos1"  # the position-aware tiny CNN: its check
 def load_shapes_encoders(cache_dir, seed=0, image_layer=-1, text_layer=-1, log=print, image_pos=False):
     """The two tiny encoders, pretrained unimodally on first use and cached in cache_dir/encoders.
     image_pos: the position-aware CNN ("shapes-cnn-pos", its own cache keys) instead of the default one."""
-    with file_lock(Path(cache_dir) / "locks" / f"shapes-encoders-seed{seed}.lock", log):  # concurrent runs pretrain once
+    # concurrent runs pretrain once
+    with file_lock(Path(cache_dir) / "locks" / f"shapes-encoders-seed{seed}.lock", log):
         return _load_shapes_encoders(cache_dir, seed, image_layer, text_layer, log, image_pos)
 
 
@@ -418,7 +421,8 @@ def _load_shapes_encoders(cache_dir, seed, image_layer, text_layer, log, image_p
         text_model.load_state_dict(w["text"])
         for p in list(image_model.parameters()) + list(text_model.parameters()):
             p.requires_grad_(False)  # frozen: the post-hoc setting
-        return ShapesImageEncoder(image_model.eval(), image_layer), ShapesTextEncoder(text_model.eval(), tok, text_layer)
+        return (ShapesImageEncoder(image_model.eval(), image_layer),
+                ShapesTextEncoder(text_model.eval(), tok, text_layer))
     tag = SHAPES_CNN_VERSION if image_pos else "shapes-cnn"
     path_i = Path(cache_dir) / "encoders" / f"{tag}-seed{seed}.pt"
     path_t = Path(cache_dir) / "encoders" / f"shapes-text-seed{seed}.pt"
@@ -443,7 +447,8 @@ def _load_shapes_encoders(cache_dir, seed, image_layer, text_layer, log, image_p
     if saved_t is None or not fits(text_model, saved_t["state"], path_t):
         log("[text encoder] not cached: pretraining it on Shapes captions alone (about a minute)")
         text_model, tok, acc = pretrain_text_encoder(seed, log=log)
-        atomic_save({"key": f"shapes-text-{seed}", "state": text_model.state_dict(), "vocab": tok.vocab, "acc": acc}, path_t)
+        atomic_save({"key": f"shapes-text-{seed}", "state": text_model.state_dict(), "vocab": tok.vocab, "acc": acc},
+                    path_t)
     for p in list(image_model.parameters()) + list(text_model.parameters()):
         p.requires_grad_(False)  # frozen: the post-hoc setting
     return ShapesImageEncoder(image_model, image_layer), ShapesTextEncoder(text_model, tok, text_layer)

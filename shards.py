@@ -44,10 +44,13 @@ class StoredFeatures:
         plan = json.loads((Path(folder) / "plan.json").read_text())
         self.tokens_files, self.offsets, metas = [], [], []
         for s in range(plan["n_shards"]):
-            self.tokens_files.append(np.load(Path(folder) / f"{s:05d}.tokens.npy", mmap_mode="r"))  # (sum_len_s, D) fp16
+            # (sum_len_s, D) fp16
+            self.tokens_files.append(np.load(Path(folder) / f"{s:05d}.tokens.npy", mmap_mode="r"))
             metas.append(load_plain(Path(folder) / f"{s:05d}.pt"))
-            self.offsets.append(np.concatenate([[0], metas[-1]["lengths"].cumsum(0).numpy()]))   # row r: [off[r], off[r+1])
-        self.starts = torch.tensor([0] + [len(m["lengths"]) for m in metas]).cumsum(0)          # (S + 1,) first row of shard
+            # row r: [off[r], off[r+1])
+            self.offsets.append(np.concatenate([[0], metas[-1]["lengths"].cumsum(0).numpy()]))
+        # (S + 1,) first row of shard
+        self.starts = torch.tensor([0] + [len(m["lengths"]) for m in metas]).cumsum(0)
         self.pooled = torch.cat([m["pooled"] for m in metas])                                   # (N, D) fp16
         self.lengths = torch.cat([m["lengths"] for m in metas])                                 # (N,) real tokens
         self.grid, self.dim = metas[0]["grid"], self.tokens_files[0].shape[1]
@@ -220,7 +223,8 @@ def check_fp16(f, encoder):
         x = x[f.mask] if name == "tokens" and f.mask is not None else x
         big = ~torch.isfinite(x) | (x.abs() > FP16_MAX) if x.dtype != torch.float16 else ~torch.isfinite(x)
         if big.any():
-            raise RunError(f"{getattr(encoder, 'name', type(encoder).__name__)} (layer {getattr(encoder, 'layer', '?')}) "
+            raise RunError(f"{getattr(encoder, 'name', type(encoder).__name__)} "
+                           f"(layer {getattr(encoder, 'layer', '?')}) "
                            f"gives {int(big.sum())} {name} value(s) beyond {FP16_MAX:g}, the largest fp16 value the "
                            f"feature cache stores (they would be inf); pick another --image-layer / --text-layer, "
                            f"or a model whose activations stay in fp16's range")

@@ -101,7 +101,8 @@ def main():
         mb_s = steps * args.batch * args.tokens * args.dim * 2 / 2**20 / (time.time() - t_epoch)
         anon = [m["RssAnon"] for m in mems]
         print(f"[bench] epoch {epoch + 1} ({'cold' if epoch == 0 else 'warm'} page cache): {steps} steps; rows/s per "
-              f"{args.window}-step window min {min(rates):.0f} / median {statistics.median(rates):.0f} / max {max(rates):.0f} "
+              f"{args.window}-step window min {min(rates):.0f} / median {statistics.median(rates):.0f} "
+              f"/ max {max(rates):.0f} "
               f"({mb_s:.0f} MB/s); RssAnon {min(anon):.0f}-{max(anon):.0f} MB, RssFile up to "
               f"{max(m['RssFile'] for m in mems):.0f} MB, peak RSS {mems[-1]['VmHWM']:.0f} MB")
     if not args.keep:

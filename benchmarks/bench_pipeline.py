@@ -54,12 +54,12 @@ import shards
 import shapes
 
 SIZES = {  # rows, tokens, dim of (a); images, model (hidden, layers, heads) of (b); pairs, text layers of (c); (d)
-    "tiny": dict(rows=128, T=17, D=32, batch=32, images=4, ext_batch=2, shard_rows=4, hidden=32, layers=2, heads=2, pairs=24, t_layers=2,
-                 t_dim=32, n_img=6, n_txt=24, ev_T=17, ev_D=32, K=32),
+    "tiny": dict(rows=128, T=17, D=32, batch=32, images=4, ext_batch=2, shard_rows=4, hidden=32, layers=2, heads=2,
+                 pairs=24, t_layers=2, t_dim=32, n_img=6, n_txt=24, ev_T=17, ev_D=32, K=32),
     "cpu": dict(rows=2048, T=257, D=256, batch=128, images=48, ext_batch=8, hidden=192, layers=6, heads=3, pairs=300,
                 t_layers=6, t_dim=96, n_img=64, n_txt=320, ev_T=65, ev_D=96, K=128),
-    "coco": dict(rows=8192, T=257, D=1024, batch=128, images=1024, ext_batch=128, hidden=1024, layers=24, heads=16, pairs=5000,
-                 t_layers=24, t_dim=1024, n_img=1000, n_txt=5000, ev_T=257, ev_D=1024, K=512),
+    "coco": dict(rows=8192, T=257, D=1024, batch=128, images=1024, ext_batch=128, hidden=1024, layers=24, heads=16,
+                 pairs=5000, t_layers=24, t_dim=1024, n_img=1000, n_txt=5000, ev_T=257, ev_D=1024, K=512),
 }
 
 
@@ -157,7 +157,8 @@ def dinov2(z, device):
     model = Dinov2Model(cfg).eval().to(device)
     for p in model.parameters():
         p.requires_grad_(False)
-    enc = encoders.HFImageEncoder(f"random-dinov2-{z['hidden']}x{z['layers']}", model, model_files.ImagePreprocess(256, 224))
+    enc = encoders.HFImageEncoder(f"random-dinov2-{z['hidden']}x{z['layers']}", model,
+                                  model_files.ImagePreprocess(256, 224))
     enc.fingerprint = "random init, seed 0"
     return enc
 
@@ -195,11 +196,12 @@ def bench_extraction(z, work, device, repeats, sync):
     n = len(images)
     bound = min(n / d_t, n / m_t)
     print(f"(b) extraction: {n} synthetic 640x480 JPEGs -> resize 256, crop 224; random DINOv2 "
-          f"(hidden {z['hidden']}, {z['layers']} layers) on {device}; {model_files.IMAGE_THREADS} decode threads, batch {B}")
+          f"(hidden {z['hidden']}, {z['layers']} layers) on {device}; {model_files.IMAGE_THREADS} decode threads, "
+          f"batch {B}")
     print(f"    decode images/s          {n / d_t:10.1f}  [{n / d_min:.1f}]")
     print(f"    model images/s           {n / m_t:10.1f}  [{n / m_min:.1f}]")
-    print(f"    pipeline images/s        {n / p_t:10.1f}  [{n / p_min:.1f}]   ratio to the slower {n / p_t / bound:.2f} "
-          f"(expected >= 0.8)")
+    print(f"    pipeline images/s        {n / p_t:10.1f}  [{n / p_min:.1f}]   "
+          f"ratio to the slower {n / p_t / bound:.2f} (expected >= 0.8)")
     h_t, h_min = timed(host_work, repeats, lambda: None)
     f_t = rows * m_t / n                                                    # the forward of a shard's rows
     print(f"    host work per shard s    {h_t:10.3f}  [{h_min:.3f}]   {rows} rows x {T} x {D} fp16 (cat, gather, save, "
@@ -262,11 +264,13 @@ def bench_layers(z, work, device, repeats, sync):
                                                     cache_dir=work / "layers_now"), repeats, sync)
     L = img.n_layers * txt.n_layers
     print(f"(c) layer selection, mknn on {n} pairs (k = {k}): {img.n_layers} image x {txt.n_layers} text layers "
-          f"= {L} pairs, on {device}" + ("" if share == 1 else f" (naive: {round(share * L)} pairs timed, scaled to {L})"))
+          f"= {L} pairs, on {device}"
+          + ("" if share == 1 else f" (naive: {round(share * L)} pairs timed, scaled to {L})"))
     print(f"    layer selection s        {now_t:10.2f}  [{now_min:.2f}]   ratio naive / this {naive / now_t:.1f} "
           f"(expected >= 10)")
     print(f"    naive layer selection s  {naive:10.2f}")
-    print(f"    scoring alone s          {scoring:10.3f}   naive {naive_scoring:.3f} s, ratio {naive_scoring / scoring:.1f} "
+    print(f"    scoring alone s          {scoring:10.3f}   naive {naive_scoring:.3f} s, "
+          f"ratio {naive_scoring / scoring:.1f} "
           f"(the kNN part: each layer's sets once; the rest is the encoders' forwards)")
     print(f"    rerun (cached) s         {again:10.3f}")
     return {"select_s": {"value": now_t, "ratio": naive / now_t}, "naive_s": {"value": naive, "ratio": 1.0},

@@ -97,7 +97,8 @@ def flops(name, B, H, W, L, D_v, D_l, n_fit):
         a = sum(2 * mm(B, D, 8 * D) + mm(B, 8 * D, K) for D in (D_v, D_l)) + sim
         return 3 * a, a
     if name == "mlp":                                             # W_1 (frozen input), W_2; eval: cosine scores
-        return 2 * mm(B, D_l, 4 * D_v) + 3 * mm(B, 4 * D_v, D_v), mm(B, D_l, 4 * D_v) + mm(B, 4 * D_v, D_v) + mm(B, D_v, B)
+        return (2 * mm(B, D_l, 4 * D_v) + 3 * mm(B, 4 * D_v, D_v),
+                mm(B, D_l, 4 * D_v) + mm(B, 4 * D_v, D_v) + mm(B, D_v, B))
     if name == "t2c":                                             # W y_hat; eval: cosine scores
         return 2 * mm(B, D_l, D_v), mm(B, D_l, D_v) + mm(B, D_v, B)
     if name == "csa":                                             # (x - mu) A, (y - mu) B, scores, d = 200

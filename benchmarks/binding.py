@@ -102,7 +102,8 @@ def ridge_probe(X, y, n_classes, seed=0):
     acc = lambda W, A, yy: ((A @ W).argmax(1) == yy).float().mean().item()
     tr, va = slice(0, 2 * n // 3), slice(2 * n // 3, n)
     mu, sd = X[tr].mean(0), X[tr].std(0) + 1e-6
-    lam = max([1e-1, 1e0, 1e1, 1e2, 1e3, 1e4], key=lambda l: acc(fit(design(X[tr], mu, sd), Y[tr], l), design(X[va], mu, sd), y[va]))
+    lam = max([1e-1, 1e0, 1e1, 1e2, 1e3, 1e4],
+              key=lambda l: acc(fit(design(X[tr], mu, sd), Y[tr], l), design(X[va], mu, sd), y[va]))
     mu, sd = X[:n].mean(0), X[:n].std(0) + 1e-6
     return 100 * acc(fit(design(X[:n], mu, sd), Y[:n], lam), design(X[n:], mu, sd), y[n:])
 
@@ -141,7 +142,8 @@ def probes(args):
                  (f"image, {tag}: all 64 patch tokens", ridge_probe(f.patches(), y, 4))]
     img_f = f
     for text in ("shapes-text", "minilm"):
-        _, txt_enc = encoders.load_encoders("shapes-cnn-pos", args.minilm if text == "minilm" else "shapes-text", args.cache_dir)
+        _, txt_enc = encoders.load_encoders("shapes-cnn-pos", args.minilm if text == "minilm" else "shapes-text",
+                                            args.cache_dir)
         t = enc(txt_enc, captions)
         rows += [(f"text, {text}: pooled", ridge_probe(t.pooled, y, 4)),
                  (f"text, {text}: all tokens (padded)", ridge_probe(t.tokens, y, 4))]
@@ -185,7 +187,8 @@ def paraphrases(args):
             scenes.append(s)
     print("\n| text encoder | form | example | attribute | relation word | object order |\n|---|---|---|---|---|---|")
     for text in args.texts:
-        _, enc = encoders.load_encoders("shapes-cnn", args.minilm if text == "minilm" else "shapes-text", args.cache_dir)
+        _, enc = encoders.load_encoders("shapes-cnn", args.minilm if text == "minilm" else "shapes-text",
+                                        args.cache_dir)
         vec = lambda captions: torch.nn.functional.normalize(enc.encode(captions).pooled.float(), dim=-1)
         canonical = [shapes.minimal_pairs(s, 0) for s in scenes]
         true0 = vec([t for t, _ in canonical])
@@ -263,7 +266,8 @@ def main():
     grid = [(m, t, h == "on") for m in args.methods for t in args.texts for h in args.hard_negatives
             if h == "off" or contrastive(m)]
     with ThreadPoolExecutor(args.jobs) as pool:
-        runs = {g: pool.submit(lambda g: [run(*g[:2], args.minilm, g[2], s, args) for s in args.seeds], g) for g in grid}
+        runs = {g: pool.submit(lambda g: [run(*g[:2], args.minilm, g[2], s, args) for s in args.seeds], g)
+                for g in grid}
         runs = {g: [r for r in f.result() if r is not None] for g, f in runs.items()}
     print("\n| method | text | hard negatives | " + " | ".join(c for _, _, c in COLUMNS) + " |")
     print("|---" * (len(COLUMNS) + 3) + "|")

@@ -60,10 +60,12 @@ def main():
     ap.add_argument("--other", default="default", choices=sorted(MKL),
                     help="the other kernels: ATEN_CPU_CAPABILITY (and the matching MKL_ENABLE_INSTRUCTIONS)")
     ap.add_argument("--skip-default", action="store_true", help="only the course sheet's three runs")
-    ap.add_argument("--keep", default=None, help="keep each setting's cache and runs in KEEP/<setting> (else a temporary folder)")
+    ap.add_argument("--keep", default=None,
+                    help="keep each setting's cache and runs in KEEP/<setting> (else a temporary folder)")
     args = ap.parse_args()
     runs = {k: v for k, v in RUNS.items() if not (args.skip_default and k == "default")}
-    base = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")}
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")}
     settings = {"native": base,
                 args.other: {**base, "ATEN_CPU_CAPABILITY": args.other, "MKL_ENABLE_INSTRUCTIONS": MKL[args.other]}}
     got = {}

@@ -61,7 +61,8 @@ def run_tests(root, node_ids, timeout=900):
                 bad = next((c for c in case if c.tag in ("failure", "error")), None)
                 skipped = next((c for c in case if c.tag == "skipped"), None)
                 if not case.get("classname"):                 # a test file that did not import
-                    lines = [l[1:].strip() for l in (bad.text or "").splitlines() if l.startswith("E ")] if bad is not None else []
+                    lines = ([l[1:].strip() for l in (bad.text or "").splitlines() if l.startswith("E ")]
+                             if bad is not None else [])
                     broken[case.get("name").replace(".", "/") + ".py"] = " ".join(lines[-4:]) or "collection failure"
                 elif bad is not None:
                     results[node_of(case)] = ("failed", (bad.get("message") or bad.text or "").strip())

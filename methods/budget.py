@@ -17,7 +17,8 @@ import torch
 # anything else holds a core; PAL's step (batch 256 x 65 tokens x K 512) gains from 2.
 BIG_STEP_GFLOP = 1.0     # a step whose forward has this many GFLOP of matrix products trains on all cores
 CPU_BUDGET_TFLOP = 2.5   # training FLOPs (3 x forward, matrix products) a default CPU run may spend: PAL's
-                         # 15 Shapes epochs = 2.46 TFLOP, seed 0's RSum within 0.2 of 20 (docs/benchmarks.md, "CPU defaults")
+                         # 15 Shapes epochs = 2.46 TFLOP, seed 0's RSum within 0.2 of 20
+                         # (docs/benchmarks.md, "CPU defaults")
 MIN_STEPS = 200          # ... in at least this many optimizer steps, where halving the batch gives them
 
 

@@ -92,7 +92,8 @@ class ChunkedCAP(torch.autograd.Function):
             if ctx.has_V:
                 G_c = G[i:i + chunk] / tau_p                          # (b, K, c)
                 shift = shift - (Y[i:i + chunk] * G_c).sum(-1)[:, None]
-            dR = torch.addcmul(shift, S, g_c * ln2, out=work[1, :b])  # g (1 + R / tau_p - p / tau_p) [- sum_c Y G / tau_p]
+            # g (1 + R / tau_p - p / tau_p) [- sum_c Y G / tau_p]
+            dR = torch.addcmul(shift, S, g_c * ln2, out=work[1, :b])
             if ctx.has_V:
                 dR.baddbmm_(V[i:i + chunk], G_c.transpose(1, 2))      # + V G^T / tau_p
                 if dV is not None:
@@ -121,7 +122,8 @@ def chunked_cap(Z, A, mask, tau_p, V=None, chunk_elements=None):
     real, padded = flags[:T], tuple(flags[T:])
     if not all(real):
         t = [j for j, r in enumerate(real) if r]
-        t = slice(t[0], t[-1] + 1) if t[-1] - t[0] + 1 == len(t) else torch.tensor(t, device=Z.device)  # a view where it can be
+        # a view where it can be
+        t = slice(t[0], t[-1] + 1) if t[-1] - t[0] + 1 == len(t) else torch.tensor(t, device=Z.device)
         Z, mask, V = Z[:, t], mask[:, t], V if V is None else V[:, t]
     if chunk_elements is None:
         chunk_elements = CHUNK_ELEMENTS["cpu" if Z.device.type == "cpu" else "gpu"]

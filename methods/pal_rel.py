@@ -80,7 +80,8 @@ def grid_positions(H, W, device=None):
 
 class PALRel(Method):
     defaults = dict(lr=3e-2, epochs=20, batch_size=256, weight_decay=0.0, optimizer="adamw")  # PAL's (choice 6)
-    ranges = dict(K="[1, inf)", tau_p="(0, inf)", tau="(0, inf)", P=(2, 4, 8, 16, 32, 64),  # valid --hp; P: sin + cos halves
+    # valid --hp; P: sin + cos halves
+    ranges = dict(K="[1, inf)", tau_p="(0, inf)", tau="(0, inf)", P=(2, 4, 8, 16, 32, 64),
                   order=("local", "relation", "index"), W="[0, inf)",
                   fast=(True, False) if HAVE_FAST else (False,))  # pal.py choice 9
 

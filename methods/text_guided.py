@@ -82,7 +82,8 @@ def text_guided_score(v, w, tau_a):
 
 class TextGuided(Method):
     defaults = dict(lr=3e-3, epochs=30, batch_size=128, weight_decay=1e-4, optimizer="adam")  # as CoV here
-    ranges = dict(K="[1, inf)", tau_a="(0, inf)", tau="(0, inf)", score_chunk="[1, inf)", fast=(True, False))  # valid --hp
+    ranges = dict(K="[1, inf)", tau_a="(0, inf)", tau="(0, inf)", score_chunk="[1, inf)",
+                  fast=(True, False))  # valid --hp
 
     split_loss = True  # its loss reads the batch only through embed_image / embed_text (distributed.py)
     refuses_align_data = dict.fromkeys(("weights", "weights+pairs"),  # head rows: one vector each
@@ -96,7 +97,8 @@ class TextGuided(Method):
                  K=512,              # shared dim, as CoV
                  tau_a=0.1,          # word-to-patch attention, choice 2
                  tau=0.05,           # InfoNCE, choice 4
-                 score_chunk=None,   # max elements of one per-pair chunk in score(); None: 2^20 CPU, 2^28 GPU (choice 3)
+                 # max elements of one per-pair chunk in score(); None: 2^20 CPU, 2^28 GPU (choice 3)
+                 score_chunk=None,
                  fast=True):         # Eqs. (2)-(3) without v_hat formed (choice 7); False: as written
         super().__init__()
         self.P_v = nn.Linear(d_image, K)

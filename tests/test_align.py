@@ -150,7 +150,8 @@ def test_feature_cache_is_reused_keyed_and_rebuilt_when_broken(tmp_path, capsys)
 def test_empty_captions_stop_with_where_they_are():
     checks.check_texts(["a red circle", "a cross"], "shapes/train")
     with pytest.raises(SystemExit, match=r"^error: 2 caption\(s\) in coco/test with no text to align \(the first, at "
-                                         r"index 1, is empty\); give them text or remove them from the annotation file$"):
+                                         r"index 1, is empty\); give them text or remove them from the annotation "
+                                         r"file$"):
         checks.check_texts(["a red circle", "", "  "], "coco/test")
 
 
@@ -200,7 +201,8 @@ def test_align_runs_end_to_end_and_reruns_identically(cache_dir, tmp_path):
     for r in runs:
         r["train"].pop("seconds")
     assert runs[0] == runs[1]                                  # --seed gives identical metrics
-    assert "retrieval" in r and (tmp_path / "run0" / "config.json").exists() and (tmp_path / "run0" / "method.pt").exists()
+    assert ("retrieval" in r and (tmp_path / "run0" / "config.json").exists()
+            and (tmp_path / "run0" / "method.pt").exists())
 
 
 @pytest.mark.slow

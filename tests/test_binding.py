@@ -316,7 +316,8 @@ def test_hard_negative_loss_trains_cov_through_its_inference_only_score():
     img = random_features(4, 5, 8, grid=(2, 2), seed=1)
     txt = random_features(4, 3, 6, seed=2)
     neg = random_features(4, 3, 6, seed=3)
-    loss = negatives.hard_negative_loss(cov, img, txt, neg, torch.ones(4, 1, dtype=torch.bool), negatives.contrastive_scale(cov))
+    loss = negatives.hard_negative_loss(cov, img, txt, neg, torch.ones(4, 1, dtype=torch.bool),
+                                        negatives.contrastive_scale(cov))
     loss.backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in cov.parameters())
 
@@ -404,7 +405,8 @@ def test_pal_rel_matches_a_loop_and_starts_as_pal(order):
         both = m.score(m.embed_image(img), m.embed_text(txt))
         assert torch.allclose(both, naive_pal_rel_score(m, img, txt), atol=1e-5)
         assert not torch.allclose(both, got, atol=1e-3)
-    assert torch.allclose(grid_positions(2, 3), torch.tensor([[-2 / 3, -0.5], [0, -0.5], [2 / 3, -0.5], [-2 / 3, 0.5], [0, 0.5], [2 / 3, 0.5]]))
+    assert torch.allclose(grid_positions(2, 3), torch.tensor([[-2 / 3, -0.5], [0, -0.5], [2 / 3, -0.5],
+                                                              [-2 / 3, 0.5], [0, 0.5], [2 / 3, 0.5]]))
 
 
 def test_pal_rel_tells_left_from_right_where_pal_cannot():

@@ -65,7 +65,8 @@ def test_tokenizer_pads_at_the_end_and_aligns_words():
 
 
 def test_features_slicing_trims_padding_and_cat_pads():
-    f = Features(tokens=torch.randn(3, 5, 2), mask=torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]]).bool(),
+    f = Features(tokens=torch.randn(3, 5, 2),
+                 mask=torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]]).bool(),
                  pooled=torch.randn(3, 2))
     assert f[[0, 2]].tokens.shape == (2, 2, 2) and torch.equal(f[[0, 2]].tokens, f.tokens[[0, 2], :2])
     g = Features.cat([f[[0]], f[[1]]])

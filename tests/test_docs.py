@@ -134,8 +134,9 @@ def test_readme_is_at_most_250_lines():
 
 
 def test_the_process_talk_patterns_catch_what_they_should_and_nothing_else():
-    bad = [f"see issue {14}", f"Issue {11}: real features", "before " + "this change, 2 min", f"before issue {15}'s changes",
-           "the issue's bar", "(was 6.0 / 3.2 at batch 128) is within 2x now", "/work/shared/papers/"]
+    bad = [f"see issue {14}", f"Issue {11}: real features", "before " + "this change, 2 min",
+           f"before issue {15}'s changes", "the issue's bar", "(was 6.0 / 3.2 at batch 128) is within 2x now",
+           "/work/shared/papers/"]
     good = ["a GitHub issue: https://github.com/a/b/issues/12", "for issue_ in issues_list:",
             "the score was computed in chunks", "now the loss is", "tests/test_issue.py"]
     def flagged(s):
@@ -222,7 +223,8 @@ def test_the_csa_row_and_the_recycling_analyses_in_docs_results_are_reproduced(c
                            and any(r[0] == "csa" for r in t[2]))
     row = dict(zip(header, next(r for r in rows if r[0] == "csa")))
     measured = {"I2T R@1": (m["retrieval"]["i2t_r1"], "percent"), "T2I R@1": (m["retrieval"]["t2i_r1"], "percent"),
-                "RSum": (m["retrieval"]["rsum"], "rsum"), "zero-shot top-1": (m["classification"]["cls"]["top1"], "percent"),
+                "RSum": (m["retrieval"]["rsum"], "rsum"),
+                "zero-shot top-1": (m["classification"]["cls"]["top1"], "percent"),
                 "seg mIoU-fg": (m["segmentation"]["seg"]["miou_fg"], "percent"),
                 "binding": (m["binding"]["binding_acc"], "percent")}
     for col, (value, kind) in measured.items():

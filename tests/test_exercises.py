@@ -59,7 +59,8 @@ MISTAKES = {
 
 
 # A cap that forgets the padding mask: every token, padded or not, enters the softmax and the sum.
-NO_MASK = ("methods/pal.py", """    R = R.masked_fill(~mask[..., None], 0.0)                                   # padding -> 0
+NO_MASK = ("methods/pal.py",
+           """    R = R.masked_fill(~mask[..., None], 0.0)                                   # padding -> 0
     logits = (R / tau_p).masked_fill(~mask[..., None], float("-inf"))
 """, """    logits = R / tau_p
 """)
@@ -110,7 +111,8 @@ def test_markers_and_table_agree():
 
 
 def test_find_regions_rejects_unbalanced_markers_and_keeps_indentation():
-    ok = "def f(x):\n    # EXERCISE 2 (Eq. 1): y = 2 x\n    #   shapes (B,)\n    y = 2 * x\n    return y\n    # END EXERCISE 2\n"
+    ok = ("def f(x):\n    # EXERCISE 2 (Eq. 1): y = 2 x\n    #   shapes (B,)\n    y = 2 * x\n    return y\n"
+          "    # END EXERCISE 2\n")
     out = msc.blank(ok)
     assert out.split("\n")[3] == "    raise NotImplementedError('Exercise 2 (Eq. 1): y = 2 x shapes (B,)')"
     assert out.split("\n")[:3] == ok.split("\n")[:3] and out.split("\n")[4:] == ok.split("\n")[5:]
@@ -186,7 +188,8 @@ def test_student_copy_fails_every_exercise_and_the_rest_still_imports(student_co
         else:
             assert got == ref, rel
     r = subprocess.run([sys.executable, "-c", "import align, data, encoders, evaluate, features, methods, recycling, "
-                        "similarity; align.parse_args([])"], cwd=student_copy, capture_output=True, text=True, timeout=300)
+                        "similarity; align.parse_args([])"], cwd=student_copy, capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr
     code, lines, out = grade(student_copy)
     assert code == 1 and sorted(lines) == sorted(EXERCISES), out
@@ -310,7 +313,8 @@ def test_pasted_back_copy_passes_and_trains_the_paper_form_to_the_last_digit(stu
         assert code == 1 and "  FAILED  " in lines[3] and "padded" in lines[3], out
         # one line per failing check: the padding test's own message is not hidden behind the first failure
         assert re.search(r"^    test_pooling_matches_naive_loop\[cap\]: image p ", out, re.M), out
-        assert re.search(r"^    test_padding_does_not_change_h\[cap\]: .*padded tokens must get weight 0$", out, re.M), out
+        assert re.search(r"^    test_padding_does_not_change_h\[cap\]: .*padded tokens must get weight 0$", out,
+                         re.M), out
         (got, log), (want, _), (wrong_run, _) = [finish() for finish in runs]
     finally:
         for finish in runs:

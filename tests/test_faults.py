@@ -165,7 +165,8 @@ BAD_INPUTS = {
     "hp of the wrong type": (["--hp", "K=abc"], ["--hp K=abc", "an integer is expected", "512"]),
     "hp zero": (["--hp", "K=0"], ["--hp K=0: PAL takes K in [5, inf)"]),
     "eval images 0": (["--eval-images", "0"], ["--eval-images 0"]),
-    "missing model folder": (["--image-encoder", "/no/such/model"], ["--image-encoder /no/such/model: no such directory"]),
+    "missing model folder": (["--image-encoder", "/no/such/model"],
+                             ["--image-encoder /no/such/model: no such directory"]),
     "hub name not downloaded": (["--text-encoder", "org/not-downloaded"], ["--text-encoder", "not available offline"]),
 }
 
@@ -236,7 +237,8 @@ def test_hub_names_never_touch_the_network_when_offline(tmp_path, monkeypatch, s
     (repo / "refs" / "main").write_text(commit)
     monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
     enc = encoders.load_hf_text("org/tiny-bert")
-    assert lookups == connections == [] and enc.fingerprint == f"commit {commit}" and enc.encode(["a circle"]).tokens.shape[-1] == 16
+    assert (lookups == connections == [] and enc.fingerprint == f"commit {commit}"
+            and enc.encode(["a circle"]).tokens.shape[-1] == 16)
     t0 = time.time()
     with pytest.raises(SystemExit, match="not available offline") as e:
         encoders.load_hf_text("org/not-downloaded")
@@ -390,7 +392,8 @@ def test_resume_refuses_a_checkpoint_of_other_settings_or_a_truncated_one(refere
     out.mkdir()
     shutil.copy(reference[0] / "checkpoint.pt", out / "checkpoint.pt")  # written by: linear, K=512, 3 epochs
     r = run(shared, out, *RUN, "--hp", "K=64", "--lr", "0.01", "--resume")
-    one_line_error(r, str(out / "checkpoint.pt"), "other settings", "hp.K 512 there, 64 now", "lr 0.001 there, 0.01 now")
+    one_line_error(r, str(out / "checkpoint.pt"), "other settings", "hp.K 512 there, 64 now",
+                   "lr 0.001 there, 0.01 now")
     r = run(shared, out, "--method", "pal", "--epochs", "3", "--resume")
     one_line_error(r, "method 'linear' there, 'pal' now")
     assert "[features]" not in r.stdout                               # refused before any long work
@@ -463,7 +466,8 @@ def test_a_planted_pickle_in_the_cache_is_refused_and_never_run(shared, tmp_path
     r = run(folder, tmp_path / "out", *RUN)
     one_line_error(r, "refusing to load", world.name)
     assert not marker.exists()
-    enc = shapes_encoders.ShapesTextEncoder(shapes_encoders.TinyTextEncoder(6), shapes_encoders.WordTokenizer(shapes_encoders.SPECIALS + ["a", "b"]))
+    enc = shapes_encoders.ShapesTextEncoder(shapes_encoders.TinyTextEncoder(6),
+                                            shapes_encoders.WordTokenizer(shapes_encoders.SPECIALS + ["a", "b"]))
     (folder / "features").mkdir()
     key = cache.feature_key(enc, ["a", "b"], dataset="t", split="s", modality="text")
     torch.save({"key": key, "tokens": RunsCode(marker)}, folder / "features" / f"{key}.pt")   # a planted feature file
@@ -489,7 +493,8 @@ def test_the_readme_table_and_this_module_name_the_same_tests():
     rows = [l for l in section.splitlines() if l.startswith("| ") and not l.startswith("| When")]
     named = {t for row in rows for t in re.findall(r"`(test_\w+)`", row.rsplit("|", 2)[1])}
     assert rows and all(re.findall(r"`test_\w+`", row) for row in rows)
-    mine = {n for n in globals() if n.startswith("test_")} - {"test_the_readme_table_and_this_module_name_the_same_tests"}
+    mine = ({n for n in globals() if n.startswith("test_")}
+            - {"test_the_readme_table_and_this_module_name_the_same_tests"})
     assert named == mine
 
 

@@ -75,7 +75,8 @@ def test_training_on_memory_mapped_sets_matches_in_ram_and_resumes_exactly(tmp_p
 
     torch.manual_seed(0)
     with pytest.raises(KeyboardInterrupt):
-        train_with(interrupted(Linear, at_call=10)(8, 6, K=4), img, txt, args(), tmp_path / "cut", "cpu")  # epoch 3 (call 10 of 12)
+        # epoch 3 (call 10 of 12)
+        train_with(interrupted(Linear, at_call=10)(8, 6, K=4), img, txt, args(), tmp_path / "cut", "cpu")
     assert not any(t.name == "read-ahead" for t in threading.enumerate())   # the reader stopped with the loop
     resumed = Linear(8, 6, K=4)
     train_with(resumed, img, txt, args(resume=True), tmp_path / "cut", "cpu")

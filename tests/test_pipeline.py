@@ -77,7 +77,8 @@ def test_mutual_knn_and_cka_tables_equal_the_pairwise_measures():
     g = torch.Generator().manual_seed(1)
     Xs = {a: torch.randn(50, d, generator=g) for a, d in ((1, 8), (2, 16), (3, 4))}
     Ys = {b: torch.randn(50, d, generator=g) + 0.5 * Xs[1][:, :1] for b, d in ((1, 12), (2, 6))}
-    assert similarity.mutual_knn_table(Xs, Ys, 5) == {(a, b): similarity.mutual_knn(Xs[a], Ys[b], 5) for a in Xs for b in Ys}
+    assert similarity.mutual_knn_table(Xs, Ys, 5) == {(a, b): similarity.mutual_knn(Xs[a], Ys[b], 5)
+                                                      for a in Xs for b in Ys}
     assert similarity.cka_table(Xs, Ys) == {(a, b): similarity.cka(Xs[a], Ys[b]) for a in Xs for b in Ys}
     assert similarity.mutual_knn_table({0: Xs[1]}, {0: Xs[1]}, 5)[0, 0] == 1.0      # a set with itself
     knn = (similarity.knn_indices(Xs[1], 5), similarity.knn_indices(Ys[2], 5))       # the tables mutual_knn reads
@@ -112,8 +113,8 @@ def test_bench_pipeline_prints_every_figure_at_a_tiny_size(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for label in ("reader rows/s", "numpy fancy-index rows/s", "loader rows/s", "decode images/s", "model images/s",
-                  "pipeline images/s", "layer selection s", "naive layer selection s", "rerun (cached) s", "scoring alone s",
-                  "evaluation", "host work per shard s"):
+                  "pipeline images/s", "layer selection s", "naive layer selection s", "rerun (cached) s",
+                  "scoring alone s", "evaluation", "host work per shard s"):
         assert label in r.stdout, (label, r.stdout)
     host = next(line for line in r.stdout.splitlines() if "host work per shard s" in line)
     assert "4 rows x 257 x 32 fp16" in host and "forward per shard s" in host, host   # next to the forward's time
@@ -149,7 +150,8 @@ def test_shard_reader_equals_a_row_by_row_read_in_the_order_asked(ragged, tmp_pa
     f = cache.extract(RaggedEncoder("r", 5, 4, ragged), list(range(30)), tmp_path, batch_size=8, dataset="t",
                       split="a", modality="x")
     assert len(f.tokens_files) == 4
-    lengths, flat = f.lengths.tolist(), [np.load(p, mmap_mode="r") for p in sorted((tmp_path / "features").rglob("*.tokens.npy"))]
+    lengths, flat = f.lengths.tolist(), [np.load(p, mmap_mode="r")
+                                         for p in sorted((tmp_path / "features").rglob("*.tokens.npy"))]
     def naive(rows):                                             # row r of shard s: its own slice of the file
         T = max(lengths[r] for r in rows)
         out = torch.zeros(len(rows), T, 4, dtype=torch.float16)
@@ -224,7 +226,8 @@ def token_sets(I=12, T=70, D=16, seed=0):
                    torch.randn(I, D, generator=g), (4, 4))
     n = torch.randint(2, 25, (T,), generator=g)
     mask = torch.arange(int(n.max()))[None] < n[:, None]
-    txt = Features(torch.randn(T, mask.shape[1], D, generator=g) * mask[..., None], mask, torch.randn(T, D, generator=g))
+    txt = Features(torch.randn(T, mask.shape[1], D, generator=g) * mask[..., None], mask,
+                   torch.randn(T, D, generator=g))
     return img, txt
 
 

@@ -88,7 +88,8 @@ def write_ade(root):
 def write_eurosat(root):
     for c, cls in enumerate(["AnnualCrop", "Forest", "SeaLake"]):
         for i in range(2):
-            write_image(root / "eurosat" / "eurosat" / "2750" / cls / f"{cls}_{i}.jpg", seed=300 + 2 * c + i, size=(16, 16))
+            write_image(root / "eurosat" / "eurosat" / "2750" / cls / f"{cls}_{i}.jpg", seed=300 + 2 * c + i,
+                        size=(16, 16))
 
 
 @pytest.fixture(scope="module")
@@ -170,11 +171,13 @@ def test_a_corrupt_image_is_an_error_naming_the_file(tmp_path, models):
         train.images[2]
     enc = encoders.load_hf_image(str(models / "dinov2"))
     with pytest.raises(SystemExit, match="train_2.jpg"):     # raised in the main process, from the decoding threads
-        cache.extract(enc, train.images, tmp_path / "cache", batch_size=4, dataset="coco", split="train", modality="image")
+        cache.extract(enc, train.images, tmp_path / "cache", batch_size=4, dataset="coco", split="train",
+                      modality="image")
 
 
 # ----------------------------------------------------------------------------- tiny models
-VISION = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=8)
+VISION = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32,
+              patch_size=8)
 TEXT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
 
 
@@ -201,7 +204,8 @@ def write_models(root):
                                           label2id={v: k for k, v in labels.items()})).save_pretrained(root / "beit")
     words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", ","] + WORDS + [str(i) for i in range(10)]
     vocab = {w: i for i, w in enumerate(dict.fromkeys(words + ["train", "test", "val", "caption"]))}
-    AutoModel.from_config(BertConfig(vocab_size=len(vocab), max_position_embeddings=40, **TEXT)).save_pretrained(root / "bert")
+    AutoModel.from_config(BertConfig(vocab_size=len(vocab), max_position_embeddings=40,
+                                     **TEXT)).save_pretrained(root / "bert")
     BertTokenizer(vocab=vocab, model_max_length=32).save_pretrained(root / "bert")
     chars = sorted(set("".join(WORDS) + ".,"))
     rv = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3, "<mask>": 4}
@@ -414,10 +418,13 @@ def test_align_selects_layers_and_streams_memmapped_features(tiny_world, models,
 
 def test_layer_selection_runs_on_the_shapes_encoders():
     w = shapes.shapes_world(0, n_train=40, n_test=2, n_cls=2, n_seg=2, n_bind=2)
-    vocab = shapes_encoders.SPECIALS + sorted({x for c in w["train"].captions for x in shapes_encoders.WordTokenizer.split(c)})
+    vocab = shapes_encoders.SPECIALS + sorted({x for c in w["train"].captions
+                                               for x in shapes_encoders.WordTokenizer.split(c)})
     torch.manual_seed(0)
-    img = shapes_encoders.ShapesImageEncoder(shapes_encoders.TinyImageEncoder(len(shapes.CLASS_NAMES)))     # random init suffices
-    txt = shapes_encoders.ShapesTextEncoder(shapes_encoders.TinyTextEncoder(len(vocab)), shapes_encoders.WordTokenizer(vocab))
+    # random init suffices
+    img = shapes_encoders.ShapesImageEncoder(shapes_encoders.TinyImageEncoder(len(shapes.CLASS_NAMES)))
+    txt = shapes_encoders.ShapesTextEncoder(shapes_encoders.TinyTextEncoder(len(vocab)),
+                                            shapes_encoders.WordTokenizer(vocab))
     li, lt, table = layers.select_layers(img, txt, w["train"], "mknn", n=30, log=lambda s: None)
     assert set(table) == {(i, t) for i in range(1, 5) for t in (1, 2)} and (img.layer, txt.layer) == (li, lt)
     f = img.encode(w["train"].images[:2])

@@ -162,7 +162,8 @@ def test_a_train_image_without_captions_never_shifts_the_pairs(tmp_path, num_pai
     img, txt, _ = align.alignment_data(Namespace(num_pairs=num_pairs, align_data="pairs"),
                                        caption_index_features(sets))
     assert len(img) == len(txt) == (num_pairs or 5)
-    assert torch.equal(img.pooled, txt.pooled)                                   # every pair is an image and its caption
+    # every pair is an image and its caption
+    assert torch.equal(img.pooled, txt.pooled)
 
 
 def test_pairs_come_from_txt_to_img_when_an_image_has_several_captions():
@@ -711,8 +712,9 @@ def empty_vocab(folder):
     (folder / "tokenizer.json").unlink()
 
 
-@pytest.mark.parametrize("fault, says", [(no_pad_token, "Asking to pad but the tokenizer does not have a padding token"),
-                                         (empty_vocab, "Missing [UNK] token from the vocabulary")])
+@pytest.mark.parametrize("fault, says", [
+    (no_pad_token, "Asking to pad but the tokenizer does not have a padding token"),
+    (empty_vocab, "Missing [UNK] token from the vocabulary")])
 def test_a_tokenizer_that_cannot_encode_a_caption_is_refused_when_it_loads(tmp_path, models, fault, says):
     """A tokenizer that loads but cannot pad (no pad token) or tokenize (an empty vocab.txt) failed
     with a traceback mid-extraction; it is now one line when the encoder loads."""
@@ -839,7 +841,8 @@ def test_a_tokenizer_that_pads_on_the_left_gives_the_features_of_right_padding(t
     config = json.loads((folder / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps(dict(config, padding_side="left")))
     texts = ["a dog", "a red cat sits on the man ."]                       # two lengths: one is padded
-    want, got = encoders.load_hf_text(str(models / family)).encode(texts), encoders.load_hf_text(str(folder)).encode(texts)
+    want, got = (encoders.load_hf_text(str(models / family)).encode(texts),
+                 encoders.load_hf_text(str(folder)).encode(texts))
     torch.testing.assert_close(got.pooled, want.pooled)
     torch.testing.assert_close(got.tokens, want.tokens)
     assert torch.equal(got.mask, want.mask)
@@ -1055,7 +1058,7 @@ def test_macos_metadata_files_in_the_ade_annotations_are_not_taken_for_masks(tmp
     assert len(masks.images) == 2
 
 
-# ----------------------------------------------------------------------------- text that is not text, one file two names
+# ----------------------------------------------------------------------- text that is not text, one file two names
 @pytest.mark.parametrize("raw, says", [
     ("\u200b", "sentences[1] is empty"), ("\x07", "sentences[1] is empty"), ("\ufeff \u200b", "sentences[1] is empty"),
     ("\ud83d a dog on the grass", "sentences[1] holds a lone surrogate '\\ud83d' at character 0")])

@@ -14,7 +14,8 @@ def sheet_runs():
     """[(align.py arguments, {metric: printed figure})] for each run the sheet gives figures of."""
     text = re.sub(r"\s+", " ", (ROOT / "exercises" / "README.md").read_text())
     runs = []
-    for cmd, figures in re.findall(r"`python align\.py ([^`]*)`[^`]*?prints ((?:`\w+ [\d.]+`(?:,? (?:and )?)?)+)", text):
+    for cmd, figures in re.findall(r"`python align\.py ([^`]*)`[^`]*?prints ((?:`\w+ [\d.]+`(?:,? (?:and )?)?)+)",
+                                   text):
         runs.append((cmd.split(), dict(re.findall(r"`(\w+) ([\d.]+)`", figures))))
     return runs
 

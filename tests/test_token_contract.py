@@ -66,7 +66,8 @@ def reference(family, model, x):
         if family == "clip":
             out = model(pixel_values=x, output_hidden_states=True)
             norm, prefix, logits = getattr(model, "vision_model", model).post_layernorm, 1, None  # transformers 4 / 5
-            return prefix, out.last_hidden_state, norm(out.last_hidden_state), out.pooler_output, None, out.hidden_states
+            return (prefix, out.last_hidden_state, norm(out.last_hidden_state), out.pooler_output, None,
+                    out.hidden_states)
         base = model.base_model
         out = base(pixel_values=x, output_hidden_states=True)
         logits = model(pixel_values=x).logits if hasattr(model, "classifier") else None
@@ -82,8 +83,8 @@ def reference(family, model, x):
 
 def final_layernorm(family, model):
     base = model if family == "clip" else model.base_model
-    return {"clip": lambda: getattr(base, "vision_model", base).post_layernorm, "beit_mean": lambda: base.pooler.layernorm}.get(
-        family, lambda: base.layernorm)()
+    return {"clip": lambda: getattr(base, "vision_model", base).post_layernorm,
+            "beit_mean": lambda: base.pooler.layernorm}.get(family, lambda: base.layernorm)()
 
 
 IMAGE_FAMILIES = ["dinov2", "dinov2_with_registers", "vit", "deit", "beit_mean", "beit_cls", "clip"]
@@ -295,7 +296,8 @@ def test_token_level_methods_score_the_words_of_real_encoder_features(tmp_path):
         method = METHODS[name](8, 32).eval()
         for b, t in enumerate(texts):
             ids = batch["input_ids"][b]
-            keep = [i for i in range(len(ids)) if int(ids[i]) not in (tok.cls_token_id, tok.sep_token_id, tok.pad_token_id)]
+            keep = [i for i in range(len(ids))
+                    if int(ids[i]) not in (tok.cls_token_id, tok.sep_token_id, tok.pad_token_id)]
             words = Features(h[b:b + 1, keep], torch.ones(1, len(keep), dtype=torch.bool), f.pooled[b:b + 1])
             with torch.no_grad():
                 ours, ref = method.embed_text(f[b:b + 1]), method.embed_text(words)
