@@ -117,7 +117,7 @@ def test_methods_that_cannot_be_split_train_on_rank_0_alone():
 DRIVER = """
 import functools, sys
 sys.path.insert(0, sys.argv[1])
-import align, data
+import align, shapes
 shapes.shapes_world = functools.cache(shapes.shapes_world)   # the Shapes world made once
 for method, hp in (("pal", ["--hp", "K=64"]), ("csa", [])):
     align.main(["--method", method, "--out", sys.argv[2] + "/" + method, *hp, *sys.argv[3:]])
@@ -171,7 +171,7 @@ import os, signal, sys
 sys.path.insert(0, sys.argv[1])
 import torch
 torch.set_num_threads(1)
-import cache, data, distributed, encoders
+import cache, distributed, encoders, shapes, shards
 distributed.setup("cpu")
 kill_after = int(os.environ.get("KILL_RANK1_AFTER", "0"))            # rank 1 dies after writing this many shards
 if kill_after and distributed.rank() == 1:

@@ -59,7 +59,7 @@ def test_remaking_the_weights_reaches_the_shipped_held_out_accuracy(tmp_path):
 ENCODE = """
 import sys, torch
 sys.path.insert(0, sys.argv[1])
-import data, shapes_encoders as se
+import shapes, shapes_encoders as se
 torch.set_num_threads(1)
 w = shapes.shapes_world(0, n_train=96, n_test=2, n_cls=2, n_seg=2, n_bind=2)["train"]
 image, text = se.load_shapes_encoders(sys.argv[2], log=lambda *a: None)
