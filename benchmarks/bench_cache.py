@@ -24,9 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cache  # noqa: E402
-from cache import StoredFeatures  # noqa: E402
 from features import Features  # noqa: E402
-import shards
+import shards  # noqa: E402
 
 
 def memory_mb():
@@ -77,7 +76,7 @@ def main():
     feats = cache.extract(enc, list(range(args.n)), args.dir, batch_size=args.batch, dataset="bench",
                              split="train", modality="image")   # prints one line per shard
     dt = time.time() - t0
-    assert isinstance(feats, StoredFeatures)
+    assert isinstance(feats, shards.StoredFeatures)
     print(f"[bench] extraction (incl. random generation): {dt:.1f}s, {args.n / dt:.0f} rows/s, "
           f"{gb * 1024 / dt:.0f} MB/s written; {len(feats.tokens_files)} shards; memory {memory_mb()}")
 

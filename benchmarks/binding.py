@@ -28,7 +28,6 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-import shapes
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -116,6 +115,7 @@ def probes(args):
     import numpy as np
     import torch
     import encoders
+    import shapes
     import shapes_encoders
     from features import Features
     from methods import METHODS
@@ -176,6 +176,7 @@ def paraphrases(args):
     import numpy as np
     import torch
     import encoders
+    import shapes
     torch.set_num_threads(1)
     forms = list(range(1, 5)) + [f"h{k}" for k in range(len(shapes.HELD_OUT_TEMPLATES))]
     rng = np.random.default_rng(4243)
@@ -206,6 +207,7 @@ def breakdown(args):
     the held-out set by template (shapes.HELD_OUT_TEMPLATES), from the run's method.pt."""
     import torch
     import encoders
+    import shapes
     import evaluate
     from methods import METHODS
     torch.set_num_threads(1)

@@ -26,7 +26,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-import model_files
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))   # the tiny on-disk layouts the tests write (tests/test_real.py)
@@ -47,6 +46,7 @@ def write_models(root, tiny):
     from transformers import (AutoModel, BeitConfig, BeitForImageClassification, BitImageProcessor, Dinov2Config,
                               RobertaConfig, RobertaTokenizer)
 
+    import model_files
     from test_real import WORDS
     torch.manual_seed(0)
     large = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)
