@@ -287,7 +287,7 @@ def test_regions_match_naive_loop():
 
 def test_conc_loss_reads_the_full_softmax_attention():
     """L_conc (CDFO spatial concentration, choice 7) is the spread of the full softmax attention, not of the masked one."""
-    m, (img, txt) = small(CoV, deformable=False, use_v2v=False), feats()
+    m, (img, txt) = small(CoV, deformable=False, use_v2v=False, eps=0.7), feats()
     _, logs = m.loss(img, txt)
     with torch.no_grad():
         ref_attn, ref_bar, _ = naive_assign(m, img)
