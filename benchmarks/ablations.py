@@ -28,7 +28,7 @@ VARIANTS = {
             ("- deformable", COV + ["--hp", "deformable=False"]),
             ("- L_v2v", COV + ["--hp", "use_v2v=False"]),
             ("- L_conc", COV + ["--hp", "use_conc=False"]),
-            ("eps=0", COV + ["--hp", "eps=0.0"]), ("eps=0.9", COV + ["--hp", "eps=0.9"]),
+            ("eps=0.7", COV + ["--hp", "eps=0.7"]), ("eps=0.9", COV + ["--hp", "eps=0.9"]),
             ("N_q=4", COV + ["--hp", "n_regions=4"]), ("N_q=16", COV + ["--hp", "n_regions=16"])],
 }
 

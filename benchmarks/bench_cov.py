@@ -125,8 +125,9 @@ def main():
     p.add_argument("--d-image", type=int, default=384, help="frozen image feature dim")
     p.add_argument("--d-text", type=int, default=256, help="frozen text feature dim")
     p.add_argument("--max-words", type=int, default=16, help="caption length L (real words L/2..L)")
-    p.add_argument("--dim", type=int, default=512, help="shared dim of the methods (digest: 512)")
-    p.add_argument("--batch", type=int, default=128, help="training batch for the memory step (digest: 128)")
+    p.add_argument("--dim", type=int, default=512, help="shared dim of the methods (CoV-Align, training strategy: 512)")
+    p.add_argument("--batch", type=int, default=128,
+                   help="training batch for the memory step (CoV-Align, efficiency experiments: 128)")
     p.add_argument("--slow-images", type=int, default=25,
                    help="time per-pair methods on this many images and scale up (0 = all)")
     p.add_argument("--methods", default="cov,text_guided", help="comma list of: " + ",".join(METHODS))

@@ -52,7 +52,7 @@ EXERCISES = {
              "(padded tokens must get weight 0: -inf before the softmax); dot products instead of cosines "
              "(normalise both Z and A); dividing by tau_p in Eq. 6 as well as in Eq. 5"),
     4: dict(
-        title="CoV: bilinear sampling of the patch grid with grid_sample (Eq. 1)",
+        title="CoV: bilinear sampling of the patch grid with grid_sample (CVSFE, deformable attention)",
         regions=["methods/cov.py"],
         tests=["tests/test_cov.py::test_deformable_sample_matches_naive_bilinear_loop",
                "tests/test_cov.py::test_deformable_sample_pixel_centre_reads_the_patch",
@@ -61,7 +61,7 @@ EXERCISES = {
              "(grid_sample wants [-1, 1]); swapping x and y (grid_sample's last dim is (x, y)); padding_mode "
              "'border' instead of zeros; mixing up the head and query axes when flattening"),
     5: dict(
-        title="CoV: consistent assign attention, threshold mask, spatial concentration (Eq. 2-4)",
+        title="CoV: consistent assign attention, threshold mask, spatial concentration (CVSFE, CDFO)",
         regions=["methods/cov.py"],
         tests=["tests/test_cov.py::test_threshold_mask_matches_loop",
                "tests/test_cov.py::test_regions_match_naive_loop",
@@ -69,11 +69,11 @@ EXERCISES = {
                "tests/test_cov.py::test_conc_loss_reads_the_full_softmax_attention",
                "tests/test_cov.py::test_threshold_mask_keeps_the_top_patch_of_a_constant_row"],
         hint="softmax over the queries instead of over the patches; min-max over the wrong axis; two different "
-             "W for queries and patches (Eq. 2 shares ONE W); forgetting to renormalise the kept weights; "
-             "L_conc on the masked attention attn_bar instead of the full softmax attn; patch centres at "
-             "j/W instead of (j+.5)/W; a constant row (max = min) masking every patch"),
+             "W for queries and patches (the consistent assign attention shares ONE W); forgetting to "
+             "renormalise the kept weights; L_conc on the masked attention attn_bar instead of the full softmax "
+             "attn; patch centres at j/W instead of (j+.5)/W; a constant row (max = min) masking every patch"),
     6: dict(
-        title="CoV: region-word max-sum score with padding (Eq. 6; FILIP's score too)",
+        title="CoV: region-word max-sum score with padding (sparse region-word alignment; FILIP's score too)",
         regions=["methods/cov.py"],
         tests=["tests/test_cov.py::test_max_sum_matches_loop_with_padding",
                "tests/test_cov.py::test_padded_words_do_not_change_the_score[CoV]",

@@ -6,36 +6,35 @@ the text (once per image, cacheable), then align regions with words. Here the
 encoders stay FROZEN (post-hoc setting): only the projections, the region queries
 and the CVSFE / assign-attention layers train.
 
-Equations, numbered here in the order of the paper's method (CVSFE, CDFO, sparse alignment;
-the summary this file follows gives them no numbers):
-  (1) deformable attention   z_q' = sum_m W_m [ sum_k A_mqk F(p_q + dp_mqk) ]
-  (2) consistent assign      Attn = softmax_patches( (z W)(F W)^T / tau )
-  (3) threshold mask         barAttn = hatAttn * [hatAttn >= eps],  r_q = barAttn V F
-  (4) spatial concentration  c_q = sum_ij a_q(i,j) p_ij,  L_conc = sum_ij a_q(i,j) ||p_ij - c_q||
-  (5) intra-image contrast   L_v2v = -1/N_q sum_i log softmax_j(r_i . r_j / tau_1)_i
-  (6) region-word max-sum    S(I,T) = 1/N_q sum_i max_j s_ij + 1/L sum_j max_i s_ij
-  (7) total loss             L = lambda_g/2 (L_t2v + L_v2t) + lambda_v L_v2v + lambda_c L_conc
+What it implements, by the parts of the paper's method (CVSFE, CDFO, sparse region-word
+alignment, loss function and training strategy; the equations there carry no numbers):
+  CVSFE, deformable attention     z_q' = sum_m W_m [ sum_p A_mqp F(p_q + dp_mqp) ]
+  CVSFE, consistent assign        Attn = softmax_patches( (z W)(F W)^T / tau )
+  CVSFE, threshold mask           barAttn = hatAttn * [hatAttn >= eps],  r_q = barAttn V F
+  CDFO, spatial concentration     c_q = sum_ij a_q(i,j) p_ij,  L_conc = sum_ij a_q(i,j) ||p_ij - c_q||
+  CDFO, visual contrastive        L_v2v = -1/N_q sum_i log softmax_j(r_i . r_j / tau_1)_i
+  sparse region-word alignment    S(I,T) = 1/N_q sum_i max_j s_ij + 1/L sum_j max_i s_ij
+  loss function                   L = lambda_g/2 (L_t2v + L_v2t) + lambda_v L_v2v + lambda_c L_conc
 
 Symbols -> variables:
   F_v (patches) -> patches, F (projected) -> F_img;  F_t (words) -> words
   z_q -> self.z (queries), p_q -> self.ref (reference points), dp -> offsets,
-  A_mqk -> A, M -> n_heads, K (points) -> n_points, W_m -> self.out_proj,
+  A_mqp -> A, M -> n_heads, P (the paper's K sampling points) -> n_points, W_m -> self.out_proj,
   W -> self.W_assign, V -> self.V, tau -> tau, eps -> eps, N_q -> n_regions,
   hatAttn -> attn_hat, barAttn -> attn_bar, r_q -> r, c_q -> c, tau_1 -> tau_1,
   s_ij -> s, S(I,T) -> S, lambda_{g,v,c} -> lambda_g, lambda_v, lambda_c.
-Shapes: K is the shared output dim (the README's alphabet), except inside
-deformable_sample / DeformableAttention, where K is the paper's number of points
-and D the feature dim; N = H*W patches.
+Shapes: K is the shared output dim (the README's alphabet); the deformable step's sampling
+points, K in the paper, are P here; D is the feature dim inside DeformableAttention; N = H*W patches.
 
 Deviations / choices (the paper leaves these open):
 1. Encoders frozen; patches and words are projected to dim=512 by linear maps; the global token
-   takes no part; the words exclude CLS / SEP (the token contract), so 1/L in Eq. (6) counts
+   takes no part; the words exclude CLS / SEP (the token contract), so 1/L in S(I,T) counts
    words (with the tiny encoder's [CLS] as a word: RSum 402.0 against 410.9, one seed).
 2. ONE deformable layer, z' = LayerNorm(z + DeformAttn(z)), then ONE assign attention with z';
    the offsets depend on z only, the image enters through the sampled values (deformable=False
-   skips Eq. (1)).
-3. Heads M = 4, points K = 4 (Deformable DETR's 8 x 4 halved, Zhu et al., ICLR 2021), its init:
-   offset weights 0, bias = per-head direction (cos, sin) / max(|cos|, |sin|) times (k+1) patches,
+   skips the deformable step).
+3. Heads M = 4, points P = 4 (Deformable DETR's 8 x 4 halved, Zhu et al., ICLR 2021), its init:
+   offset weights 0, bias = per-head direction (cos, sin) / max(|cos|, |sin|) times (p+1) patches,
    uniform point weights.
 4. Reference points p_q: a FIXED grid of cell centres (e.g. 2 x 4 for 8 regions) in [0, 1]
    image coordinates (x, y); the offsets learn the rest.
@@ -50,6 +49,8 @@ Deviations / choices (the paper leaves these open):
 10. dense_image: each patch as a one-region image, r = V F_p, shape (B, H*W, 1, K).
 11. Adam, weight decay 1e-4, 30 epochs, batch 128 as the paper, but lr 3e-3: the paper's 1e-4
     barely moves the fresh projections (planted data, test R@1 i2t 3 at 1e-4, 45 at 3e-3).
+12. eps = 0 (the paper: 0.7), the mask dropping only each row's minimum: at tau = 0.1 an eps-0.7
+    region is 2 of 81 patches (EfficientNet-Lite2 + MiniLM: RSum 474.8 against 437.2, seed 0).
 """
 import math
 
@@ -66,31 +67,32 @@ from .losses import info_nce_of_logits
 def deformable_sample(value, loc, A):
     """Bilinear sampling of a value grid at sparse points, weighted sum over the points.
 
-    value (B, M, Dh, H, W); loc (B, Q, M, K, 2) in [0,1] image coords (x, y);
-    A (B, Q, M, K) weights.  Returns (B, Q, M, Dh) = sum_k A_mqk value_m(loc_mqk).
+    value (B, M, Dh, H, W); loc (B, Q, M, P, 2) in [0,1] image coords (x, y);
+    A (B, Q, M, P) weights.  Returns (B, Q, M, Dh) = sum_p A_mqp value_m(loc_mqp).
     Points outside the grid read zeros; pixel centres sit at (j+.5)/W (align_corners=False).
     """
-    # EXERCISE 4 (CoV Eq. 1, Deformable-DETR's core): grid_sample value (B, M, Dh, H, W) bilinearly at loc (B, Q,
-    #   M, K, 2) in [0,1] (x, y), align_corners=False, zeros outside; sum over k weighted by A (B, Q, M, K)
+    # EXERCISE 4 (CoV's CVSFE deformable attention, Deformable-DETR's core): grid_sample value (B, M, Dh, H, W)
+    #   bilinearly at loc (B, Q, M, P, 2) in [0,1] (x, y), align_corners=False, zeros outside; sum over the P
+    #   points weighted by A (B, Q, M, P)
     #   -> (B, Q, M, Dh)
     B, M, Dh, H, W = value.shape
     Q = loc.shape[1]
-    grid = (2 * loc - 1).permute(0, 2, 1, 3, 4).flatten(0, 1)          # (B*M, Q, K, 2) in [-1,1]
+    grid = (2 * loc - 1).permute(0, 2, 1, 3, 4).flatten(0, 1)          # (B*M, Q, P, 2) in [-1,1]
     sampled = F.grid_sample(value.flatten(0, 1), grid, mode="bilinear",
-                            padding_mode="zeros", align_corners=False)  # (B*M, Dh, Q, K)
-    w = A.permute(0, 2, 1, 3).flatten(0, 1)[:, None]                   # (B*M, 1, Q, K)
+                            padding_mode="zeros", align_corners=False)  # (B*M, Dh, Q, P)
+    w = A.permute(0, 2, 1, 3).flatten(0, 1)[:, None]                   # (B*M, 1, Q, P)
     out = (sampled * w).sum(-1)                                         # (B*M, Dh, Q)
     return out.view(B, M, Dh, Q).permute(0, 3, 1, 2)                    # (B, Q, M, Dh)
     # END EXERCISE 4
 
 
 def threshold_mask(attn, eps):
-    """Eq. (3): min-max normalise each row to [0,1], keep >= eps, renormalise to sum 1.
+    """CVSFE threshold mask: min-max normalise each row to [0,1], keep >= eps, renormalise to sum 1.
 
     The arg-max patch(es) get hatAttn = 1 by definition, so every row keeps at least
     its top patch: a constant row (0/0 in the min-max, e.g. a blank image whose
     patches are all alike) keeps every patch, r_q = the mean of V F (choice 6)."""
-    # EXERCISE 5 (CoV Eq. 3): min-max normalise each row of attn (..., N) over the patches to hatAttn in [0,1]
+    # EXERCISE 5 (CoV's CVSFE threshold mask): min-max normalise each row of attn (..., N) over the patches to hatAttn in [0,1]
     #   (the arg-max patch gets hatAttn = 1, even on a constant row), keep hatAttn >= eps, renormalise the kept
     #   values to sum 1 -> (..., N)
     lo = attn.amin(-1, keepdim=True)
@@ -103,18 +105,18 @@ def threshold_mask(attn, eps):
 
 
 def max_sum(r, w):
-    """Eq. (6) for all pairs: r (I, Q, K), w (T, L, K) unit or all-zero rows -> S (I, T)."""
+    """S(I,T) of the sparse region-word alignment for all pairs: r (I, Q, K), w (T, L, K) unit or all-zero rows -> S (I, T)."""
     i2t, t2i = max_mean(r, w)
     return i2t + t2i                                                    # S(I,T), (I, T)
 
 
 def max_mean(r, w):
-    """The two terms of Eq. (6) (FILIP's token-wise maximum similarity, its Eq. (4)-(5), the same):
+    """The two terms of S(I,T) (FILIP's token-wise maximum similarity, its Eq. (4)-(5), the same):
     r (I, Q, K), w (T, L, K) unit or all-zero rows -> i2t, t2i (I, T) each.
 
     All-zero rows are padding: excluded from the max and from the mean.
     """
-    # EXERCISE 6 (CoV Eq. 6): i2t = mean over real regions of max over real words of s_ij, t2i = mean over real
+    # EXERCISE 6 (CoV's region-word max-sum): i2t = mean over real regions of max over real words of s_ij, t2i = mean over real
     #   words of max over real regions; r (I, Q, K), w (T, L, K), all-zero rows are padding -> i2t, t2i (I, T)
     r_ok = r.abs().sum(-1) > 0                                          # (I, Q)
     w_ok = w.abs().sum(-1) > 0                                          # (T, L)
@@ -148,21 +150,21 @@ def grid_centres(rows, cols, device=None):
 # ----------------------------------------------------------------------------- CVSFE block
 
 class DeformableAttention(nn.Module):
-    """Eq. (1), single scale, written by hand with grid_sample (Deformable-DETR's PyTorch core)."""
+    """CVSFE deformable attention, single scale, written by hand with grid_sample (Deformable-DETR's PyTorch core)."""
 
     def __init__(self, dim, n_heads, n_points):
         super().__init__()
-        self.M, self.K = n_heads, n_points
-        self.offsets = nn.Linear(dim, n_heads * n_points * 2)   # dp_mqk from z_q
-        self.weights = nn.Linear(dim, n_heads * n_points)       # A_mqk from z_q (softmax over k)
+        self.M, self.P = n_heads, n_points
+        self.offsets = nn.Linear(dim, n_heads * n_points * 2)   # dp_mqp from z_q
+        self.weights = nn.Linear(dim, n_heads * n_points)       # A_mqp from z_q (softmax over the points)
         self.value = nn.Linear(dim, dim)
         self.out_proj = nn.Linear(dim, dim)                     # W_m for all heads at once
-        # Deformable-DETR init: head m looks along direction theta_m, point k at distance k+1
+        # Deformable-DETR init: head m looks along direction theta_m, point p at distance p+1
         nn.init.zeros_(self.offsets.weight)
         theta = torch.arange(n_heads) * 2 * math.pi / n_heads
         direction = torch.stack([theta.cos(), theta.sin()], -1)                    # (M, 2)
         direction = direction / direction.abs().amax(-1, keepdim=True)            # on the unit square, as theirs
-        bias = direction[:, None] * torch.arange(1, n_points + 1)[None, :, None]    # (M, K, 2)
+        bias = direction[:, None] * torch.arange(1, n_points + 1)[None, :, None]    # (M, P, 2)
         with torch.no_grad():
             self.offsets.bias.copy_(bias.flatten())
         nn.init.zeros_(self.weights.weight)                     # uniform softmax over the points
@@ -170,25 +172,25 @@ class DeformableAttention(nn.Module):
 
     def forward(self, z, ref, F_img, grid):
         """z (B, Q, D) queries, ref (Q, 2) in [0,1], F_img (B, H*W, D) -> (B, Q, D)."""
-        (B, Q, D), (H, W), M, K = z.shape, grid, self.M, self.K
+        (B, Q, D), (H, W), M, P = z.shape, grid, self.M, self.P
         value = self.value(F_img).view(B, H, W, M, D // M).permute(0, 3, 4, 1, 2)  # (B, M, Dh, H, W)
-        dp = self.offsets(z).view(B, Q, M, K, 2)                                  # offsets in patches
-        A = self.weights(z).view(B, Q, M, K).softmax(-1)                          # A_mqk, (B, Q, M, K)
+        dp = self.offsets(z).view(B, Q, M, P, 2)                                  # offsets in patches
+        A = self.weights(z).view(B, Q, M, P).softmax(-1)                          # A_mqp, (B, Q, M, P)
         loc = ref[None, :, None, None] + dp / torch.tensor([W, H], device=z.device, dtype=z.dtype)
         out = deformable_sample(value, loc, A)                                    # (B, Q, M, Dh)
-        return self.out_proj(out.flatten(2))                                      # Eq. (1), (B, Q, D)
+        return self.out_proj(out.flatten(2))                                      # z_q', (B, Q, D)
 
 
 # ----------------------------------------------------------------------------- the method
 
 class CoV(Method):
-    defaults = dict(lr=3e-3,           # digest: 1e-4; 3e-3 on frozen features (choice 11)
-                    epochs=30,         # digest
-                    batch_size=128,    # digest (efficiency table)
-                    weight_decay=1e-4,  # digest
-                    optimizer="adam")  # digest (cosine annealing)
+    defaults = dict(lr=3e-3,           # CoV-Align, training strategy: 1e-4; 3e-3 here (choice 11)
+                    epochs=30,         # CoV-Align, training strategy
+                    batch_size=128,    # CoV-Align, efficiency experiments
+                    weight_decay=1e-4,  # CoV-Align, training strategy
+                    optimizer="adam")  # CoV-Align, training strategy (with cosine annealing)
     ranges = dict(dim="[1, inf)", n_regions="[1, inf)", n_heads="[1, inf)", n_points="[1, inf)",
-                  eps="[0, 1]",  # Eq. (3) thresholds the min-max normalised attention: eps > 1 keeps no patch
+                  eps="[0, 1]",  # the threshold mask compares the min-max normalised attention: eps > 1 keeps no patch
                   tau="(0, inf)", tau_1="(0, inf)", tau_g="(0, inf)", lambda_g="[0, inf)", lambda_v="[0, inf)",
                   lambda_c="[0, inf)", score_chunk="[1, inf)")  # valid --hp values (align.py)
 
@@ -200,15 +202,15 @@ class CoV(Method):
         return 1 / self.tau_g
 
     def __init__(self, d_image, d_text,
-                 dim=512,            # digest: 512-d shared space
-                 n_regions=8,        # N_q, digest
-                 eps=0.7,            # digest
+                 dim=512,            # CoV-Align, training strategy: a 512-d shared space
+                 n_regions=8,        # N_q, CoV-Align, CVSFE
+                 eps=0.0,            # choice 12 (CoV-Align, CVSFE: 0.7)
                  n_heads=4,          # M, choice 3
-                 n_points=4,         # K, choice 3
+                 n_points=4,         # P, choice 3
                  tau=0.1,            # assign attention, choice 5
                  tau_1=0.1,          # L_v2v, choice 8
                  tau_g=0.05,         # InfoNCE, choice 8
-                 lambda_g=1.0, lambda_v=1.0, lambda_c=0.5,  # digest
+                 lambda_g=1.0, lambda_v=1.0, lambda_c=0.5,  # CoV-Align, loss function
                  deformable=True, use_v2v=True, use_conc=True,  # ablation switches
                  score_chunk=2 ** 24):  # max elements of one (I, T, Q, L) chunk in score()
         super().__init__()
@@ -221,26 +223,26 @@ class CoV(Method):
         self.register_buffer("ref", grid_centres(rows, cols)[:n_regions])  # p_q, (Q, 2)
         self.deform = DeformableAttention(dim, n_heads, n_points) if deformable else None
         self.norm = nn.LayerNorm(dim) if deformable else None     # z' = LN(z + DeformAttn(z))
-        self.W_assign = nn.Linear(dim, dim, bias=False)          # the ONE shared W, Eq. (2)
-        self.V = nn.Linear(dim, dim, bias=False)                 # value projection, Eq. (3)
+        self.W_assign = nn.Linear(dim, dim, bias=False)          # the ONE shared W (consistent assign)
+        self.V = nn.Linear(dim, dim, bias=False)                 # value projection (threshold mask)
         self.eps, self.tau, self.tau_1, self.tau_g = eps, tau, tau_1, tau_g
         self.lambda_g, self.lambda_v, self.lambda_c = lambda_g, lambda_v, lambda_c
         self.use_v2v, self.use_conc, self.score_chunk = use_v2v, use_conc, score_chunk
 
-    # --- CVSFE: text-free regions, Eq. (1)-(3)
+    # --- CVSFE: text-free regions (deformable attention, consistent assign, threshold mask)
     def regions(self, img):
         """-> r (B, Q, K) unnormalised region features, attn (B, Q, N) softmax, attn_bar (B, Q, N)."""
         F_img = self.P_v(img.patches())                          # F, (B, N=H*W, K)
         z = self.z.expand(len(F_img), -1, -1)                    # z_q, (B, Q, K)
         if self.deform is not None:
-            z = self.norm(z + self.deform(z, self.ref, F_img, img.grid))  # Eq. (1), (B, Q, K)
-        # EXERCISE 5 (CoV Eq. 2-3): attn = softmax over the patches of cos(W z, W F) / tau with the ONE shared W
+            z = self.norm(z + self.deform(z, self.ref, F_img, img.grid))  # deformable attention, (B, Q, K)
+        # EXERCISE 5 (CoV's CVSFE assign attention and mask): attn = softmax over the patches of cos(W z, W F) / tau with the ONE shared W
         #   (B, Q, N); attn_bar = threshold_mask(attn, eps); r = attn_bar V F (B, Q, K)
         zW = F.normalize(self.W_assign(z), dim=-1)               # (B, Q, K)
         FW = F.normalize(self.W_assign(F_img), dim=-1)           # (B, N, K)
-        attn = (zW @ FW.transpose(1, 2) / self.tau).softmax(-1)  # Eq. (2), (B, Q, N)
-        attn_bar = threshold_mask(attn, self.eps)                # Eq. (3), (B, Q, N)
-        r = attn_bar @ self.V(F_img)                             # Eq. (3), r_q, (B, Q, K)
+        attn = (zW @ FW.transpose(1, 2) / self.tau).softmax(-1)  # consistent assign, (B, Q, N)
+        attn_bar = threshold_mask(attn, self.eps)                # threshold mask, (B, Q, N)
+        r = attn_bar @ self.V(F_img)                             # r_q, (B, Q, K)
         # END EXERCISE 5
         return r, attn, attn_bar
 
@@ -256,7 +258,7 @@ class CoV(Method):
         return F.normalize(r, dim=-1)[:, :, None]                # (B, H*W, 1, K)
 
     def score(self, img_emb, txt_emb):
-        """Eq. (6) for all pairs, in chunks of <= score_chunk elements -> (N_img, N_txt)."""
+        """S(I,T) for all pairs, in chunks of <= score_chunk elements -> (N_img, N_txt)."""
         (I, Q, _), (T, L, _) = img_emb.shape, txt_emb.shape
         ct = max(1, min(T, self.score_chunk // (Q * L)))         # texts per chunk
         ci = max(1, self.score_chunk // (ct * Q * L))            # images per chunk
@@ -266,31 +268,31 @@ class CoV(Method):
                 S[i:i + ci, t:t + ct] = max_sum(img_emb[i:i + ci], txt_emb[t:t + ct])
         return S
 
-    # --- CDFO + alignment loss, Eq. (4)-(7)
+    # --- CDFO and the loss function
     def loss(self, img, txt):
         r, attn, _ = self.regions(img)
         r = F.normalize(r, dim=-1)                               # (B, Q, K)
         w = self.embed_text(txt)                                 # (B, L, K)
-        S = max_sum(r, w)                                        # Eq. (6), (B, B)
+        S = max_sum(r, w)                                        # S(I,T), (B, B)
         l_g = info_nce_of_logits(S / self.tau_g)                 # (L_t2v + L_v2t) / 2
         loss, logs = self.lambda_g * l_g, {"nce": l_g.detach()}
         if self.use_v2v:
             rr = r @ r.transpose(1, 2) / self.tau_1              # r_i . r_j / tau_1, (B, Q, Q)
             target = torch.arange(rr.shape[1], device=rr.device).expand(len(rr), -1)
-            l_v = F.cross_entropy(rr.flatten(0, 1), target.flatten())  # Eq. (5)
+            l_v = F.cross_entropy(rr.flatten(0, 1), target.flatten())  # L_v2v (CDFO)
             loss, logs["v2v"] = loss + self.lambda_v * l_v, l_v.detach()
         if self.use_conc:
-            # EXERCISE 5 (CoV Eq. 4): L_conc = the spread of the FULL softmax attention attn (B, Q, N), mean over
+            # EXERCISE 5 (CoV's CDFO spatial concentration): L_conc = the spread of the FULL softmax attention attn (B, Q, N), mean over
             #   queries and batch
-            l_c = self.spread(attn, img.grid).mean()             # Eq. (4), mean over queries and batch
+            l_c = self.spread(attn, img.grid).mean()             # L_conc, mean over queries and batch
             # END EXERCISE 5
             loss, logs["conc"] = loss + self.lambda_c * l_c, l_c.detach()
         return loss, logs
 
     @staticmethod
     def spread(a, grid):
-        """Eq. (4): a (B, Q, H*W) weights summing to 1 -> (B, Q) sum_ij a ||p_ij - c_q||."""
-        # EXERCISE 5 (CoV Eq. 4): c_q = sum_ij a_q(i,j) p_ij with patch centres p_ij in [0,1] (grid_centres),
+        """CDFO spatial concentration: a (B, Q, H*W) weights summing to 1 -> (B, Q) sum_ij a ||p_ij - c_q||."""
+        # EXERCISE 5 (CoV's CDFO spatial concentration): c_q = sum_ij a_q(i,j) p_ij with patch centres p_ij in [0,1] (grid_centres),
         #   spread_q = sum_ij a_q(i,j) ||p_ij - c_q||; a (B, Q, H*W) -> (B, Q)
         H, W = grid
         p = grid_centres(H, W, device=a.device).to(a.dtype)      # p_ij in [0,1], (H*W, 2)

@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import Method
-from .cov import max_mean as token_max   # Eq. (4)-(5): the two terms of CoV's max-sum, Eq. (6)
+from .cov import max_mean as token_max   # Eq. (4)-(5): the two terms of CoV's region-word max-sum
 from .losses import info_nce_of_logits, score_in_chunks
 
 

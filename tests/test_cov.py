@@ -30,14 +30,14 @@ def bilinear_naive(v, x, y):
 
 def deformable_naive(value, loc, A):
     B, M, Dh, H, W = value.shape
-    Q, K = loc.shape[1], loc.shape[3]
+    Q, P = loc.shape[1], loc.shape[3]
     out = torch.zeros(B, Q, M, Dh, dtype=torch.float64)
     for b in range(B):
         for m in range(M):
             for q in range(Q):
-                for k in range(K):
-                    x, y = loc[b, q, m, k].tolist()
-                    out[b, q, m] += A[b, q, m, k].item() * bilinear_naive(value[b, m], x, y)
+                for p in range(P):
+                    x, y = loc[b, q, m, p].tolist()
+                    out[b, q, m] += A[b, q, m, p].item() * bilinear_naive(value[b, m], x, y)
     return out
 
 
@@ -96,12 +96,12 @@ ALL = [CoV, TextGuided, FILIP]
 
 def test_deformable_sample_matches_naive_bilinear_loop():
     g = torch.Generator().manual_seed(0)
-    B, M, Dh, H, W, Q, K = 2, 2, 3, 3, 4, 3, 2
+    B, M, Dh, H, W, Q, P = 2, 2, 3, 3, 4, 3, 2
     value = torch.randn(B, M, Dh, H, W, generator=g)
-    loc = torch.rand(B, Q, M, K, 2, generator=g) * 1.6 - 0.3   # some points fall outside the grid
+    loc = torch.rand(B, Q, M, P, 2, generator=g) * 1.6 - 0.3   # some points fall outside the grid
     loc[0, 0, 0, 0] = torch.tensor([1.2, 1.3])                  # fully outside: reads 0
     loc[0, 0, 0, 1] = torch.tensor([-0.05, 0.5])                # half a pixel outside the left edge
-    A = torch.rand(B, Q, M, K, generator=g)
+    A = torch.rand(B, Q, M, P, generator=g)
     out = deformable_sample(value, loc, A)
     assert out.shape == (B, Q, M, Dh), f"deformable_sample has shape {tuple(out.shape)}, expected (B, Q, M, Dh)"
     assert_same(out.double(), deformable_naive(value, loc, A), "deformable_sample against the per-point bilinear loop "
@@ -121,10 +121,10 @@ def test_deformable_sample_pixel_centre_reads_the_patch():
 @pytest.mark.parametrize("M", [4, 8])
 def test_deformable_attention_init_is_deformable_detr(M):
     """At init: uniform point weights, head m along (cos, sin)(theta_m) scaled to max(|cos|, |sin|) = 1 (Deformable
-    DETR's grid_init: at M = 8 the diagonal heads reach the square's corners), point k at k+1 times that."""
+    DETR's grid_init: at M = 8 the diagonal heads reach the square's corners), point p at p+1 times that."""
     torch.manual_seed(0)
-    D, K, H, W = 8, 2, 3, 4
-    att = DeformableAttention(D, M, K)
+    D, P, H, W = 8, 2, 3, 4
+    att = DeformableAttention(D, M, P)
     z, F_img = torch.randn(1, 2, D), torch.randn(1, H * W, D)
     ref = torch.tensor([[0.3, 0.4], [0.6, 0.7]])
     out = att(z, ref, F_img, (H, W))
@@ -135,10 +135,10 @@ def test_deformable_attention_init_is_deformable_detr(M):
             th = 2 * math.pi * m / M
             c, s = math.cos(th), math.sin(th)
             c, s = c / max(abs(c), abs(s)), s / max(abs(c), abs(s))
-            for k in range(K):
-                x = ref[q, 0].item() + (k + 1) * c / W
-                y = ref[q, 1].item() + (k + 1) * s / H
-                expect[0, q, m] += bilinear_naive(value[0, m].detach(), x, y) / K
+            for p in range(P):
+                x = ref[q, 0].item() + (p + 1) * c / W
+                y = ref[q, 1].item() + (p + 1) * s / H
+                expect[0, q, m] += bilinear_naive(value[0, m].detach(), x, y) / P
     assert_same(out, att.out_proj(expect.float().flatten(2)), "DeformableAttention at init against the loop over "
                 "heads and points", atol=1e-5, rtol=1e-5)
 
@@ -239,8 +239,8 @@ def test_cov_conc_loss_is_the_attention_weighted_spread():
 
 
 def naive_assign(m, img):
-    """Eq. (2)-(3) one image and one query at a time (deformable=False, so z' = z): attention over the
-    patches = softmax of cos(W z_q, W F_p) / tau with the ONE shared W; min-max threshold mask at eps,
+    """CVSFE's consistent assign attention and threshold mask, one image and one query at a time
+    (deformable=False, so z' = z): attention over the patches = softmax of cos(W z_q, W F_p) / tau with the ONE shared W; min-max threshold mask at eps,
     kept weights renormalised; r_q = sum_p barAttn_p V F_p. Lists of float64 tensors per image."""
     F_img = m.P_v(img.patches()).double()                              # (B, N, K)
     W, V, z = m.W_assign.weight.double(), m.V.weight.double(), m.z.double()
@@ -263,7 +263,7 @@ def naive_assign(m, img):
 
 
 def naive_spread(a, H, W):
-    """Eq. (4) by loops: a (Q, H*W) -> (Q,) sum_p a_p ||p - c||, patch centres ((j+.5)/W, (i+.5)/H)."""
+    """L_conc (CDFO spatial concentration) by loops: a (Q, H*W) -> (Q,) sum_p a_p ||p - c||, patch centres ((j+.5)/W, (i+.5)/H)."""
     centres = [((j + 0.5) / W, (i + 0.5) / H) for i in range(H) for j in range(W)]
     out = []
     for row in a.tolist():
@@ -278,16 +278,16 @@ def test_regions_match_naive_loop():
     with torch.no_grad():
         r, attn, attn_bar = m.regions(img)
         ref_attn, ref_bar, ref_r = naive_assign(m, img)
-    assert_same(attn.double(), ref_attn, "attn (Eq. 2, softmax over the patches) against the loop", atol=1e-5, rtol=1e-4)
-    assert_same(attn_bar.double(), ref_bar, "attn_bar (Eq. 3) against the loop", atol=1e-5, rtol=1e-4)
-    assert_same(r.double(), ref_r, "the regions r = attn_bar V F (Eq. 3) against the loop", atol=1e-5, rtol=1e-4)
+    assert_same(attn.double(), ref_attn, "attn (the assign attention, softmax over the patches) against the loop", atol=1e-5, rtol=1e-4)
+    assert_same(attn_bar.double(), ref_bar, "attn_bar (the threshold mask) against the loop", atol=1e-5, rtol=1e-4)
+    assert_same(r.double(), ref_r, "the regions r = attn_bar V F against the loop", atol=1e-5, rtol=1e-4)
     kept = (attn_bar > 0).float().mean()
     assert 0 < kept < 0.5, f"attn_bar keeps {100 * kept:.0f}% of the patches; at eps 0.5 it drops most"
 
 
 def test_conc_loss_reads_the_full_softmax_attention():
-    """L_conc (Eq. 4, choice 7) is the spread of the full softmax attention, not of the masked one."""
-    m, (img, txt) = small(CoV, deformable=False, use_v2v=False), feats()
+    """L_conc (CDFO spatial concentration, choice 7) is the spread of the full softmax attention, not of the masked one."""
+    m, (img, txt) = small(CoV, deformable=False, use_v2v=False, eps=0.7), feats()
     _, logs = m.loss(img, txt)
     with torch.no_grad():
         ref_attn, ref_bar, _ = naive_assign(m, img)
