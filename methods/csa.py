@@ -20,21 +20,21 @@ Symbols -> variables: mu_x, mu_y -> self.mu_v, self.mu_l; A, B -> self.A, self.B
 rho -> self.rho; d -> self.d; r -> ridge * trace(S) / D (per view).
 
 Deviations / choices:
-1. CCA by torch.linalg in float64 (Cholesky whitening + SVD), not the authors' cca_zoo call;
-   covariances accumulate in chunks of rows, so an 80K x 1024 set needs only D x D more memory.
-2. Every input row (pooled vector, head row, patch token) is L2-normalised before centring
-   (normalize=True), so unit head rows and raw image features (BEiT pooled: norm ~28) share one
-   space; on the Shapes world unit rows give RSum 388.6 against 382.2 raw.
-3. Ridge r = ridge * trace(S) / D per view; ridge="auto" picks it from RIDGES by the mean
-   reciprocal rank of the true partner on a 20% held-out split (at most 2,000 pairs), then refits
-   on all pairs; the authors' near-zero ridge (about 1e-4 here) gives Shapes RSum 350.0 against
-   388.6 at the picked 1e-2.
-4. Below MIN_SELECT pairs there is too little to hold out and ridge = 1.0 is used (24 head rows:
-   plain CCA finds 23 perfectly correlated directions that mean nothing). A float fixes the
-   ridge (0.0 is plain CCA; needs N > D).
-5. rho are the singular values of the regularised T (the canonical correlations at ridge 0, as
-   CSA's diag(Z1^T Z2) / N); the projected training views' correlations scored lower (RSum
-   374.5 against 388.6 on Shapes).
+1. CCA by torch.linalg in float64 (Cholesky whitening + SVD), not the authors' cca_zoo call; the
+   covariances accumulate over chunks of rows, so a large set costs D x D memory, not N x D.
+2. Every input row is L2-normalised before centring (normalize=True), so unit head rows and raw
+   image features (BEiT pooled: norm ~28) share one space; raw rows score lower on Shapes.
+3. Ridge r = ridge * trace(S) / D per view; ridge="auto" picks it from RIDGES by the held-out mean
+   reciprocal rank of the true partner, then refits on all pairs. split="pairs" (default) holds out
+   20% of the pairs at random (at most 2,000); split="groups" holds out whole k-means clusters of
+   the text features in 5 folds, so the held-out pairs are "classes" the fit never saw. On the
+   Shapes class split (docs/results.md, "Novel classes") both pick the same ridge on real features
+   and "groups" a larger one with the tiny encoders (novel RSum 286.4 -> 283.1), so "pairs" stays.
+4. Below MIN_SELECT pairs there is nothing to hold out and ridge = 1.0 (24 head rows: plain CCA
+   finds 23 perfectly correlated directions that mean nothing); a float fixes the ridge (0.0 is
+   plain CCA; needs N > D).
+5. rho are the singular values of the regularised T (CSA's diag(Z1^T Z2) / N at ridge 0), not the
+   correlations of the projected training views, which rank the test pairs worse.
 6. d = min(d, D_v, D_l, N - 1); buffers are sized min(d, D_v, D_l) at construction, so
    state_dict shapes never depend on the data; unused columns stay 0 (rho_i = 0).
 7. dense_image projects every unit patch token with the pooled-feature mean and A (the MaskCLIP
@@ -47,7 +47,7 @@ from . import Method
 
 RIDGES = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)   # candidates of ridge="auto", x mean variance
 MIN_SELECT = 50                                # fewer training pairs: no held-out split, ridge 1.0
-GROUPS, FOLDS = 20, 5                          # ridge="auto" holds out text clusters: 20 clusters, 5 folds
+GROUPS, FOLDS = 20, 5                          # split="groups": 20 text clusters dealt into 5 folds
 
 
 def covariances(X, Y, chunk=8192):
@@ -106,7 +106,7 @@ def kmeans(Z, k, iters=20, seed=0):
     return torch.cdist(Z, centres).argmin(1)
 
 
-def held_out_splits(Y, split="groups", groups=GROUPS, folds=FOLDS, held_out=0.2, max_held_out=2000, seed=0):
+def held_out_splits(Y, split="pairs", groups=GROUPS, folds=FOLDS, held_out=0.2, max_held_out=2000, seed=0):
     """[(val, fit)] index pairs of choice 3. "groups": the pairs are clustered by their text Y
     (k-means, `groups` clusters, a stand-in for classes) and the clusters dealt into `folds` folds;
     each fold in turn is held out, so no cluster (no caption either: equal rows share a cluster) is
@@ -123,7 +123,7 @@ def held_out_splits(Y, split="groups", groups=GROUPS, folds=FOLDS, held_out=0.2,
     return [(idx[fold == f], idx[fold != f]) for f in range(folds) if 2 <= (fold == f).sum() < N - 1]
 
 
-def select_ridge(X, Y, d, ridges=RIDGES, split="groups", max_held_out=2000, seed=0):
+def select_ridge(X, Y, d, ridges=RIDGES, split="pairs", max_held_out=2000, seed=0):
     """Choice 3: the ridge whose CSA, fitted on the other pairs, best matches each held-out set's
     pairs to each other (mean reciprocal rank of the true partner, both ways, under the rho-weighted
     cosine s(x, y); at most max_held_out pairs a set: the score matrix stays 16 MB), averaged over
@@ -150,7 +150,7 @@ class CSA(Method):
     defaults = dict(epochs=0)  # closed form: fit() only, no training loop
     ranges = dict(d="[1, inf)", ridge="[0, inf)", split=("groups", "pairs"))  # valid --hp values (align.py)
 
-    def __init__(self, d_image, d_text, d=200, ridge="auto", normalize=True, split="groups"):  # d: weight-
+    def __init__(self, d_image, d_text, d=200, ridge="auto", normalize=True, split="pairs"):  # d: weight-
         super().__init__()                                       # recycling App. E; ridge, split, normalize: choices 3, 2
         self.d, self.ridge, self.normalize, self.split = min(d, d_image, d_text), ridge, normalize, split
         self.register_buffer("mu_v", torch.zeros(d_image))

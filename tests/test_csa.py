@@ -229,13 +229,14 @@ def mean_reciprocal_rank(csa, img, txt):
 
 
 def test_the_grouped_ridge_choice_holds_on_classes_it_never_saw():
-    """Random held-out pairs share their classes with the fitted pairs, so the memorised class offsets
-    score there and a tiny ridge wins; held-out text clusters are classes the fit never saw, and the
-    ridge they pick keeps to the shared map: on 20 new classes its CSA finds the partner far better."""
+    """Random held-out pairs (split="pairs") share their classes with the fitted pairs, so the memorised
+    class offsets score there and a tiny ridge wins; held-out text clusters (split="groups") are classes
+    the fit never saw, and the ridge they pick keeps to the shared map: on 20 new classes its CSA finds
+    the partner far better."""
     img, txt, _ = class_views(3000, torch.arange(20), seed=0)
     new_img, new_txt, _ = class_views(1000, torch.arange(20, 40), seed=1)
-    by_pairs = CSA(44, 44, normalize=False, split="pairs").fit(img, txt)
-    by_groups = CSA(44, 44, normalize=False).fit(img, txt)                    # split="groups", the default
+    by_pairs = CSA(44, 44, normalize=False).fit(img, txt)                     # split="pairs", the default
+    by_groups = CSA(44, 44, normalize=False, split="groups").fit(img, txt)
     assert by_pairs.chosen_ridge <= 1e-3 and by_groups.chosen_ridge >= 1.0, (by_pairs.chosen_ridge, by_groups.chosen_ridge)
     mrr_pairs, mrr_groups = mean_reciprocal_rank(by_pairs, new_img, new_txt), mean_reciprocal_rank(by_groups, new_img, new_txt)
     assert mrr_groups > 3 * mrr_pairs, (mrr_pairs, mrr_groups)
@@ -248,7 +249,7 @@ def test_the_grouped_split_never_puts_a_group_on_both_sides():
     _, txt, _ = class_views(600, torch.arange(20), seed=2)
     Y = torch.cat([txt.pooled, txt.pooled[:100]])                            # 100 captions given twice
     label = kmeans(Y, 20)
-    splits = held_out_splits(Y)
+    splits = held_out_splits(Y, "groups")
     assert len(splits) == 5
     covered = torch.cat([val for val, _ in splits])
     assert torch.equal(covered.sort().values, torch.arange(len(Y)))
