@@ -60,7 +60,8 @@ Deviations / choices (where the paper is silent):
    argmax w_i f + b_i = argmax cos(w_i, f), App. B), linear top-1 is 100 by construction.
 
 The analyses on the Shapes world, next to the paper's numbers: docs/results.md
-("Weight recycling"), from `python align.py --analyses`.
+("Weight recycling"), from `python align.py --analyses`; on EfficientNet-Lite2's ImageNet head:
+"Weight recycling on a real head".
 """
 import copy
 
