@@ -53,9 +53,14 @@ Deviations / choices (where the paper is silent):
    the paper's n is {1, 5, 10, 20, 30, 40, 50} (50: all IN-1K validation images of a class).
 7. cannot_analyse says why the analyses cannot run (no usable head, no classification set), so
    align.py refuses --analyses before any features are extracted (docs/faults.md).
+8. A classification set none of whose classes is a head class (Shapes under an ImageNet head)
+   labels each image by the head's own top-1 for Table 1, Fig. 1 and App. I: Table 1's cosine
+   top-1 is then how often cos(w_i, f) picks the linear head's class (the Neural Collapse limit
+   argmax w_i f + b_i = argmax cos(w_i, f), App. B), linear top-1 is 100 by construction.
 
 The analyses on the Shapes world, next to the paper's numbers: docs/results.md
-("Weight recycling"), from `python align.py --analyses`.
+("Weight recycling"), from `python align.py --analyses`; on EfficientNet-Lite2's ImageNet head:
+"Weight recycling on a real head".
 """
 import copy
 
@@ -362,12 +367,13 @@ def class_name_features(run, names, args, device="cpu"):
                          split="head", modality="classnames").to("cpu")
 
 
-def analysis_features(s, img):
-    """(feats (M, D), labels (M,), even (M,) bool) of a labelled set for the analyses: the
-    pooled vector of each image (what the head reads), even images the train half, odd
-    images the held-out half. The Shapes head classifies PATCHES, so a set with object
-    masks gives its object patches (more than half covered by the object) instead."""
-    if s.masks is None:
+def analysis_features(s, img, reads="pooled"):
+    """(feats (M, D), labels (M,), even (M,) bool) of a labelled set for the analyses: what the
+    head reads of each image (reads: the encoder's head_reads), even images the train half, odd
+    images the held-out half. "pooled": one vector an image (real heads). "patches": the Shapes
+    head classifies PATCHES, so a set with object masks gives its object patches (more than half
+    covered by the object) instead."""
+    if s.masks is None or reads != "patches":
         return img.pooled.float(), s.labels, torch.arange(len(s.labels)) % 2 == 0
     H, Wg = img.grid
     cover = torch.nn.functional.adaptive_avg_pool2d((s.masks != data.IGNORE).float()[:, None], (H, Wg))
@@ -375,6 +381,16 @@ def analysis_features(s, img):
     even = (torch.arange(len(s.labels)) % 2 == 0)[:, None].expand_as(is_obj)
     labels = s.labels[:, None].expand_as(is_obj)
     return img.patches().float()[is_obj], labels[is_obj], even[is_obj]
+
+
+def head_labels(W, b, feats, class_names, head_names):
+    """(M,) head row of each feature for Table 1, Fig. 1 and App. I, and where it comes from: the
+    set's own label when its class is a head class (by name), else -1 ("names"); when no class
+    of the set is a head class, the linear head's own top-1, argmax W f + b ("top-1", choice 8)."""
+    y = head_class_index(class_names, head_names)                         # (C_set,) head row or -1
+    if (y >= 0).any():
+        return y, "names"
+    return (feats.float() @ W.float().T + b.float()).argmax(1), "top-1"  # (M,) Eq. (1)
 
 
 def weight_aligned_mlp(W, names_txt, steps=None, lr=None):
@@ -419,17 +435,22 @@ def recycling_analyses(run, args, device):
     names_txt = class_name_features(run, names, args, device)
     mlp = weight_aligned_mlp(W, names_txt)
     results = {}
+    reads = getattr(run.image_encoder, "head_reads", "pooled")
     for name in label_sets:
         s, out = run.sets[name], {}
-        feats, labels, even = analysis_features(s, run.features[name, "image"])
-        y_head = head_class_index(s.class_names, names)[labels]   # (M,) head row, -1: not a head class
+        feats, labels, even = analysis_features(s, run.features[name, "image"], reads)
+        y_head, source = head_labels(W, b, feats, s.class_names, names)
+        y_head = y_head[labels] if source == "names" else y_head   # (M,) head row, -1: not a head class
         tr, te = even & (y_head >= 0), ~even & (y_head >= 0)
+        if source == "top-1":
+            print(f"[analyses] {name}: none of its classes is a head class (matched by name): Table 1, Fig. 1 "
+                  f"and App. I take the head's own top-1 as each image's class ({y_head.unique().numel()} classes)")
         if y_head[tr].unique().numel() >= 2 and y_head[te].unique().numel() >= 2:
             out.update(head_analyses(W, b, feats[tr], y_head[tr], feats[te], y_head[te],
                                                names_txt.pooled.float()))
         else:
-            print(f"[analyses] {name}: Table 1, Fig. 1, App. I skipped: fewer than 2 of its classes are "
-                  f"head classes (matched by name)")
+            print(f"[analyses] {name}: Table 1, Fig. 1, App. I skipped: fewer than 2 head classes among "
+                  f"its images on either half")
         per_class = torch.bincount(labels[~even])
         fewest = int(per_class[per_class > 0].min()) if len(per_class) else 0     # held-out images of the rarest class
         shots = tuple(n for n in (1, 2, 4) if n < fewest)

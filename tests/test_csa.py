@@ -206,3 +206,56 @@ def test_covariances_in_chunks_match_the_whole_set():
                             ("S_xx", S_xx, C[:4, :4]), ("S_yy", S_yy, C[4:, 4:]), ("S_xy", S_xy, C[:4, 4:])):
         assert torch.allclose(got, want), (f"{name} in chunks of 7 rows differs from the whole set's (torch.cov, "
                                            f"N - 1) by up to {(got - want).abs().max():.3g}")
+
+
+def class_views(N, classes, seed, G=40, k=4, D_c=30, D_n=10):
+    """Pairs of G planted classes: a shared latent z = class centre + within-class spread (k dims, one
+    linear map serves every class, seen or not) and, per class, an image offset u_g and a text offset
+    v_g that are unrelated across classes (D_c low-variance dims: only memorising the seen classes
+    links them), plus independent noise. Pairs are drawn from the given classes."""
+    h = torch.Generator().manual_seed(0)                                      # the classes: one draw for all calls
+    C, U, V = 2.0 * torch.randn(G, k, generator=h), 0.1 * torch.randn(G, D_c, generator=h), 0.1 * torch.randn(G, D_c, generator=h)
+    g = torch.Generator().manual_seed(seed)
+    c = classes[torch.randint(len(classes), (N,), generator=g)]              # (N,) class of each pair
+    z = C[c] + 0.5 * torch.randn(N, k, generator=g)
+    view = lambda O: torch.cat([z + 0.3 * torch.randn(N, k, generator=g), O[c] + 0.02 * torch.randn(N, D_c, generator=g),
+                                0.3 * torch.randn(N, D_n, generator=g)], 1)
+    return Features.from_vectors(view(U)), Features.from_vectors(view(V)), c
+
+
+def mean_reciprocal_rank(csa, img, txt):
+    s = csa.score(csa.embed_image(img), csa.embed_text(txt))
+    return (1 / (s >= s.diagonal()[:, None]).sum(1)).mean().item()
+
+
+def test_the_grouped_ridge_choice_holds_on_classes_it_never_saw():
+    """Random held-out pairs (split="pairs") share their classes with the fitted pairs, so the memorised
+    class offsets score there and a tiny ridge wins; held-out text clusters (split="groups") are classes
+    the fit never saw, and the ridge they pick keeps to the shared map: on 20 new classes its CSA finds
+    the partner far better."""
+    img, txt, _ = class_views(3000, torch.arange(20), seed=0)
+    new_img, new_txt, _ = class_views(1000, torch.arange(20, 40), seed=1)
+    by_pairs = CSA(44, 44, normalize=False).fit(img, txt)                     # split="pairs", the default
+    by_groups = CSA(44, 44, normalize=False, split="groups").fit(img, txt)
+    assert by_pairs.chosen_ridge <= 1e-3 and by_groups.chosen_ridge >= 1.0, (by_pairs.chosen_ridge, by_groups.chosen_ridge)
+    mrr_pairs, mrr_groups = mean_reciprocal_rank(by_pairs, new_img, new_txt), mean_reciprocal_rank(by_groups, new_img, new_txt)
+    assert mrr_groups > 3 * mrr_pairs, (mrr_pairs, mrr_groups)
+
+
+def test_the_grouped_split_never_puts_a_group_on_both_sides():
+    """Every held-out set is a union of whole k-means clusters of the text rows, and equal text rows
+    (pairs sharing a caption) always fall on one side; together the held-out sets cover every pair once."""
+    from methods.csa import held_out_splits, kmeans
+    _, txt, _ = class_views(600, torch.arange(20), seed=2)
+    Y = torch.cat([txt.pooled, txt.pooled[:100]])                            # 100 captions given twice
+    label = kmeans(Y, 20)
+    splits = held_out_splits(Y, "groups")
+    assert len(splits) == 5
+    covered = torch.cat([val for val, _ in splits])
+    assert torch.equal(covered.sort().values, torch.arange(len(Y)))
+    for val, fit in splits:
+        assert len(val) + len(fit) == len(Y)
+        assert not set(label[val].tolist()) & set(label[fit].tolist())       # no cluster on both sides
+        side = torch.zeros(len(Y), dtype=torch.bool)
+        side[val] = True
+        assert torch.equal(side[:100], side[600:])                           # a caption and its copy together

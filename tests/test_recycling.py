@@ -468,3 +468,34 @@ def test_few_shot_fine_tuning_uses_one_pair_per_class_the_normalised_mean_of_its
     assert len(img) == 3
     R.finetune_mlp_classifier(Spy(12, 7), class_text, shots, labels, steps=1, class_mean=False)
     assert len(seen[-1][0]) == 9                                                    # every shot its own pair
+
+
+def test_analysis_features_read_what_the_head_reads():
+    """A masked set gives the object patches to a patch head ("patches", the Shapes head) and one
+    pooled vector an image to a real head ("pooled"), even images the train half in both."""
+    import data
+    from types import SimpleNamespace
+    img = random_features(4, 1 + 4, 3, grid=(2, 2), seed=7)
+    masks = torch.full((4, 4, 4), data.IGNORE)
+    masks[:, :2, :2] = 0                                                     # the object covers patch 0 of each image
+    s = SimpleNamespace(masks=masks, labels=torch.tensor([1, 0, 2, 1]))
+    feats, labels, even = R.analysis_features(s, img, "pooled")
+    assert torch.equal(feats, img.pooled.float()) and torch.equal(labels, s.labels)
+    assert even.tolist() == [True, False, True, False]
+    feats, labels, even = R.analysis_features(s, img, "patches")
+    assert torch.equal(feats, img.patches()[:, 0].float()) and torch.equal(labels, s.labels)
+
+
+def test_head_labels_by_name_else_the_heads_own_top1():
+    """Classes of the set that are head classes (by name) keep their head row; a set with no head
+    class at all is labelled by argmax W f + b, image by image."""
+    g = torch.Generator().manual_seed(3)
+    W, b, feats = torch.randn(5, 4, generator=g), torch.randn(5, generator=g), torch.randn(30, 4, generator=g)
+    heads = ["cat", "dog", "tabby, tabby cat", "car", "tree"]
+    y, source = R.head_labels(W, b, feats, ["Dog", "boat", "tabby cat"], heads)
+    assert source == "names" and y.tolist() == [1, -1, 2]
+    y, source = R.head_labels(W, b, feats, ["red circle", "blue square"], heads)
+    naive = [max(range(5), key=lambda i: float(W[i] @ f + b[i])) for f in feats]
+    assert source == "top-1" and y.tolist() == naive
+    nc = R.neural_collapse_check(W, b, feats, y)
+    assert nc["linear_top1"] == 100.0                                        # by construction
