@@ -310,6 +310,8 @@ def main(argv=None):
     checks.check_flags(args, method_cls)
     device = checks.check_places(args, out)
     cores = encode_threads(args, device)            # before any encoder runs
+    if device == "cpu":
+        budget.keep_freed_memory()                  # freed memory reused, not faulted in again each step
     distributed.setup(device)                       # under torchrun: join the other ranks
     distributed.same_everywhere("arguments", vars(args))
     with storage.hold_folder(out, "--out") if distributed.rank() == 0 else contextlib.nullcontext():
