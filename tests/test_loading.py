@@ -207,5 +207,7 @@ def test_keep_freed_memory_reuses_a_freed_step_tensor():
                          capture_output=True, text=True, check=True).stdout.split()
     plain, kept, reused = int(out[0]), out[1] == "True", int(out[2])
     assert kept
+    if plain < 20 * 1000:                                # transparent huge pages "always": 2 MB pages, ~17 a tensor
+        pytest.skip(f"a freed tensor faults back in {plain // 20} times here: nothing for keep_freed_memory to save")
     assert plain >= 20 * 8000                            # 34 MB = 8,192 pages of 4 KB, each time
     assert reused < plain / 10                           # the pages of the first one, then none
