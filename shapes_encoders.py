@@ -350,7 +350,7 @@ def pretrain_both(seed, pos, folder, log=print):
     import subprocess
     import sys
     log("[encoders] not cached: pretraining the image and the text encoder at once, one process and one thread "
-        "each (about a minute)")
+        "each (about a minute on an idle machine)")
     here = str(Path(__file__).resolve().parent)
     outs = {w: Path(folder) / f".pretrain-{w}-seed{seed}.tmp{os.getpid()}.pt" for w in ("image", "text")}
     code = "import sys; sys.path.insert(0, sys.argv[1]); import shapes_encoders as s; " \
@@ -438,14 +438,14 @@ def _load_shapes_encoders(cache_dir, seed, image_layer, text_layer, log, image_p
         atomic_save(saved_t, path_t)
     image_model = TinyImageEncoder(len(shapes.CLASS_NAMES), pos=image_pos)
     if saved_i is None or not fits(image_model, saved_i["state"], path_i):   # missing, corrupt or of other shapes
-        log("[image encoder] not cached: pretraining it on labelled Shapes images (about a minute)")
+        log("[image encoder] not cached: pretraining it on labelled Shapes images (about a minute on an idle machine)")
         image_model, acc = pretrain_image_encoder(seed, log=log, pos=image_pos)
         atomic_save({"key": f"{tag}-{seed}", "state": image_model.state_dict(), "acc": acc}, path_i)
     if saved_t is not None:
         tok = WordTokenizer(saved_t["vocab"])
         text_model = TinyTextEncoder(len(tok.vocab))
     if saved_t is None or not fits(text_model, saved_t["state"], path_t):
-        log("[text encoder] not cached: pretraining it on Shapes captions alone (about a minute)")
+        log("[text encoder] not cached: pretraining it on Shapes captions alone (about a minute on an idle machine)")
         text_model, tok, acc = pretrain_text_encoder(seed, log=log)
         atomic_save({"key": f"shapes-text-{seed}", "state": text_model.state_dict(), "vocab": tok.vocab, "acc": acc},
                     path_t)
