@@ -143,26 +143,47 @@ def test_deformable_attention_init_is_deformable_detr(M):
                 "heads and points", atol=1e-5, rtol=1e-5)
 
 
+def naive_mask(scores, eps):
+    """The threshold mask of one row of assign scores (before the softmax), by a loop: hatAttn = the scores
+    min-max normalised to [0, 1]; keep hatAttn >= eps; softmax over the kept patches, 0 elsewhere."""
+    lo, hi = min(scores), max(scores)
+    hat = [(s - lo) / (hi - lo) for s in scores]
+    e = [math.exp(s) if h >= eps else 0.0 for s, h in zip(scores, hat)]
+    return [x / sum(e) for x in e]
+
+
 def test_threshold_mask_matches_loop():
     g = torch.Generator().manual_seed(0)
-    attn = torch.rand(3, 5, 7, generator=g).softmax(-1)
+    logits = torch.randn(3, 5, 7, generator=g, dtype=torch.float64) * 3
     eps = 0.6
-    out = threshold_mask(attn, eps)
+    out = threshold_mask(logits, eps)
     for b in range(3):
         for q in range(5):
-            row = attn[b, q].tolist()
-            lo, hi = min(row), max(row)
-            kept = [(a - lo) / (hi - lo) if (a - lo) / (hi - lo) >= eps else 0.0 for a in row]
-            expect = torch.tensor([k / sum(kept) for k in kept])
+            expect = torch.tensor(naive_mask(logits[b, q].tolist(), eps), dtype=torch.float64)
             assert_same(out[b, q], expect, f"threshold_mask row ({b}, {q}) at eps {eps} against the loop")
     assert (out > 0).sum() < out.numel(), "threshold_mask keeps every patch"   # the mask does drop patches
+    assert_same(threshold_mask(logits, 0.0), logits.softmax(-1), "threshold_mask at eps 0 (every patch in) "
+                "against the full softmax")
+
+
+def test_threshold_mask_normalises_the_scores_not_the_softmax():
+    """hatAttn is the min-max of the scores (cosines / tau), so the kept patches do not depend on tau: a 9 x 9
+    grid of cosines spread evenly over [-1, 1] keeps the top 30% of its range at eps 0.7 (25 of 81 patches) at
+    every tau; the min-max of the softmax output would keep those within tau ln(1/0.7) of the best cosine."""
+    cos = torch.linspace(-1, 1, 81, dtype=torch.float64)[None]             # (1, N=81)
+    for tau in (0.03, 0.1, 0.3, 1.0):
+        kept = int((threshold_mask(cos / tau, 0.7) > 0).sum())
+        assert kept == 25, f"threshold_mask at eps 0.7, tau {tau}: {kept} of 81 patches kept; want 25 (the cosines " \
+                           f"within the top 30% of their range: hatAttn = (cos + 1) / 2 >= 0.7)"
+    band = lambda tau: int((cos >= 1 - tau * math.log(1 / 0.7)).sum())    # the softmax-output reading's kept count
+    assert band(0.1) == 2, "the softmax-output reading keeps 2 patches at tau 0.1 here"
 
 
 def test_threshold_mask_keeps_the_top_patch_of_a_constant_row():
     # a constant row is 0/0 in the min-max: every patch is a top patch, so all are kept
-    attn = torch.full((2, 3, 6), 1 / 6)
-    attn[1, 2] = torch.tensor([0.5, 0.1, 0.1, 0.1, 0.1, 0.1])
-    out = threshold_mask(attn, eps=0.7)
+    logits = torch.zeros(2, 3, 6)
+    logits[1, 2] = torch.tensor([5.0, 1, 1, 1, 1, 1])
+    out = threshold_mask(logits, eps=0.7)
     assert_same(out[0], torch.full((3, 6), 1 / 6), "threshold_mask of constant rows (every patch is a top patch)")
     assert_same(out[1, 2], torch.tensor([1.0, 0, 0, 0, 0, 0]), "threshold_mask of a row with one top patch")
     assert_same(out.sum(-1), torch.ones(2, 3), "the row sums of threshold_mask")
@@ -240,8 +261,8 @@ def test_cov_conc_loss_is_the_attention_weighted_spread():
 
 def naive_assign(m, img):
     """CVSFE's consistent assign attention and threshold mask, one image and one query at a time
-    (deformable=False, so z' = z): attention over the patches = softmax of cos(W z_q, W F_p) / tau with the ONE shared W; min-max threshold mask at eps,
-    kept weights renormalised; r_q = sum_p barAttn_p V F_p. Lists of float64 tensors per image."""
+    (deformable=False, so z' = z): attention over the patches = softmax of cos(W z_q, W F_p) / tau with the ONE shared W; threshold mask at eps on the
+    min-max normalised scores, softmax renormalised over the kept patches; r_q = sum_p barAttn_p V F_p. Lists of float64 tensors per image."""
     F_img = m.P_v(img.patches()).double()                              # (B, N, K)
     W, V, z = m.W_assign.weight.double(), m.V.weight.double(), m.z.double()
     attn, attn_bar, r = [], [], []
@@ -252,9 +273,7 @@ def naive_assign(m, img):
             cos = [float(wz @ (W @ f)) / float(wz.norm() * (W @ f).norm()) for f in F_img[b]]
             e = [math.exp(c / m.tau) for c in cos]
             a = [x / sum(e) for x in e]
-            lo, hi = min(a), max(a)
-            kept = [(x - lo) / (hi - lo) if (x - lo) / (hi - lo) >= m.eps else 0.0 for x in a]
-            bar = [k / sum(kept) for k in kept]
+            bar = naive_mask([c / m.tau for c in cos], m.eps)
             A.append(torch.tensor(a, dtype=torch.float64))
             A_bar.append(torch.tensor(bar, dtype=torch.float64))
             R.append(sum(bar[p] * (V @ F_img[b, p]) for p in range(len(bar))))
@@ -293,7 +312,7 @@ def test_conc_loss_reads_the_full_softmax_attention():
         ref_attn, ref_bar, _ = naive_assign(m, img)
     full = sum(sum(naive_spread(a, 4, 4)) for a in ref_attn) / ref_attn.shape[:2].numel()
     masked = sum(sum(naive_spread(a, 4, 4)) for a in ref_bar) / ref_bar.shape[:2].numel()
-    assert abs(full - masked) > 0.05                                    # the two readings differ here
+    assert abs(full - masked) > 0.01                                    # the two readings differ here
     assert logs["conc"] == pytest.approx(full, rel=1e-4), (
         f"L_conc = {logs['conc']:.4f}; the spread of the full softmax attention is {full:.4f}, of the masked "
         f"attention {masked:.4f}")
