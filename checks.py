@@ -23,7 +23,7 @@ from errors import RunError
 # Valid ranges: an interval string ("[1, inf)", "(0, 1]") or a tuple of choices. The training
 # loop's settings are checked here; a method declares its hyperparameters' ranges ONCE, next to
 # its defaults, as the class attribute `ranges` (methods/__init__.py), and may override these.
-LOOP_RANGES = dict(epochs="[0, inf)", lr="(0, inf)", weight_decay="[0, inf)",
+LOOP_RANGES = dict(epochs="[0, inf)", lr="(0, 3.4028234663852886e+38]", weight_decay="[0, inf)",  # lr: float32's max
                    batch_size="[2, inf)")  # contrastive: another pair in the batch is the negative
 
 

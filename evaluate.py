@@ -35,6 +35,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from errors import RunError
 from loader import Progress, batch_to, is_stored, read_ahead
 
 
@@ -74,7 +75,17 @@ def embed(fn, feats, batch_size=256, device="cpu"):
     with torch.no_grad():
         for f in batches:
             outs.append(fn(batch_to(f, device)).float().cpu())                  # CUDA: pinned, non_blocking
-    return pad_cat(outs)
+    return finite(pad_cat(outs), f"{getattr(fn, '__name__', 'the method')} output")
+
+
+def finite(x, what):
+    """x, refused with one line when it holds NaN or inf: a score of NaN embeddings is no score."""
+    if not torch.isfinite(x).all():
+        bad = int((~torch.isfinite(x)).sum())
+        raise RunError(f"{what} holds {bad} NaN or inf value(s) of {x.numel()}: the trained weights or the "
+                       f"features are not finite, so nothing is scored; retrain with a lower --lr or check "
+                       f"the encoders' features")
+    return x
 
 
 def real_lengths(emb):
@@ -113,7 +124,7 @@ def score_matrix(method, img_emb, txt_emb, chunk=1024, device="cpu", by_length=N
                 S[i:i + chunk, b] = method.score(a, t.to(device)).float().cpu()
             progress.update(len(a))
     progress.close()
-    return S
+    return finite(S, "the score matrix")
 
 
 def paired_scores(method, img_emb, txt_emb, chunk=256, device="cpu"):

@@ -139,6 +139,11 @@ def load_checkpoint(ckpt, settings):
         raise RunError(f"--resume: {ckpt} was written under other settings: {'; '.join(diff)}. "
                        f"Rerun with its settings, or without --resume (or with another --out) to "
                        f"start over")
+    bad = [k for k, v in state.get("method", {}).items() if torch.is_tensor(v) and v.is_floating_point()
+           and not torch.isfinite(v).all()]
+    if bad:
+        raise RunError(f"--resume: {ckpt} holds NaN or inf in {', '.join(bad[:3])}; delete it to start over "
+                       f"(a lower --lr), or run without --resume")
     return state
 
 
@@ -167,20 +172,36 @@ def fit_or_train(method, img, txt, loop, out, device, resume=False, settings=Non
 FINITE_EVERY = 50  # steps between the host's looks at the loss (on a GPU each is a sync), and each epoch's end
 
 
-def stop_if_not_finite(losses, epoch, first, ckpt, saved, lr):
+def stop_if_not_finite(losses, epoch, first, ckpt, saved, lr, params=()):
     """Raise FloatingPointError at the first non-finite loss of losses (steps first + 1, first + 2, ...),
-    with where it happened and what to do; one host sync. Steps after it have run, on NaN weights, but
-    no checkpoint was written since: the run stops before its epoch's checkpoint, metrics or method.pt."""
-    if not losses:
+    or, when every loss is finite, at a non-finite trained parameter (a finite loss whose gradient was
+    not: the step wrote NaN into the weights), with where it happened and what to do; one host sync.
+    Steps after it have run, on NaN weights, but no checkpoint was written since: the run stops before
+    its epoch's checkpoint, metrics or method.pt."""
+    if not losses and not params:
         return
-    losses = torch.stack(losses)                                         # (n,)
-    finite = torch.isfinite(losses).tolist()                             # the one copy to the host
+    loss_ok = torch.isfinite(torch.stack(losses)) if losses else torch.ones(0, dtype=torch.bool)  # (n,)
+    param_ok = torch.stack([torch.isfinite(p).all() for p in params]) if params else loss_ok.new_ones(0)
+    finite, weights_finite = torch.cat([loss_ok, param_ok.to(loss_ok.device)]).split(
+        [len(loss_ok), len(param_ok)])
+    finite, weights_finite = finite.tolist(), bool(weights_finite.all())     # the one copy to the host
+    again = "then rerun with --resume" if saved else "then rerun (no checkpoint was written yet)"
     if not all(finite):
         i = finite.index(False)
+        at = f"at epoch {epoch + 1}, step {first + i + 1}"
+        if epoch == 0 and first + i == 0:     # before any update: the settings, not the step size
+            raise FloatingPointError(
+                f"loss is {losses[i].item()} {at}, before any update: the method's settings (--hp) or the "
+                f"features give a non-finite loss, not --lr; check the --hp values (a temperature near 0 "
+                f"overflows), {again}.")
         raise FloatingPointError(
-            f"loss is {losses[i].item()} at epoch {epoch + 1}, step {first + i + 1}. "
-            f"The last good checkpoint is {ckpt if saved else 'not written yet'}. "
-            f"Try a lower --lr (now {lr:g}), then rerun with --resume.")
+            f"loss is {losses[i].item()} {at}. The last good checkpoint is "
+            f"{ckpt if saved else 'not written yet'}. Try a lower --lr (now {lr:g}), {again}.")
+    if not weights_finite:
+        raise FloatingPointError(
+            f"a trained parameter holds NaN or inf after epoch {epoch + 1} (every loss was finite: a "
+            f"gradient was not). The last good checkpoint is {ckpt if saved else 'not written yet'}. "
+            f"Try a lower --lr (now {lr:g}) or --hp values further from their limits, {again}.")
 
 
 def train(method, img, txt, loop, out, device, resume=False, settings=None, negatives=None):
@@ -252,7 +273,8 @@ def train(method, img, txt, loop, out, device, resume=False, settings=None, nega
             if len(pending) == FINITE_EVERY:              # the host looks every FINITE_EVERY steps ...
                 stop_if_not_finite(pending, epoch, first, ckpt, epoch > start or start > 0, lr)
                 pending, first = [], step + 1
-        stop_if_not_finite(pending, epoch, first, ckpt, epoch > start or start > 0, lr)  # ... and at the end
+        stop_if_not_finite(pending, epoch, first, ckpt, epoch > start or start > 0, lr, params)  # ... and at the
+        # end, with every trained parameter: nothing non-finite is saved
         dt, n = time.time() - t_epoch, max(1, steps_per_epoch)
         means = "".join(f"  {k} {float(v) / n:.4f}" for k, v in sums.items())
         mean = total.item() / n
