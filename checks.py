@@ -85,6 +85,9 @@ def parse_hp(method_cls, items):
         except (ValueError, SyntaxError):
             value = text  # a bare word, e.g. pooling=mean
         what = f"--hp {item}: {method_cls.__name__}'s {name}"
+        if value in getattr(method_cls, "hp_words", {}).get(name, ()):   # a word a numeric hp also takes
+            hp[name] = value
+            continue
         value = checked_value(what, value, params[name].default)
         spec = ranges.get(name)
         if spec is not None and value is not None and not in_range(value, spec):
