@@ -168,7 +168,8 @@ def sweep(name, seeds, pairs, img, txt, seg, log=print):
                 m["ridge"] = method.chosen_ridge
             for k, x in m.items():
                 results[v].setdefault(k, []).append(x)
-            log(f"  {spec['hp']}={v}: " + "  ".join(f"{k} {x:.4g}" for k, x in m.items()) + f"  ({time.time() - t0:.0f}s)")
+            figures = "  ".join(f"{k} {x:.4g}" for k, x in m.items())
+            log(f"  {spec['hp']}={v}: {figures}  ({time.time() - t0:.0f}s)")
     return results, choose(name, results)
 
 
