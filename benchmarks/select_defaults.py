@@ -125,8 +125,8 @@ def fit(name, setting, img, txt, seed):
         method.fit(Features.from_vectors(img.pooled.float()), Features.from_vectors(txt.pooled.float()))
         return method
     d = method.defaults
-    loop = dict(epochs=d["epochs"], batch_size=d["batch_size"], lr=d["lr"], weight_decay=d["weight_decay"],
-                seed=seed, **loop_over)
+    loop = {**dict(epochs=d["epochs"], batch_size=d["batch_size"], lr=d["lr"], weight_decay=d["weight_decay"],
+                   seed=seed), **loop_over}
     loop["batch_size"] = min(loop["batch_size"], len(img))
     with tempfile.TemporaryDirectory() as out:
         train.train(method, img, txt, loop, Path(out) / "run", "cpu")

@@ -1,0 +1,73 @@
+"""benchmarks/select_defaults.py: defaults are chosen on held-out alignment pairs, never on the test images."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import select_defaults as sd  # noqa: E402
+
+import cache  # noqa: E402
+import shapes  # noqa: E402
+
+
+def test_split_by_image_holds_out_whole_images():
+    txt_to_img = torch.arange(50).repeat_interleave(3)                       # 3 captions an image
+    fit, val = sd.split_by_image(txt_to_img, seed=0)
+    assert len(val) == 30 and len(fit) == 120
+    assert not set(txt_to_img[fit].tolist()) & set(txt_to_img[val].tolist())   # no image on both sides
+    assert not torch.equal(val, sd.split_by_image(txt_to_img, seed=1)[1])     # each seed its own split
+
+
+def test_split_by_class_holds_out_whole_classes():
+    caps = ["a red circle", "a blue square and a red circle", "a green triangle", "a blue square",
+            "a red circle left of a green triangle", "a yellow star"]
+    fit, val = sd.split_by_class(caps, seed=0)
+    named = lambda idx: set().union(*(sd.classes_of(caps[j]) for j in idx.tolist()))
+    assert not named(fit) & named(val), "a class on both sides of the split"
+    assert sd.classes_of("a small red circle above a blue square") == {
+        shapes.CLASS_NAMES.index("red circle"), shapes.CLASS_NAMES.index("blue square")}
+
+
+def test_the_rule_keeps_segmentation_in_view():
+    """SAIL's rule: the best mean validation RSum among the schedules within SEG_SLACK points of the best
+    mean validation mIoU-fg."""
+    results = {5: {"rsum": [300, 302], "miou_fg": [90, 90]},
+               20: {"rsum": [400, 402], "miou_fg": [89, 89]},       # 1 point below the best: allowed
+               60: {"rsum": [450, 452], "miou_fg": [60, 62]}}       # better retrieval, segmentation lost
+    assert sd.choose("sail", results) == 20
+    assert sd.choose("csa", {0.1: {"rsum": [1, 2]}, 1.0: {"rsum": [3, 0.5]}}) == 1.0   # the mean, not one seed
+
+
+@pytest.mark.slow
+def test_the_world_s_training_scenes_are_drawn_again_exactly(cache_dir):
+    """Validation segmentation and classification read the scenes of the training images drawn again from the
+    world's seed: they render to the very images the features were extracted from."""
+    images = cache.shapes_world(cache_dir)["train"].images
+    scenes = sd.train_scenes(0, len(images))
+    for i in (0, 1, 2, 1000, len(images) - 1):
+        assert torch.equal(shapes.render(scenes[i])[0], images[i]), f"training scene {i} drawn again differs"
+
+
+@pytest.mark.slow
+def test_the_choice_never_reads_the_test_set(cache_dir, monkeypatch):
+    """Poison every set but the alignment pairs (test images noise, captions shuffled, labels and masks
+    permuted): CSA's chosen ridge does not move, and no feature of a set but "train" (and the validation
+    prompts) is ever extracted."""
+    args = ["--what", "csa", "--seeds", "0", "--cache-dir", str(cache_dir)]
+    clean = sd.main(args)
+    world = dict(cache.shapes_world(cache_dir))
+    g = torch.Generator().manual_seed(0)
+    test = world["test"]
+    world["test"] = type(test)(torch.randint(0, 256, test.images.shape, dtype=torch.uint8, generator=g),
+                               list(reversed(test.captions)), test.txt_to_img.flip(0))
+    world["cls"] = type(world["cls"])(world["cls"].images.flip(0), world["cls"].labels.roll(1),
+                                      world["cls"].class_names)
+    monkeypatch.setattr(cache, "shapes_world", lambda *a, **k: world)
+    splits = []
+    real_extract = cache.extract
+    monkeypatch.setattr(cache, "extract", lambda enc, x, d, **key: splits.append(key["split"]) or
+                        real_extract(enc, x, d, **key))
+    assert sd.main(args) == clean
+    assert set(splits) <= {"train", "val"}, f"the selection extracted features of {set(splits)}"
