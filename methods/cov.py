@@ -55,6 +55,10 @@ Deviations / choices (the paper leaves these open):
 12. eps = 0.7, the paper's, confirmed on held-out training pairs over 3 seeds
     (benchmarks/select_defaults.py; docs/results.md, "Defaults chosen on held-out pairs");
     eps = 0 (every patch in every region) stays an ablation.
+13. The assign softmax runs over the patches (each region a distribution over the patches, as the paper's
+    Attn), not over the queries (slot attention's competition for each patch).
+14. L_v2v reads the L2-normalised r (cosines / tau_1, like s_ij); the paper writes r_i^T r_j, whose
+    diagonal grows with ||r||, so unnormalised regions could lower the loss by scale alone.
 """
 import math
 

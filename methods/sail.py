@@ -15,7 +15,8 @@ b -> self.b; K -> K; width -> hidden = width * D_in.
 
 Deviations / choices:
 1. "width x8" is read as hidden = 8 x the INPUT dimension of each side (as in a public star-MLP
-   head); the output dimension is K = 512 on both sides.
+   head); the output dimension is K = 512 on both sides (SAIL's released script uses 1024; 512 is the
+   shared dimension of the other heads here).
 2. The scale t is learned through log t (init log 20 -> t = 20) so it stays positive; the bias b
    starts at -10, SigLIP's init. Neither is clipped.
 3. AdamW, wd 1e-4, 60 epochs, batch 256: our choice for small pair sets; SAIL's own recipe
