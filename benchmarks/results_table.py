@@ -1,15 +1,19 @@
-"""Every method on the Shapes world, the median of 3 seeds: the results table of docs/results.md.
+"""Every method on the Shapes world, mean ± sd over seeds: the results tables of docs/results.md.
 
-    python benchmarks/results_table.py                 # all methods, seeds 0 1 2 (about 40 min on 2 CPU cores)
+    python benchmarks/results_table.py                 # all methods, seeds 0 1 2, 5 epochs each
     python benchmarks/results_table.py --methods pal linear --seeds 0
-    python benchmarks/results_table.py --image-encoder efficientnet-lite2 --text-encoder minilm --seeds 0 \
+    python benchmarks/results_table.py --image-encoder efficientnet-lite2 --text-encoder minilm \
         --out results/table-real --cache-dir .cache                  # every method on real encoders
 
-Runs align.py once per (method, seed) in a subprocess (the encoders and features
-come from the shared cache), then prints a markdown table of the medians:
-retrieval R@1 both ways and RSum, zero-shot top-1, segmentation mIoU-fg, binding
-(--binding-groups: also the harder binding groups, canonical / styles / templates / combos).
-Per-method extra flags (EXTRA) are the ones docs/results.md states next to the table.
+Runs align.py once per (row, seed) in a subprocess (the encoders and features come from the shared
+cache), then prints a markdown table of the means ± sd: retrieval R@1 both ways and RSum, zero-shot
+top-1, segmentation mIoU-fg, binding (--binding-groups: also the harder binding groups).
+
+One budget rule for every row: each trained method trains the same --epochs (5 by default) on the same
+6,000 pairs, at its own default batch, learning rate and hyperparameters; the CoV-Align trio (cov,
+text_guided, filip) at a CPU setting, a 128-d shared space and batch 64 (text_guided's per-pair
+aggregation costs B^2 a step). CSA and ASIF are closed form. VARIANTS adds rows for what the rule
+changes or the paper ablates: SAIL at its default schedule, CoV with eps 0 (every patch in every region).
 """
 import argparse
 import json
@@ -20,27 +24,26 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ["pal", "pal_rel", "cov", "text_guided", "filip", "fa", "linear", "linear_rs", "mlp_rs", "sail", "mlp", "t2c", "csa", "asif"]
-# the global heads default to their papers' long schedules (MLP: 500 epochs at batch 512 on 80K pairs);
-# on 6K Shapes pairs we give every trained method the same budget of 20 epochs
-EXTRA = {m: ["--epochs", "20"] for m in ["linear_rs", "mlp_rs", "sail", "mlp", "t2c"]}
-# the token-level region/word methods: a 128-d shared space, batch 64, 5 epochs (the paper's 512-d, batch 128,
-# 30 epochs is hours on a CPU for text_guided, whose per-pair aggregation costs B^2 per step)
-EXTRA.update({"cov": ["--hp", "dim=128", "--batch-size", "64", "--epochs", "5"],
-              "text_guided": ["--hp", "K=128", "--batch-size", "64", "--epochs", "5"],
-              "filip": ["--hp", "K=128", "--batch-size", "64", "--epochs", "5"]})
+CLOSED_FORM = {"csa", "asif"}                           # no training loop: no --epochs
+CPU_SETTING = {"cov": ["--hp", "dim=128", "--batch-size", "64"],
+               "text_guided": ["--hp", "K=128", "--batch-size", "64"],
+               "filip": ["--hp", "K=128", "--batch-size", "64"]}
+# rows beside the rule's: (row name, method, flags, whether the table's --epochs applies)
+VARIANTS = {"sail": [("sail (default schedule)", "sail", [], False)],
+            "cov": [("cov eps 0", "cov", ["--hp", "eps=0"], True)]}
 COLUMNS = [("retrieval", "i2t_r1", "I2T R@1"), ("retrieval", "t2i_r1", "T2I R@1"), ("retrieval", "rsum", "RSum"),
            ("classification", "cls", "zero-shot top-1"), ("segmentation", "seg", "seg mIoU-fg"),
            ("binding", "binding_acc", "binding"), ("train", "seconds", "train s")]
 GROUPS = [(f"binding_{g}", "binding_acc", g) for g in ("canonical", "styles", "templates", "combos")]
 
 
-def run(method, seed, extra, out_root, cache_dir):
-    out = out_root / f"{method}-seed{seed}"
+def run(row, method, seed, extra, out_root, cache_dir):
+    out = out_root / f"{row.replace(' ', '_').replace('(', '').replace(')', '')}-seed{seed}"
     cmd = [sys.executable, str(ROOT / "align.py"), "--method", method, "--seed", str(seed), "--out", str(out),
            "--cache-dir", str(cache_dir), "--threads", "1", "--no-figures", *extra]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if r.returncode != 0:
-        print(f"  {method} seed {seed} FAILED:\n{r.stderr[-2000:]}")
+        print(f"  {row} seed {seed} FAILED:\n{r.stderr[-2000:]}")
         return None
     return json.loads((out / "metrics.json").read_text())
 
@@ -53,7 +56,9 @@ def cell(m, group, key):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", nargs="+", default=METHODS, help="methods to run")
-    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="seeds (the table shows the median)")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="seeds (the table shows mean ± sd)")
+    p.add_argument("--epochs", type=int, default=5, help="the epochs of every trained method (the budget rule)")
+    p.add_argument("--no-variants", action="store_true", help="only the rule's rows (no VARIANTS)")
     p.add_argument("--out", default="results/table", help="where each run's folder goes")
     p.add_argument("--cache-dir", default=".cache", help="shared encoder/feature cache")
     p.add_argument("--image-encoder", default="shapes-cnn", help="align.py --image-encoder of every run")
@@ -64,18 +69,27 @@ def main():
     encoders = ["--image-encoder", args.image_encoder, "--text-encoder", args.text_encoder]
     rows = []
     for method in args.methods:
-        runs = [run(method, s, encoders + EXTRA.get(method, []), Path(args.out), args.cache_dir) for s in args.seeds]
-        runs = [r for r in runs if r is not None]
-        if not runs:
-            continue
-        med = [statistics.median(cell(r, g, k) for r in runs) for g, k, _ in columns]
-        rows.append((method, med))
-        print(f"{method:12s} " + "  ".join(f"{v:7.1f}" for v in med), flush=True)
+        plan = [(method, method, [], True)] + ([] if args.no_variants else VARIANTS.get(method, []))
+        for row, name, flags, budget in plan:
+            epochs = ["--epochs", str(args.epochs)] if budget and name not in CLOSED_FORM else []
+            extra = encoders + CPU_SETTING.get(name, []) + flags + epochs
+            runs = [run(row, name, s, extra, Path(args.out), args.cache_dir) for s in args.seeds]
+            runs = [r for r in runs if r is not None]
+            if not runs:
+                continue
+            values = [[cell(r, g, k) for r in runs] for g, k, _ in columns]
+            rows.append((row, values))
+            print(f"{row:24s} " + "  ".join(f"{mean_sd(v):>12s}" for v in values), flush=True)
     print("\n| method | " + " | ".join(c for _, _, c in columns) + " |")
     print("|---" * (len(columns) + 1) + "|")
-    for method, med in rows:
-        print(f"| {method} | " + " | ".join(f"{v:.1f}" for v in med) + " |")
-    print(f"\nmedian of seeds {args.seeds}; command: python benchmarks/results_table.py")
+    for row, values in rows:
+        print(f"| {row} | " + " | ".join(mean_sd(v) for v in values) + " |")
+    print(f"\nmean ± sd over seeds {args.seeds}; every trained method {args.epochs} epochs; "
+          f"command: python benchmarks/results_table.py {' '.join(sys.argv[1:])}")
+
+
+def mean_sd(values):
+    return f"{statistics.fmean(values):.1f} ± {statistics.stdev(values):.1f}" if len(values) > 1 else f"{values[0]:.1f}"
 
 
 if __name__ == "__main__":
