@@ -151,9 +151,10 @@ def score(method, tasks, img, txt, val, pairs, seg):
     return out
 
 
-def sweep(name, seeds, pairs, img, txt, seg, log=print):
-    """{setting: {metric: [one value per seed]}} of one sweep, and the chosen setting (the protocol's rule)."""
-    spec = SWEEPS[name]
+def sweep(name, seeds, pairs, img, txt, seg, split=None, log=print):
+    """{setting: {metric: [one value per seed]}} of one sweep, and the chosen setting (the protocol's rule).
+    split: "image" or "class", else the sweep's own."""
+    spec = dict(SWEEPS[name], split=split or SWEEPS[name]["split"])
     results = {v: {} for v in spec["values"]}
     for seed in seeds:
         fit_idx, val = (split_by_image(pairs.txt_to_img, seed) if spec["split"] == "image"
@@ -203,13 +204,14 @@ def main(argv=None):
     p.add_argument("--text-encoder", default="shapes-text", help="as align.py's")
     p.add_argument("--cache-dir", default=".cache", help="align.py's encoder and feature cache")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--split", choices=["image", "class"], help="another validation split than the sweep's own")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     pairs, img, txt, text_enc = alignment_pairs(args)
     seg = validation_tasks(text_enc, args.cache_dir, train_scenes(0, len(pairs.captions)))
     chosen = {}
     for name in args.what:
-        results, chosen[name] = sweep(name, args.seeds, pairs, img, txt, seg)
+        results, chosen[name] = sweep(name, args.seeds, pairs, img, txt, seg, args.split)
         print(f"\n{name}: mean ± sd over seeds {args.seeds}, validation pairs only "
               f"({args.image_encoder} + {args.text_encoder})\n" + table(name, results, chosen[name]) + "\n")
     print("chosen: " + ", ".join(f"{n} {SWEEPS[n]['hp']}={v}" for n, v in chosen.items()))
