@@ -36,6 +36,9 @@ def test_the_rule_keeps_every_task_in_view():
                60: {"overall": [(452 / 6 + 98 + 40) / 3, (450 / 6 + 99 + 42) / 3]}}   # retrieval bought with seg
     assert sd.choose("sail", results) == 20
     assert sd.choose("csa", {0.1: {"overall": [1, 2]}, 1.0: {"overall": [3, 0.5]}}) == 1.0   # the mean, not a seed
+    # the paper's value (CoV's eps 0.7) stays unless the seeds resolve the gain
+    assert sd.choose("cov", {0.0: {"overall": [84, 80, 82]}, 0.7: {"overall": [83, 81, 81.5]}}) == 0.7
+    assert sd.choose("cov", {0.0: {"overall": [84, 83, 85]}, 0.7: {"overall": [83, 81, 81.5]}}) == 0.0
 
 
 @pytest.mark.slow
