@@ -37,8 +37,10 @@ COLUMNS = [("retrieval", "i2t_r1", "I2T R@1"), ("retrieval", "t2i_r1", "T2I R@1"
 GROUPS = [(f"binding_{g}", "binding_acc", g) for g in ("canonical", "styles", "templates", "combos")]
 
 
-def run(row, method, seed, extra, out_root, cache_dir):
+def run(row, method, seed, extra, out_root, cache_dir, reuse=False):
     out = out_root / f"{row.replace(' ', '_').replace('(', '').replace(')', '')}-seed{seed}"
+    if reuse and (out / "metrics.json").exists():       # a finished run of an earlier call (same flags)
+        return json.loads((out / "metrics.json").read_text())
     cmd = [sys.executable, str(ROOT / "align.py"), "--method", method, "--seed", str(seed), "--out", str(out),
            "--cache-dir", str(cache_dir), "--threads", "1", "--no-figures", *extra]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -59,6 +61,7 @@ def main():
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="seeds (the table shows mean ± sd)")
     p.add_argument("--epochs", type=int, default=5, help="the epochs of every trained method (the budget rule)")
     p.add_argument("--no-variants", action="store_true", help="only the rule's rows (no VARIANTS)")
+    p.add_argument("--reuse", action="store_true", help="read a row's finished run in --out instead of running it")
     p.add_argument("--out", default="results/table", help="where each run's folder goes")
     p.add_argument("--cache-dir", default=".cache", help="shared encoder/feature cache")
     p.add_argument("--image-encoder", default="shapes-cnn", help="align.py --image-encoder of every run")
@@ -73,7 +76,7 @@ def main():
         for row, name, flags, budget in plan:
             epochs = ["--epochs", str(args.epochs)] if budget and name not in CLOSED_FORM else []
             extra = encoders + CPU_SETTING.get(name, []) + flags + epochs
-            runs = [run(row, name, s, extra, Path(args.out), args.cache_dir) for s in args.seeds]
+            runs = [run(row, name, s, extra, Path(args.out), args.cache_dir, args.reuse) for s in args.seeds]
             runs = [r for r in runs if r is not None]
             if not runs:
                 continue
