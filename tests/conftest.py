@@ -9,6 +9,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from course_references import course_references  # noqa: E402,F401  (exercises/grade.py's references)
 
 torch.set_num_threads(1)
 

@@ -141,7 +141,7 @@ def test_only_blanks_the_chosen_exercises_and_never_overwrites(tmp_path):
 def graded_results(root):
     """{exercise: [(node, outcome, message)]} of every graded test, from one pytest run in root."""
     ids = list(dict.fromkeys(t for ex in EXERCISES.values() for t in ex["tests"]))
-    results, broken, tail = grader.run_tests(root, ids)
+    results, broken, tail, _ = grader.run_tests(root, ids)
     assert not broken, broken
     out = {}
     for n, ex in EXERCISES.items():
@@ -521,3 +521,90 @@ def test_the_needs_column_is_what_grading_finds(tmp_path):
                 assert f"blocked by exercise {m}" in lines[0] or f"blocked by exercise {m}" in "\n".join(lines), lines
                 found.setdefault(n, []).append(m)
     assert found == {n: sorted(d) for n, d in table.DEPENDS.items()}
+
+
+# ----------------------------------------------------------------------------- grading against the references
+
+def reference_cases():
+    """(exercise, name, the project's function, its reference, inputs as a function) for every reference."""
+    import course_references as cr
+    from conftest import random_features
+    from methods.cov import CoV
+    g = torch.Generator().manual_seed(1)
+    rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[True] * 5, [True, True, True, False, False], [True] * 4 + [False]])
+    w = torch.randn(3, 4, 6, generator=g, dtype=torch.float64)
+    w[1, 2:] = 0                                                              # padded words
+    r = torch.randn(2, 5, 6, generator=g, dtype=torch.float64)
+    r[0, 4] = 0                                                               # a padded region
+    cov = CoV(8, 6, dim=16, n_regions=4, eps=0.5, n_heads=2, n_points=2).double()
+    img = random_features(3, 9 + 1, 8, grid=(3, 3)).to("cpu", torch.float64)
+    import methods.cov as mc
+    import evaluate
+    import methods.losses as ml
+    import methods.pal as mp
+
+    class Global:  # the smallest method a class_logits call needs
+        def score(self, a, b):
+            return a @ b.T
+    cases = [(2, "info_nce", ml.info_nce, cr.info_nce, lambda: (rnd(4, 6), rnd(4, 6), 0.1)),
+             (2, "info_nce_of_logits", ml.info_nce_of_logits, cr.info_nce_of_logits, lambda: (rnd(4, 4),)),
+             (2, "info_nce_of_logits (two)", ml.info_nce_of_logits, cr.info_nce_of_logits,
+              lambda: (rnd(4, 4), rnd(4, 4))),
+             (3, "relative", mp.relative, cr.relative, lambda: (rnd(3, 5, 6), rnd(4, 6))),
+             (3, "cap", mp.cap, cr.cap, lambda: (rnd(3, 5, 4), mask, 0.1)),
+             (4, "deformable_sample", mc.deformable_sample, cr.deformable_sample,
+              lambda: (rnd(2, 2, 3, 4, 5), (torch.rand(2, 3, 2, 4, 2, generator=g, dtype=torch.float64) * 1.4 - 0.2)
+                       .requires_grad_(), rnd(2, 3, 2, 4))),
+             (5, "threshold_mask", mc.threshold_mask, cr.threshold_mask,
+              lambda: (rnd(2, 3, 7).softmax(-1), 0.5)),
+             (5, "CoV.regions", lambda i: CoV.regions(cov, i), lambda i: cr.regions(cov, i), lambda: (img,)),
+             (5, "CoV.spread", CoV.spread, cr.spread, lambda: (rnd(2, 3, 12).softmax(-1), (3, 4))),
+             (6, "max_mean", mc.max_mean, cr.max_mean,
+              lambda: (r.clone().requires_grad_(), w.clone().requires_grad_())),
+             (6, "real_word_mean", mc.real_word_mean, cr.real_word_mean, lambda: (rnd(2, 3, 4), w)),
+             (13, "template_average", evaluate.template_average, cr.template_average, lambda: (rnd(6, 5), 3)),
+             (13, "class_logits", evaluate.class_logits, cr.class_logits,
+              lambda: (Global(), torch.randn(4, 5, generator=g), torch.randn(2, 5, generator=g), 3))]
+    assert {n for n, *_ in cases} == set(cr.REFERENCES)
+    return cases
+
+
+def test_each_reference_is_the_reference_code_in_values_and_gradients():
+    """tests/course_references.py, what grade.py puts in place of a student's dependency, computes what the
+    project's own regions compute, forward and backward."""
+    for n, name, ours, ref, inputs in reference_cases():
+        torch.manual_seed(0)
+        args = inputs()
+        got, want = ref(*args), ours(*args)
+        got, want = (got if isinstance(got, tuple) else (got,)), (want if isinstance(want, tuple) else (want,))
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, msg=lambda m: f"exercise {n}'s {name}: {m}")
+        leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        if leaves and got[0].requires_grad:
+            for a, b in zip(torch.autograd.grad(got[0].sum(), leaves), torch.autograd.grad(want[0].sum(), leaves)):
+                torch.testing.assert_close(a, b, msg=lambda m: f"exercise {n}'s {name}, gradient: {m}")
+
+
+WRONG_CAP = ("methods/pal.py", "alpha = logits.softmax(dim=1)", "alpha = logits.softmax(dim=2)")
+
+
+@pytest.mark.slow
+def test_a_wrong_dependency_is_graded_as_its_own_exercise(tmp_path):
+    """A cap with the softmax over the anchors fails exercise 3; exercises 2 and 6, whose tests run cap too, are
+    graded with the reference cap: passed, saying the student's own cap also breaks them. A blank cap blocks."""
+    copy = tmp_path / "wrong-cap"
+    msc.make_copy(copy, only=set())
+    rel, right, wrong = WRONG_CAP
+    text = (copy / rel).read_text()
+    assert text.count(right) == 1
+    (copy / rel).write_text(text.replace(right, wrong))
+    code, lines, out = grade(copy, 2, 3, 6)
+    assert code == 1, out
+    assert "  FAILED  " in lines[3] and "softmax over the anchors" in lines[3], out
+    for n in (2, 6):
+        assert "  passed  " in lines[n] and "also fails with your exercise 3: " in lines[n], out
+    assert "test_padded_words_do_not_change_the_score[TextGuided] passes with the reference exercise 3" in lines[6]
+    msc.make_copy(tmp_path / "only3", only={3})
+    code, lines, out = grade(tmp_path / "only3", 6)
+    assert "  BLOCKED  " in lines[6] and "blocked by exercise 3: " in lines[6], out
