@@ -608,3 +608,28 @@ def test_a_wrong_dependency_is_graded_as_its_own_exercise(tmp_path):
     msc.make_copy(tmp_path / "only3", only={3})
     code, lines, out = grade(tmp_path / "only3", 6)
     assert "  BLOCKED  " in lines[6] and "blocked by exercise 3: " in lines[6], out
+
+
+# ----------------------------------------------------------------------------- a run of other code keeps its own folder
+
+def test_config_records_the_method_code_and_a_run_of_other_code_is_refused_in_its_out(tmp_path):
+    """config.json's methods_sha256 (sha256 over methods/*.py, sorted) changes with any byte of a method file,
+    and outfolder compares it as a setting: a rerun after changing one's code never replaces the old results."""
+    import outfolder
+    import train
+    from errors import RunError
+    shutil.copytree(ROOT / "methods", tmp_path / "methods", ignore=shutil.ignore_patterns("__pycache__"))
+    assert train.methods_sha256(tmp_path / "methods") == train.methods_sha256()
+    csa = tmp_path / "methods" / "csa.py"
+    csa.write_text(csa.read_text() + "\n")
+    changed = train.methods_sha256(tmp_path / "methods")
+    assert changed != train.methods_sha256() and len(changed) == 64
+    assert "methods_sha256=train.methods_sha256()" in (ROOT / "align.py").read_text()   # what config.json holds
+    old = {"data": "shapes", "method": "csa", "methods_sha256": train.methods_sha256()}
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(old))
+    outfolder.begin(out, dict(old), resume=False)                     # the same code: a rerun, allowed
+    with pytest.raises(RunError, match=r"other settings \(methods_sha256 '\w+' there, '\w+' now\); pass another "
+                                       r"--out \(e\.g\. --out .*-2\)"):
+        outfolder.begin(out, dict(old, methods_sha256=changed), resume=False)
