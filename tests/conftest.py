@@ -73,8 +73,8 @@ def assert_same(got, want, what, atol=None, rtol=None):
         worst = diff.flatten().argmax().item()
         at = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), tuple(g.shape))) if g.dim() else ()
         raise AssertionError(f"{what}: {int(bad.sum())} of {bad.numel()} entries differ, by up to "
-                             f"{diff.flatten()[worst].item():.3g} (at {list(at)}: {g.flatten()[worst].item():.4g} "
-                             f"instead of {w.flatten()[worst].item():.4g})")
+                             f"{diff.flatten()[worst].item():.3g} (at {list(at)}: {g.flatten()[worst].item():.4g}, "
+                             f"expected {w.flatten()[worst].item():.4g})")
 
 
 class HostSyncs:

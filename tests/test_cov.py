@@ -115,7 +115,7 @@ def test_deformable_sample_pixel_centre_reads_the_patch():
     out = deformable_sample(value, loc, torch.ones(1, 1, 1, 1))
     assert out.item() == pytest.approx(value[0, 0, 0, i, j].item()), (
         f"the centre of patch (row {i}, col {j}), loc ((j + .5) / W, (i + .5) / H), reads {out.item():.4g}, "
-        f"not that patch's value {value[0, 0, 0, i, j].item():g}")
+        f"expected that patch's value {value[0, 0, 0, i, j].item():g}")
 
 
 @pytest.mark.parametrize("M", [4, 8])
@@ -155,7 +155,7 @@ def test_threshold_mask_matches_loop():
             kept = [(a - lo) / (hi - lo) if (a - lo) / (hi - lo) >= eps else 0.0 for a in row]
             expect = torch.tensor([k / sum(kept) for k in kept])
             assert_same(out[b, q], expect, f"threshold_mask row ({b}, {q}) at eps {eps} against the loop")
-    assert (out > 0).sum() < out.numel(), "threshold_mask keeps every patch"   # the mask does drop patches
+    assert (out > 0).sum() < out.numel(), f"threshold_mask at eps {eps} keeps every patch, expected it to drop some"
 
 
 def test_threshold_mask_keeps_the_top_patch_of_a_constant_row():
@@ -282,7 +282,7 @@ def test_regions_match_naive_loop():
     assert_same(attn_bar.double(), ref_bar, "attn_bar (the threshold mask) against the loop", atol=1e-5, rtol=1e-4)
     assert_same(r.double(), ref_r, "the regions r = attn_bar V F against the loop", atol=1e-5, rtol=1e-4)
     kept = (attn_bar > 0).float().mean()
-    assert 0 < kept < 0.5, f"attn_bar keeps {100 * kept:.0f}% of the patches; at eps 0.5 it drops most"
+    assert 0 < kept < 0.5, f"attn_bar keeps {100 * kept:.0f}% of the patches, expected under 50% at eps 0.5"
 
 
 def test_conc_loss_reads_the_full_softmax_attention():
@@ -293,10 +293,10 @@ def test_conc_loss_reads_the_full_softmax_attention():
         ref_attn, ref_bar, _ = naive_assign(m, img)
     full = sum(sum(naive_spread(a, 4, 4)) for a in ref_attn) / ref_attn.shape[:2].numel()
     masked = sum(sum(naive_spread(a, 4, 4)) for a in ref_bar) / ref_bar.shape[:2].numel()
-    assert abs(full - masked) > 0.05                                    # the two readings differ here
+    assert abs(full - masked) > 0.05, "(the test's own check) expected the two readings to differ here"
     assert logs["conc"] == pytest.approx(full, rel=1e-4), (
-        f"L_conc = {logs['conc']:.4f}; the spread of the full softmax attention is {full:.4f}, of the masked "
-        f"attention {masked:.4f}")
+        f"L_conc = {logs['conc']:.4f}, expected {full:.4f}, the spread of the full softmax attention (of the masked "
+        f"attention: {masked:.4f})")
 
 
 # ----------------------------------------------------------------------------- baselines vs loops

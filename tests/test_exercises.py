@@ -633,3 +633,41 @@ def test_config_records_the_method_code_and_a_run_of_other_code_is_refused_in_it
     with pytest.raises(RunError, match=r"other settings \(methods_sha256 '\w+' there, '\w+' now\); pass another "
                                        r"--out \(e\.g\. --out .*-2\)"):
         outfolder.begin(out, dict(old, methods_sha256=changed), resume=False)
+
+
+# ----------------------------------------------------------------------------- what a failing check says
+
+def graded_assertions():
+    """(exercise, "file:line", the assertion's message source or the call) of every check in the graded tests."""
+    import ast
+    seen, out = set(), []
+    for n, ex in EXERCISES.items():
+        for node_id in ex["tests"]:
+            path, name = node_id.split("::")
+            if (path, name.split("[")[0]) in seen:
+                continue
+            seen.add((path, name.split("[")[0]))
+            tree = ast.parse((ROOT / path).read_text())
+            fn = next(f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == name.split("[")[0])
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Assert):
+                    out.append((n, f"{path}:{node.lineno}", ast.unparse(node.msg) if node.msg else ""))
+                elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("pytest.raises", "assert_same", "want",
+                                                                                "torch.testing.assert_close"):
+                    out.append((n, f"{path}:{node.lineno}", ast.unparse(node.func)))
+    return out
+
+
+def test_every_graded_check_names_the_expected_value():
+    """Each assertion of a graded test carries a message saying what was expected (exercises/grade.py prints its
+    first line); assert_same and want say "expected" themselves; pytest.raises ("DID NOT RAISE") and a bare
+    assert_close are not used there."""
+    checks = graded_assertions()
+    assert len(checks) > 100
+    bad = [(n, where, msg) for n, where, msg in checks
+           if msg in ("pytest.raises", "torch.testing.assert_close") or
+           (msg not in ("assert_same", "want") and not re.search(r"\bexpected\b", msg))]
+    assert not bad, bad
+    from conftest import assert_same
+    with pytest.raises(AssertionError, match=r"x: 1 of 2 entries differ, by up to 1 \(at \[1\]: 3, expected 2\)"):
+        assert_same(torch.tensor([1.0, 3.0]), torch.tensor([1.0, 2.0]), "x")
