@@ -671,3 +671,19 @@ def test_every_graded_check_names_the_expected_value():
     from conftest import assert_same
     with pytest.raises(AssertionError, match=r"x: 1 of 2 entries differ, by up to 1 \(at \[1\]: 3, expected 2\)"):
         assert_same(torch.tensor([1.0, 3.0]), torch.tensor([1.0, 2.0]), "x")
+
+
+def marker_text(n):
+    """The words of exercise n's markers, all its regions together."""
+    words = []
+    for rel in EXERCISES[n]["regions"]:
+        words += [t for m, *_, t in msc.find_regions((ROOT / rel).read_text().split("\n")) if m == n]
+    return " ".join(words)
+
+
+def test_what_the_tests_require_is_in_the_markers():
+    """The requirements a graded test checks beyond the equation are in the marker a student reads."""
+    assert "raise ValueError" in marker_text(10) and "outside 0..C-1" in marker_text(10)
+    assert all(k in marker_text(8) for k in ("linear_top1", "cosine_top1", "nobias_top1"))
+    assert "N - 1" in marker_text(7)
+    assert "dim 0" in EXERCISES[8]["hint"] and "(rows of W, dim -1)" not in EXERCISES[8]["hint"]
