@@ -175,7 +175,9 @@ def test_every_graded_test_fails_on_the_blank_copy(student_copy):
 def test_student_copy_fails_every_exercise_and_the_rest_still_imports(student_copy):
     ref_files = msc.project_files(ROOT)
     assert msc.project_files(student_copy) == ref_files
-    for left_out in ("exercises/answers.md", "methods/fast_cap.py", "tests/test_exercises.py"):
+    for left_out in ("exercises/answers.md", "exercises/answers_template.md", "exercises/answers_figures.json",
+                     "exercises/make_answers.py", "tests/test_answers.py", "methods/fast_cap.py",
+                     "tests/test_exercises.py"):
         assert (ROOT / left_out).exists() and not (student_copy / left_out).exists(), left_out
     assert not any((student_copy / d).exists() for d in (".git", ".cache", "results"))
     for rel in ref_files:                                         # verbatim outside the regions
@@ -185,6 +187,8 @@ def test_student_copy_fails_every_exercise_and_the_rest_still_imports(student_co
             for n, s, e, indent, words in msc.find_regions(got.decode().split("\n")):
                 raise_line = f"{indent}raise NotImplementedError({f'Exercise {n} {words}'!r})"
                 assert got.decode().split("\n")[s:e] == [raise_line], rel
+        elif rel.suffix == ".md" and msc.ANSWERS.search(ref.decode()):
+            assert got.decode() == msc.without_answers(ref.decode()), rel
         else:
             assert got == ref, rel
     r = subprocess.run([sys.executable, "-c", "import align, data, encoders, evaluate, features, methods, recycling, "
@@ -687,3 +691,35 @@ def test_what_the_tests_require_is_in_the_markers():
     assert all(k in marker_text(8) for k in ("linear_top1", "cosine_top1", "nobias_top1"))
     assert "N - 1" in marker_text(7)
     assert "dim 0" in EXERCISES[8]["hint"] and "(rows of W, dim -1)" not in EXERCISES[8]["hint"]
+
+
+# ----------------------------------------------------------------------------- the copy an instructor hands out
+
+def test_the_copy_to_hand_out_is_an_archive_without_the_answers(tmp_path):
+    import tarfile
+    archive = tmp_path / "course.tar.gz"
+    blanked = msc.make_archive(archive, only={3})
+    assert blanked == {3: 2}
+    with tarfile.open(archive) as tar:
+        names = tar.getnames()
+        assert names and all(n == "course" or n.startswith("course/") for n in names), names[:5]
+        files = {n[len("course/"):] for n in names if tar.getmember(n).isfile()}
+        results = tar.extractfile("course/docs/results.md").read().decode()
+        pal = tar.extractfile("course/methods/pal.py").read().decode()
+    assert files == {str(rel) for rel in msc.project_files(ROOT)} | {"exercises/this_copy.json"}
+    for left_out in ("exercises/answers.md", "exercises/answers_template.md", "exercises/make_answers.py",
+                     "tests/test_answers.py", "methods/fast_cap.py", "tests/test_exercises.py"):
+        assert left_out not in files, left_out
+    assert "raise NotImplementedError('Exercise 3" in pal
+    # the docs' part that answers E3 (and links to answers.md) is one line saying it is left out
+    ref = (ROOT / "docs" / "results.md").read_text()
+    assert "## CoV-Align's defaults on real features" in ref and "answers.md" in ref
+    assert "## CoV-Align's defaults on real features" not in results and "answers.md" not in results
+    assert "Left out of the student copy: this part answers experiment E3" in results
+    assert results.replace(msc.without_answers(ref), "") == ""
+    with pytest.raises(SystemExit, match="exists"):
+        msc.make_archive(archive)                                  # a copy handed out is never overwritten
+    shipped = [p for p in msc.project_files(ROOT) if p.suffix == ".md"]
+    answers_in = [str(p) for p in shipped if "answers.md" in msc.without_answers((ROOT / p).read_text())
+                  and str(p) != "exercises/README.md"]
+    assert not answers_in, f"docs in a copy that point to exercises/answers.md: {answers_in}"
