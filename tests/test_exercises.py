@@ -492,6 +492,29 @@ def test_the_sheet_gives_each_exercise_its_needs_and_time_and_an_order_that_keep
     assert "python exercises/grade.py" in sheet.split("**Tests in a student copy.**")[1].split("\n\n")[0]
 
 
+def experiment_sections():
+    """{"E1": its text, ...} of the sheet's experiments."""
+    sheet = (ROOT / "exercises" / "README.md").read_text().split("## Experiments")[1].split("## A two-week")[0]
+    return {m[1]: m[2] for m in re.finditer(r"\*\*(E\d)\.(.*?)(?=\*\*E\d\.|\Z)", sheet, re.S)}
+
+
+def test_each_experiment_says_every_exercise_its_runs_need_and_e1_one_schedule():
+    """"(after exercises ...)" lists what its align.py runs execute (table.run_needs: the method's and the
+    evaluation's); E1's three runs train the same --epochs."""
+    sections = experiment_sections()
+    assert sorted(sections) == [f"E{i}" for i in range(1, 7)]
+    for e, text in sections.items():
+        runs = re.findall(r"python align\.py ([^`\n]*)", text)
+        if not runs:
+            continue
+        methods = {m for r in runs for m in re.findall(r"--method (\w+)", r)} or {"pal"}
+        need = sorted(set().union(*(table.run_needs(m, "--analyses" in text) for m in methods)))
+        label = re.search(r"\(after exercises? ([\d, ]+)[;)]", text)
+        assert label and sorted(map(int, re.findall(r"\d+", label[1]))) == need, (e, label and label[0], need)
+    e1 = re.findall(r"^python align\.py .*$", sections["E1"], re.M)
+    assert len(e1) == 3 and len({re.search(r"--epochs (\d+)", r)[1] for r in e1}) == 1, e1
+
+
 def test_the_experiments_give_each_run_its_own_out_folder():
     sheet = (ROOT / "exercises" / "README.md").read_text()
     for e in ("E1", "E2", "E3"):
