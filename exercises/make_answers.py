@@ -11,8 +11,8 @@ is refused in a folder that holds another code's run). From each run's metrics.j
 figures the answers quote go into exercises/answers_figures.json, with the run's CPU time
 (the process's user + system time, the budget a student's laptop needs), and then:
   exercises/answers.md     = exercises/answers_template.md with every {{run.figure}} filled in;
-  docs/results.md          its "pal (seed 0)" and "asif" rows of the results table, which are
-                           these runs' figures too (E5's PAL run, E2's default run).
+  docs/results.md, README.md   the "pal" and "asif" rows of their results tables, which are
+                           these runs' figures too (E1's CAP run, E2's default run).
 tests/test_sheet_figures.py checks that both agree with answers_figures.json, and (slow) that
 a rerun of one run gives the recorded figures. None of these files is in a student copy.
 About 15 minutes of CPU in all (one core); the first run on a fresh --cache-dir also
@@ -35,6 +35,7 @@ TEMPLATE = ROOT / "exercises" / "answers_template.md"
 ANSWERS = ROOT / "exercises" / "answers.md"
 FIGURES = ROOT / "exercises" / "answers_figures.json"
 RESULTS_DOC = ROOT / "docs" / "results.md"
+README = ROOT / "README.md"
 
 # name -> the sheet's command (what follows `python align.py`); E1's three runs share one schedule (--epochs 15,
 # PAL's CPU default), E3 gives every eps (its default is not part of the question)
@@ -59,8 +60,10 @@ RUNS = {
 }
 E6 = ("import torch, evaluate; print(evaluate.retrieval_metrics(torch.zeros(500, 2500), "
       "torch.arange(500).repeat_interleave(5)))")
-# the results table rows of docs/results.md that are these runs (first cell -> run)
-DOC_ROWS = {"pal (seed 0)": "e1-cap", "asif": "e2-default"}
+# the rows of the results tables (docs/results.md, README.md) that are these runs: first cell -> run; a row's
+# six figures (I2T R@1, T2I R@1, RSum, top-1, mIoU-fg, binding) are set, its further cells (the papers') kept
+DOC_ROWS = {RESULTS_DOC: {"pal (seed 0)": "e1-cap", "asif": "e2-default"},
+            README: {"pal": "e1-cap", "asif": "e2-default"}}
 
 
 def figures_of(metrics):
@@ -101,9 +104,19 @@ def e6_figures():
     return {k: d[k] for k in ("i2t_r1", "t2i_r1", "rsum", "i2t_map")}
 
 
+def machine():
+    """What the runs ran on, in words the answers print."""
+    import platform
+    import torch
+    cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
+                if l.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else \
+        platform.processor()
+    return {"cpu": f"{cpu}, {os.cpu_count()} cores", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+
+
 # ----------------------------------------------------------------------------- writing the figures
 
-PLACE = re.compile(r"\{\{([\w.+-]+?)\.(\w+)(?::([^}]*))?\}\}")
+PLACE = re.compile(r"\{\{([\w.+-]+?)\.([\w+-]+)(?::([^}]*))?\}\}")
 
 
 def derived(f):
@@ -119,9 +132,14 @@ def derived(f):
          "e3_rsum_order": order(["e3-eps0.0", "e3-eps0.7", "e3-eps0.9"], ["eps 0", "eps 0.7", "eps 0.9"], "rsum"),
          "e3_seg_order": order(["e3-eps0.0", "e3-eps0.7", "e3-eps0.9"], ["eps 0", "eps 0.7", "eps 0.9"],
                                "miou_fg")}
-    for a, b in (("e5-pal-minilm", "e1-cap"), ("e5-linear-minilm", "e5-linear"), ("e4-weights+pairs25", "e4-pairs25")):
+    for a, b in (("e5-pal-minilm", "e1-cap"), ("e5-linear-minilm", "e5-linear"), ("e4-weights+pairs25", "e4-pairs25"),
+                 ("e1-cap", "e1-mean"), ("e1-mean", "e1-global")):
         for k in ("rsum", "top1", "miou_fg"):
             d[f"{a}-minus-{b}_{k}"] = f[a][k] - f[b][k]
+    for k in ("top1", "miou_fg", "rsum"):                       # E4: what the 24 head rows are worth in pairs
+        w, p25, p100 = f["e4-weights"][k], f["e4-pairs25"][k], f["e4-pairs100"][k]
+        d[f"e4_{k}_worth"] = ("fewer than 25 pairs" if w < min(p25, p100) else "more than 100 pairs"
+                              if w > max(p25, p100) else "between 25 and 100 pairs")
     return d
 
 
@@ -138,25 +156,29 @@ def render(template, figures):
         if isinstance(v, str):
             return v
         return format(v, fmt if fmt is not None else ".1f")
-    return PLACE.sub(fill, template)
+    text = PLACE.sub(fill, template)
+    if "{{" in text:
+        raise KeyError(f"a placeholder of another form: {text[text.index('{{'):][:60]}")
+    return text
 
 
-def results_rows(text, figures):
-    """docs/results.md with its DOC_ROWS rows of the results table set from the figures."""
-    for label, run in DOC_ROWS.items():
+def results_rows(text, figures, rows):
+    """A doc's text with its rows {first cell: run} of a results table set from the figures."""
+    for label, run in rows.items():
         f = figures[run]
-        row = (f"| {label} | {f['i2t_r1']:.1f} | {f['t2i_r1']:.1f} | {f['rsum']:.1f} | {f['top1']:.1f} | "
-               f"{f['miou_fg']:.1f} | {f['binding']:.1f} |")
-        text, n = re.subn(rf"^\| {re.escape(label)} \|[^\n]*\|$", row.replace("\\", r"\\"), text, count=1,
+        cells = (f"{f['i2t_r1']:.1f} | {f['t2i_r1']:.1f} | {f['rsum']:.1f} | {f['top1']:.1f} | {f['miou_fg']:.1f} | "
+                 f"{f['binding']:.1f} |")
+        text, n = re.subn(rf"^(\| {re.escape(label)} \| )(?:[^|\n]*\|){{6}}", lambda m: m[1] + cells, text, count=1,
                           flags=re.M)
         if n != 1:
-            raise SystemExit(f"error: docs/results.md has no row '| {label} |' in its results table")
+            raise SystemExit(f"error: no row '| {label} |' with six figures in a results table")
     return text
 
 
 def write_all(figures):
     ANSWERS.write_text(render(TEMPLATE.read_text(), figures))
-    RESULTS_DOC.write_text(results_rows(RESULTS_DOC.read_text(), figures))
+    for doc, rows in DOC_ROWS.items():
+        doc.write_text(results_rows(doc.read_text(), figures, rows))
 
 
 def main(argv=None):
@@ -175,11 +197,12 @@ def main(argv=None):
             figures.update(pool.map(lambda n: run_one(n, args.cache_dir), names))
         if args.only is None:
             figures["e6"] = e6_figures()
-        figures = {k: figures[k] for k in [*RUNS, "e6"] if k in figures}
+        figures["machine"] = machine()
+        figures = {k: figures[k] for k in [*RUNS, "e6", "machine"] if k in figures}
         FIGURES.write_text(json.dumps(figures, indent=1, sort_keys=False) + "\n")
         print(f"{len(names)} runs in {time.time() - t0:.0f} s wall; figures in {FIGURES.relative_to(ROOT)}")
     write_all(figures)
-    print(f"wrote {ANSWERS.relative_to(ROOT)} and the course's rows of {RESULTS_DOC.relative_to(ROOT)}")
+    print(f"wrote {ANSWERS.relative_to(ROOT)} and the rows of PAL and ASIF in docs/results.md and README.md")
 
 
 if __name__ == "__main__":

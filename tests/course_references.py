@@ -21,9 +21,9 @@ import torch
 # ----------------------------------------------------------------------------- exercise 2: symmetric InfoNCE
 
 def info_nce_of_logits(logits, logits_t2i=None):
-    cols = logits if logits_t2i is None else logits_t2i                 # (B, B)
+    t2i_logits = logits if logits_t2i is None else logits_t2i           # (B, B)
     i2t = -logits.log_softmax(dim=1).diagonal().mean()                  # row i: image i -> its text i
-    t2i = -cols.log_softmax(dim=0).diagonal().mean()                    # column j: text j -> its image j
+    t2i = -t2i_logits.log_softmax(dim=0).diagonal().mean()              # column j: text j -> its image j
     return (i2t + t2i) / 2
 
 
@@ -89,8 +89,8 @@ def regions(self, img):
         z = self.norm(z + self.deform(z, self.ref, F_img, img.grid))
     cos = torch.einsum("bqk,bnk->bqn", unit(self.W_assign(z)), unit(self.W_assign(F_img)))
     attn = (cos / self.tau).softmax(-1)                                 # (B, Q, N)
-    attn_bar = threshold_mask(attn, self.eps)
-    return torch.einsum("bqn,bnk->bqk", attn_bar, self.V(F_img)), attn, attn_bar
+    kept = threshold_mask(attn, self.eps)                               # attn_bar
+    return torch.einsum("bqn,bnk->bqk", kept, self.V(F_img)), attn, kept
 
 
 def spread(a, grid):
@@ -105,10 +105,10 @@ def spread(a, grid):
 
 def max_mean(r, w):
     r_ok, w_ok = r.norm(dim=-1) > 0, w.norm(dim=-1) > 0                 # (I, Q), (T, L)
-    s = torch.einsum("iqk,tlk->itql", r, w)
-    low = torch.full_like(s, torch.finfo(s.dtype).min)
-    best_word = torch.where(w_ok[None, :, None, :], s, low).amax(-1)    # (I, T, Q)
-    best_region = torch.where(r_ok[:, None, :, None], s, low).amax(-2)  # (I, T, L)
+    sim = torch.einsum("tlk,iqk->itql", w, r)                           # s_ij, (I, T, Q, L)
+    low = torch.full_like(sim, torch.finfo(sim.dtype).min)
+    best_word = torch.where(w_ok[None, :, None, :], sim, low).amax(-1)  # (I, T, Q)
+    best_region = torch.where(r_ok[:, None, :, None], sim, low).amax(-2)  # (I, T, L)
     i2t = torch.where(r_ok[:, None], best_word, 0.0).sum(-1) / r_ok.sum(-1).clamp_min(1)[:, None]
     t2i = torch.where(w_ok[None], best_region, 0.0).sum(-1) / w_ok.sum(-1).clamp_min(1)[None]
     return i2t, t2i
