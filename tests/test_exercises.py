@@ -746,3 +746,28 @@ def test_the_copy_to_hand_out_is_an_archive_without_the_answers(tmp_path):
     answers_in = [str(p) for p in shipped if "answers.md" in msc.without_answers((ROOT / p).read_text())
                   and str(p) != "exercises/README.md"]
     assert not answers_in, f"docs in a copy that point to exercises/answers.md: {answers_in}"
+
+
+@pytest.mark.slow
+def test_a_rerun_after_changing_the_method_code_is_refused_in_the_old_out(tmp_path, cache_dir):
+    """The sheet's rule, end to end: CSA's run in a copy, a method file changed, the same command again: refused
+    before it writes, the first results as they were; the same code again: a rerun, allowed."""
+    copy = tmp_path / "copy"
+    msc.make_copy(copy, only=set())
+    out = tmp_path / "csa-run"
+    cmd = [sys.executable, "align.py", "--method", "csa", *TINY_RUN, "--cache-dir", str(cache_dir), "--out", str(out)]
+    run = lambda: subprocess.run(cmd, cwd=copy, capture_output=True, text=True, timeout=900)
+    r = run()
+    assert r.returncode == 0, r.stderr[-2000:]
+    config = json.loads((out / "config.json").read_text())
+    assert re.fullmatch(r"[0-9a-f]{64}", config["methods_sha256"]), config.get("methods_sha256")
+    metrics = (out / "metrics.json").read_bytes()
+    csa = copy / "methods" / "csa.py"
+    csa.write_text(csa.read_text().replace("x = X[i:i + chunk].double() - mu_x", "x = X[i:i + chunk].double() - mu_x "))
+    r = run()
+    assert r.returncode == 1 and "holds the results of a run with other settings (methods_sha256 " in r.stderr, \
+        r.stderr[-2000:]
+    assert (out / "metrics.json").read_bytes() == metrics
+    csa.write_text(csa.read_text().replace("x = X[i:i + chunk].double() - mu_x ", "x = X[i:i + chunk].double() - mu_x"))
+    r = run()
+    assert r.returncode == 0, r.stderr[-2000:]
