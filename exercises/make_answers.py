@@ -15,8 +15,9 @@ figures the answers quote go into exercises/answers_figures.json, with the run's
                            these runs' figures too (E1's CAP run, E2's default run).
 tests/test_sheet_figures.py checks that both agree with answers_figures.json, and (slow) that
 a rerun of one run gives the recorded figures. None of these files is in a student copy.
-About 15 minutes of CPU in all (one core); the first run on a fresh --cache-dir also
-extracts the tiny encoders' features.
+Measured: 17 runs, 462 s of CPU in all (one core each), 20 min wall at --jobs 1 on a 2-core
+VM shared with other jobs; the first run on a fresh --cache-dir also extracts the tiny
+encoders' features.
 """
 import argparse
 import json

@@ -2,7 +2,7 @@
 the sheet's runs, as exercises/make_answers.py recorded them (exercises/answers_figures.json); a rerun of one
 run gives the recorded figures. Not in a student copy (make_student_copy.py leaves the answers out).
 
-After a change that moves a figure: `python exercises/make_answers.py` (every run, ~15 min of CPU), or
+After a change that moves a figure: `python exercises/make_answers.py` (every run, ~8 min of CPU), or
 `--only RUN ...` for the runs it moves."""
 import json
 import re

@@ -300,8 +300,11 @@ def test_pasted_back_copy_passes_and_trains_the_paper_form_to_the_last_digit(stu
     copy, no_mask = tmp_path / "solved", tmp_path / "no-mask"
     shutil.copytree(student_copy, copy)
     msc.paste_back(copy, ROOT)
-    for rel in msc.project_files(copy):
-        assert (copy / rel).read_bytes() == (ROOT / rel).read_bytes(), rel
+    for rel in msc.project_files(copy):                       # the reference, less the docs' answers
+        ref = (ROOT / rel).read_bytes()
+        if rel.suffix == ".md" and msc.ANSWERS.search(ref.decode()):
+            ref = msc.without_answers(ref.decode()).encode()
+        assert (copy / rel).read_bytes() == ref, rel
     shutil.copytree(copy, no_mask)
     rel, right, wrong = NO_MASK
     text = (no_mask / rel).read_text()
