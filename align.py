@@ -340,7 +340,8 @@ def main(argv=None):
                       text_layer=settings["text_layer_used"],
                       image_weights=settings["image_weights"], text_weights=settings["text_weights"],
                       data_root=settings["data_root"] or args.data_root,
-                      data_hash=settings["data_hash"], method_defaults=method.defaults,
+                      data_hash=settings["data_hash"], methods_sha256=train.methods_sha256(),
+                      method_defaults=method.defaults,
                       given=checks.given_settings(args), software=train.software())
         print("[config] " + json.dumps(config, default=str))
         work = outfolder.partial(out)               # the run writes here; moved into --out when done

@@ -252,10 +252,11 @@ def iou_counts(pred, gt, C, ignore_index=255):
     """Per-class intersection and union (C,), over pixels whose gt is not ignore_index.
 
     pred, gt: integer tensors of the same shape; pred in 0..C-1 (background is never
-    predicted), gt in 0..C-1 or ignore_index (background / unlabelled).
+    predicted), gt in 0..C-1 or ignore_index (background / unlabelled); any other gt
+    value raises ValueError.
     """
     # EXERCISE 10 (segmentation, IoU): over pixels whose gt != ignore_index, per-class intersection and union (C,)
-    #   of pred vs gt
+    #   of pred vs gt; raise ValueError if a gt label (other than ignore_index) is outside 0..C-1
     valid = gt != ignore_index
     p, g = pred[valid].long(), gt[valid].long()
     if len(g) and (g.min() < 0 or g.max() >= C):

@@ -99,10 +99,11 @@ def augment(pairs_img, pairs_txt, w_img, w_txt):
 # ---------------------------------------------------------------- Table 1
 
 def neural_collapse_check(W, b, feats, labels):
-    """Table 1: top-1 (%) of the linear head W f + b, the cosine classifier
-    cos(w_i, f) (Eq. 4) and the bias-free head W f, on held-out images."""
+    """Table 1: top-1 (%) on held-out images of the linear head W f + b, the cosine classifier cos(w_i, f)
+    (Eq. 4) and the bias-free head W f -> {"linear_top1", "cosine_top1", "nobias_top1"}."""
     # EXERCISE 8 (weight recycling Table 1, Eq. 1 and 4): top-1 (%) of the linear head W f + b, the cosine
     #   classifier cos(w_i, f) and the bias-free head W f; W (C, D), b (C,), feats (N, D), labels (N,)
+    #   -> a dict with exactly the keys linear_top1, cosine_top1, nobias_top1 (floats in percent)
     W, b, feats = W.float(), b.float(), feats.float()
     acc = lambda logits: 100.0 * (logits.argmax(1) == labels).float().mean().item()
     cos = F.normalize(feats, dim=-1) @ F.normalize(W, dim=-1).T   # (N, C)

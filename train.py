@@ -80,6 +80,17 @@ def software():
                 transformers=transformers, commit=commit or None)
 
 
+def methods_sha256(folder=None):
+    """sha256 over methods/*.py, sorted by name (each file's name, then its bytes): the method code a run
+    trained with. config.json records it, and outfolder compares it as a setting, so a run of changed
+    method code is refused in the --out of the old one."""
+    import hashlib
+    h = hashlib.sha256()
+    for path in sorted(Path(folder or Path(__file__).resolve().parent / "methods").glob("*.py")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 def loop_settings(args, defaults):
     """The training loop's settings as given: the flags, else the method's defaults."""
     pick = lambda flag, name, fallback=None: flag if flag is not None else defaults.get(name, fallback)

@@ -11,8 +11,14 @@ the test's name and what it found different. An exercise whose tests stop in ano
 exercise that is still blank says "BLOCKED ... blocked by exercise N" (the sheet,
 exercises/README.md, gives the order). Exits 1 unless every graded exercise passes. Nothing here checks an answer
 itself: the tests do.
+
+An exercise's grade is its own: a check of exercise N that fails while an exercise it depends on
+(table.DEPENDS) is written runs again with that exercise's reference (tests/course_references.py,
+the oracle forms the tests compare with) in place of the student's; what it says then is N's
+grade, and a check that passes only with the reference says "also fails with your exercise M".
 """
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -23,7 +29,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from table import EXERCISES  # noqa: E402
+from table import DEPENDS, EXERCISES, blank_exercises  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,12 +44,14 @@ def matches(node, table_id):
     return node == table_id or ("[" not in table_id and node.startswith(table_id + "["))
 
 
-def run_tests(root, node_ids, timeout=900):
-    """Run the tests in root -> ({node: (outcome, message)}, {test file: import error}, pytest's output tail).
+def run_tests(root, node_ids, timeout=900, references=None):
+    """Run the tests in root -> ({node: (outcome, message)}, {test file: import error}, pytest's output tail,
+    {node: exercises whose reference it ran}).
 
     One pytest call over the tests' files with -k selecting their names (not the node ids
     themselves: one node id in a file that does not import would stop pytest before any
-    test runs); a file that does not import leaves the other files' tests running."""
+    test runs); a file that does not import leaves the other files' tests running.
+    references {table id: [exercise, ...]}: in those tests, those exercises are the references."""
     files = sorted({n.split("::")[0] for n in node_ids if (Path(root) / n.split("::")[0]).is_file()})
     names = sorted({n.split("::")[1].split("[")[0] for n in node_ids})
     if not files:                                             # (pytest with no file would run every test)
@@ -54,6 +62,10 @@ def run_tests(root, node_ids, timeout=900):
                "--continue-on-collection-errors", f"--junitxml={xml}", "-o", "junit_family=xunit1",
                "-k", " or ".join(names), *files]
         env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+        env.pop("COURSE_REFERENCES", None)
+        log = Path(tmp) / "references.log"
+        if references:
+            env.update(COURSE_REFERENCES=json.dumps(references), COURSE_REFERENCES_LOG=str(log))
         proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
         results, broken = {}, {}
         if xml.exists():
@@ -70,7 +82,11 @@ def run_tests(root, node_ids, timeout=900):
                     results[node_of(case)] = ("failed", "skipped: " + (skipped.get("message") or "").strip())
                 else:
                     results[node_of(case)] = ("passed", "")
-    return results, broken, (proc.stdout + proc.stderr)[-2000:]
+        used = {}
+        for line in (log.read_text().splitlines() if log.exists() else []):
+            node, n = json.loads(line)
+            used.setdefault(node, set()).add(n)
+    return results, broken, (proc.stdout + proc.stderr)[-2000:], used
 
 
 def one_line(msg, width=220):
@@ -86,14 +102,38 @@ def one_line(msg, width=220):
 BLANK = re.compile(r"NotImplementedError: Exercise (\d+) ")
 
 
+def with_references(root, numbers, results):
+    """Run again, with the references of the exercises each depends on (those written, not blank), the failing
+    checks of the exercises in numbers -> ({node: (outcome, message)} of that run, {node: exercises it reached})."""
+    blank = blank_exercises(root)
+    plan = {}
+    for n in (n for n in numbers if n not in blank):         # (a blank exercise's checks fail at its raise)
+        written = [d for d in DEPENDS.get(n, []) if d not in blank]
+        for table_id in EXERCISES[n]["tests"] if written else []:
+            if any(matches(node, table_id) and outcome != "passed" for node, (outcome, _) in results.items()):
+                plan[table_id] = written
+    if not plan:
+        return {}, {}
+    again, _, _, used = run_tests(root, list(plan), references=plan)
+    again = {node: res for node, res in again.items() if any(matches(node, t) for t in plan)}  # (-k selects more)
+    for node in again:                                        # a check that reached none: all it was given
+        used.setdefault(node, set(next(d for t, d in plan.items() if matches(node, t))))
+    return again, used
+
+
+def mine(exercises):
+    return f"your exercise{'s' if len(exercises) > 1 else ''} {', '.join(map(str, sorted(exercises)))}"
+
+
 def grade(root, numbers):
     """-> [(n, passed, lines)] and the pytest output tail: the exercise's line, then one line per failing check."""
     ids = [t for n in numbers for t in EXERCISES[n]["tests"]]
-    results, broken, tail = run_tests(root, list(dict.fromkeys(ids)))
+    results, broken, tail, _ = run_tests(root, list(dict.fromkeys(ids)))
+    again, used = with_references(root, numbers, results)
     report = []
     for n in numbers:
         ex = EXERCISES[n]
-        n_ok, n_all, failing = 0, 0, []
+        n_ok, n_all, failing, theirs = 0, 0, [], {}
         for table_id in ex["tests"]:
             got = [(node, res) for node, res in results.items() if matches(node, table_id)]
             if not got:                                       # not collected: its file did not import, or no such test
@@ -101,16 +141,25 @@ def grade(root, numbers):
                 got = [(table_id, ("failed", f"not run: its file did not import: {why}" if why else
                                    "not run: no such test in this copy"))]
             for node, (outcome, msg) in got:
+                if node in again:                             # graded with the references of what it depends on
+                    if again[node][0] == "passed":
+                        theirs[node.split("::")[-1]] = used[node]
+                    outcome, msg = again[node]
                 n_all += 1
                 n_ok += outcome == "passed"
                 if outcome != "passed":
                     failing.append((node.split("::")[-1], one_line(msg)))
         ok = n_ok == n_all
+        also = sorted(set().union(*theirs.values())) if theirs else []
+        note = (f"  also fails with {mine(also)}: {', '.join(theirs)} pass{'es' if len(theirs) == 1 else ''} "
+                f"with the reference "
+                f"exercise{'s' if len(also) > 1 else ''} {', '.join(map(str, also))}, fail with yours "
+                f"(python exercises/grade.py {' '.join(map(str, also))} says what is wrong there)") if also else ""
         blank_in = [{int(m) for m in BLANK.findall(msg)} for _, msg in failing]   # the exercises each check hit blank
         blockers = sorted(set().union(*blank_in) - {n}) if failing else []
         head = f"exercise {n:2d}  {{}}  {ex['title']}  ({n_ok} of {n_all} checks pass)"
         if ok:
-            lines = [head.format("passed")]
+            lines = [head.format("passed") + note]
         elif any(n in b for b in blank_in):
             lines = [head.format("FAILED") + f"  still blank: replace the raise between # EXERCISE {n} and "
                                              f"# END EXERCISE {n} in {', '.join(ex['regions'])}"]
@@ -121,6 +170,8 @@ def grade(root, numbers):
             lines = [head.format("FAILED") + f"  hint: {ex['hint']}"]
             lines += [f"    {name}: " + (f"blocked by exercise {', '.join(map(str, sorted(b)))}" if b else msg)
                       for (name, msg), b in zip(failing, blank_in)]
+            lines += [f"    {name}: passes with the reference exercise {', '.join(map(str, sorted(d)))}; also fails "
+                      f"with {mine(d)}" for name, d in theirs.items()]
         report.append((n, ok, lines))
     return report, tail
 

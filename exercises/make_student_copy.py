@@ -1,35 +1,53 @@
 """Write a student copy of the project: every exercise region blanked, the answers left out.
 
-    python exercises/make_student_copy.py OUT_DIR              # all exercises
-    python exercises/make_student_copy.py OUT_DIR --only 3 5   # only these
+    python exercises/make_student_copy.py course.tar.gz             # an archive to hand out: course/ inside
+    python exercises/make_student_copy.py OUT_DIR                   # a folder (all exercises)
+    python exercises/make_student_copy.py OUT_DIR --only 3 5        # only these
+
+An instructor makes the copy in the reference checkout (it needs the answers, to leave them
+out) and hands out the archive; a student unpacks it (`tar xzf course.tar.gz; cd course`).
 
 A region is everything between `# EXERCISE N ...` (plus its `#   ...` continuation
 lines) and `# END EXERCISE N` in a .py file; in the copy it becomes one
 `raise NotImplementedError("Exercise N ...")` at the marker's indentation, the
-markers stay. Every other byte is copied verbatim. Left out: exercises/answers.md,
+markers stay. Every other byte is copied verbatim, but for the parts of the docs that answer
+an experiment, between `<!-- answers EN ... -->` and `<!-- end answers -->` (docs/results.md's
+CoV-Align section answers E3), each replaced by one line saying so. Left out: the answers
+(exercises/answers.md, its template and figures, make_answers.py and tests/test_answers.py),
 methods/fast_cap.py (a fast form of exercise 3: without it PAL and PAL-Rel train
 through the student's relative + cap), tests/test_exercises.py (it holds the answers
 it plants), and .git, .cache, results, __pycache__, .pytest_cache. The copy records the
 exercises it blanked in exercises/this_copy.json. OUT_DIR must not
-exist or be empty (a student's work is never overwritten).
+exist or be empty, an archive must not exist (a student's work is never overwritten).
 """
 import argparse
 import json
 import re
 import shutil
 import sys
+import tarfile
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SKIP_DIRS = {".git", ".cache", "results", "__pycache__", ".pytest_cache"}
 SKIP_FILES = {Path("exercises/answers.md"),     # the experiments' answers, for instructors
+              Path("exercises/answers_template.md"), Path("exercises/answers_figures.json"),  # ... their source
+              Path("exercises/make_answers.py"), Path("tests/test_answers.py"),              # ... and their check
               Path("methods/fast_cap.py"),       # PAL's fast CAP: computes exercise 3's p (pal.py choice 9)
               Path("tests/test_exercises.py"),   # the course's own test: it plants each exercise's answer
               Path("exercises/this_copy.json")}  # a copy's own record (below), never carried into another
 START = re.compile(r"^(?P<indent>[ \t]*)# EXERCISE (?P<n>\d+)\b(?P<text>.*)$")
 MORE = re.compile(r"^[ \t]*#   (?P<text>\S.*)$")                # continuation of the marker text
 END = re.compile(r"^[ \t]*# END EXERCISE (?P<n>\d+)\s*$")
+ANSWERS = re.compile(r"^<!-- answers (?P<e>E\d+)\b[^>]*-->\n.*?^<!-- end answers -->\n", re.S | re.M)  # in docs
+
+
+def without_answers(text):
+    """A doc with each part that answers an experiment replaced by one line saying so."""
+    return ANSWERS.sub(lambda m: f"*(Left out of the student copy: this part answers experiment {m['e']} of the "
+                                 f"course, exercises/README.md.)*\n", text)
 
 
 def find_regions(lines, where="<text>"):
@@ -96,10 +114,32 @@ def make_copy(out_dir, only=None, root=ROOT):
                     blanked[n] = blanked.get(n, 0) + 1
             dst.write_text(blank(text, only, str(rel)))
             shutil.copymode(src, dst)
+        elif rel.suffix == ".md" and ANSWERS.search(text := src.read_text()):
+            dst.write_text(without_answers(text))
         else:
             shutil.copy2(src, dst)
     # which exercises this copy blanks (align.py's refusal reads it to advise the right --only)
     (out_dir / "exercises" / "this_copy.json").write_text(json.dumps({"blanked": sorted(only or blanked)}) + "\n")
+    return blanked
+
+
+def make_archive(archive, only=None, root=ROOT):
+    """Write the student copy as a .tar.gz holding one folder named after the archive (course.tar.gz ->
+    course/); returns make_copy's {exercise: regions blanked}."""
+    archive = Path(archive).resolve()
+    if not archive.name.endswith(".tar.gz"):
+        raise SystemExit(f"error: {archive} does not end in .tar.gz")
+    if archive.exists():
+        raise SystemExit(f"error: {archive} exists (a copy handed out is never overwritten)")
+    if archive == Path(root).resolve() or Path(root).resolve() in archive.parents:
+        raise SystemExit(f"error: {archive} is inside the project; choose a folder outside it")
+    name = archive.name[:-len(".tar.gz")]
+    with tempfile.TemporaryDirectory() as tmp:
+        blanked = make_copy(Path(tmp) / name, only, root)
+        partial = archive.with_name(archive.name + ".partial")
+        with tarfile.open(partial, "w:gz") as tar:
+            tar.add(Path(tmp) / name, arcname=name)
+        partial.replace(archive)                                 # whole or not at all
     return blanked
 
 
@@ -125,20 +165,26 @@ def main(argv=None):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from table import EXERCISES
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("out_dir", help="folder to write the copy to (must not exist, or be empty)")
+    p.add_argument("out_dir", help="folder to write the copy to (must not exist, or be empty), or an archive "
+                                   "NAME.tar.gz to write (holding the folder NAME/)")
     p.add_argument("--only", type=int, nargs="+", default=None, metavar="N", help="blank only these exercises")
     args = p.parse_args(argv)
     unknown = set(args.only or []) - set(EXERCISES)
     if unknown:
         raise SystemExit(f"error: no exercise {sorted(unknown)}; the exercises are {sorted(EXERCISES)}")
     t0 = time.time()
-    blanked = make_copy(args.out_dir, set(args.only) if args.only else None)
+    make = make_archive if args.out_dir.endswith(".tar.gz") else make_copy
+    blanked = make(args.out_dir, set(args.only) if args.only else None)
     missing = set(args.only or EXERCISES) - set(blanked)
     if missing:
         raise SystemExit(f"error: no marked region found for exercise(s) {sorted(missing)}")
     print(f"student copy in {args.out_dir} ({time.time() - t0:.1f}s): blanked "
           + ", ".join(f"exercise {n} ({k} region{'s' if k > 1 else ''})" for n, k in sorted(blanked.items())))
-    print(f"grade it with: python exercises/grade.py   (inside {args.out_dir})")
+    if args.out_dir.endswith(".tar.gz"):
+        name = Path(args.out_dir).name[:-len(".tar.gz")]
+        print(f"hand it out; a student runs: tar xzf {Path(args.out_dir).name}; cd {name}; python exercises/grade.py")
+    else:
+        print(f"grade it with: python exercises/grade.py   (inside {args.out_dir})")
 
 
 if __name__ == "__main__":

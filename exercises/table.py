@@ -94,8 +94,8 @@ EXERCISES = {
                "tests/test_csa.py::test_few_samples_and_dense_image",
                "tests/test_csa.py::test_covariances_in_chunks_match_the_whole_set"],
         hint="centring with the wrong mean (the mean over samples, dim 0, of the WHOLE set, not per row or per "
-             "chunk); whitening with L instead of L^T on the way back (A = L_x^-T U); whitening one view only; "
-             "using U for both views (B comes from V = Vh.T)"),
+             "chunk); dividing the covariances by N instead of N - 1; whitening with L instead of L^T on the way "
+             "back (A = L_x^-T U); whitening one view only; using U for both views (B comes from V = Vh.T)"),
     8: dict(
         title="Weight recycling: the cosine-classifier check of neural collapse (Table 1)",
         regions=["recycling.py"],
@@ -103,8 +103,8 @@ EXERCISES = {
                "tests/test_recycling.py::test_neural_collapse_bias_and_norm_change_the_answer",
                "tests/test_recycling.py::test_neural_collapse_check_matches_naive_loop"],
         hint="head rows not normalised in the cosine classifier (cos needs BOTH w_i and f unit length); "
-             "normalising along the wrong dim (rows of W, dim -1); the bias added to the cosine or left in "
-             "the bias-free head"),
+             "normalising W along dim 0 (each class's ROW w_i is what gets unit length: dim -1); the bias added to "
+             "the cosine or left in the bias-free head; other keys than linear_top1, cosine_top1, nobias_top1"),
     9: dict(
         title="Mutual kNN between two spaces (Fig. 1)",
         regions=["similarity.py"],
@@ -126,7 +126,7 @@ EXERCISES = {
         hint="nearest instead of bilinear upsampling, or align_corners=True (upsample the LOGITS bilinearly "
              "with align_corners=False, then argmax); averaging IoU per image instead of summing intersections "
              "and unions over the set; counting ignored (background) pixels; classes absent from both "
-             "prediction and truth counted as IoU 0"),
+             "prediction and truth counted as IoU 0; no ValueError for a gt label outside 0..C-1"),
     11: dict(
         title="STRUCTURE: the R_S regulariser (neighbourhood distributions, JS divergence)",
         regions=["methods/structure.py"],

@@ -9,6 +9,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from course_references import course_references  # noqa: E402,F401  (exercises/grade.py's references)
 
 torch.set_num_threads(1)
 
@@ -72,8 +73,8 @@ def assert_same(got, want, what, atol=None, rtol=None):
         worst = diff.flatten().argmax().item()
         at = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), tuple(g.shape))) if g.dim() else ()
         raise AssertionError(f"{what}: {int(bad.sum())} of {bad.numel()} entries differ, by up to "
-                             f"{diff.flatten()[worst].item():.3g} (at {list(at)}: {g.flatten()[worst].item():.4g} "
-                             f"instead of {w.flatten()[worst].item():.4g})")
+                             f"{diff.flatten()[worst].item():.3g} (at {list(at)}: {g.flatten()[worst].item():.4g}, "
+                             f"expected {w.flatten()[worst].item():.4g})")
 
 
 class HostSyncs:

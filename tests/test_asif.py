@@ -27,13 +27,13 @@ def test_relative_representation_matches_loop():
     for b in range(4):
         ref = naive_relative(q.pooled[b], img.pooled, 7, 3)
         assert torch.allclose(emb[b], ref, atol=1e-5), \
-            f"image {b}: differs from the loop (k 7, p 3) by up to {(emb[b] - ref).abs().max():.3g}"
-    assert ((emb > 0).sum(1) <= 7).all(), f"up to {(emb > 0).sum(1).max()} non-zero entries per row, k is 7"
+            f"image {b}: differs by up to {(emb[b] - ref).abs().max():.3g} from the loop's expected (k 7, p 3) {ref}"
+    assert ((emb > 0).sum(1) <= 7).all(), f"up to {(emb > 0).sum(1).max()} non-zero entries per row, expected <= k = 7"
     emb_l = asif.embed_text(txt[:3])
     for b in range(3):
         ref = naive_relative(txt.pooled[b], txt.pooled, 7, 3)
         assert torch.allclose(emb_l[b], ref, atol=1e-5), \
-            f"text {b}: differs from the loop (k 7, p 3) by up to {(emb_l[b] - ref).abs().max():.3g}"
+            f"text {b}: differs by up to {(emb_l[b] - ref).abs().max():.3g} from the loop's expected (k 7, p 3) {ref}"
 
 
 def test_relative_representation_at_the_default_even_power():
@@ -43,13 +43,13 @@ def test_relative_representation_at_the_default_even_power():
     q = random_features(4, 1, 6, seed=2)
     for k in (5, 25):                                      # k = 25 of 30 keeps negative cosines too
         asif = ASIF(6, 5, k=k).fit(img, txt)
-        assert asif.p == 8
+        assert asif.p == 8, f"ASIF's default p = {asif.p}, expected 8"
         emb = asif.embed_image(q)
         for b in range(4):
             ref = naive_relative(q.pooled[b], img.pooled, k, 8)
             assert torch.allclose(emb[b], ref, atol=1e-5), (
-                f"image {b} at k {k}, p 8: differs from the loop (top-k, clamp at 0, then the power) by up to "
-                f"{(emb[b] - ref).abs().max():.3g}")
+                f"image {b} at k {k}, p 8: differs by up to {(emb[b] - ref).abs().max():.3g} from the loop's expected "
+                f"{ref} (top-k, clamp at 0, then the power)")
 
 
 def test_k_capped_by_anchor_count_and_n_anchors():
@@ -57,15 +57,18 @@ def test_k_capped_by_anchor_count_and_n_anchors():
     asif = ASIF(4, 4).fit(img, txt)                        # k = 800 > 10 anchors
     e = asif.embed_image(img)
     assert e.shape == (10, 10), f"k = 800 with 10 anchors: shape {tuple(e.shape)}, expected (10, 10)"
-    assert torch.isfinite(e).all(), "k = 800 with 10 anchors gives NaN or inf (cap k at the number of anchors)"
-    assert (e >= 0).all(), "negative entries: clamp at 0"
+    assert torch.isfinite(e).all(), \
+        "k = 800 with 10 anchors gives NaN or inf, expected finite entries (cap k at the number of anchors)"
+    assert (e >= 0).all(), f"smallest entry {e.min().item():.3g}, expected >= 0 (clamp at 0)"
     capped = ASIF(4, 4, n_anchors=6).fit(img, txt)
-    assert capped.anchors_v.shape == (6, 4), f"n_anchors 6: image anchors {tuple(capped.anchors_v.shape)}"
-    assert capped.anchors_l.shape == (6, 4), f"n_anchors 6: text anchors {tuple(capped.anchors_l.shape)}"
+    assert capped.anchors_v.shape == (6, 4), f"n_anchors 6: image anchors {tuple(capped.anchors_v.shape)}, " \
+                                             "expected (6, 4)"
+    assert capped.anchors_l.shape == (6, 4), f"n_anchors 6: text anchors {tuple(capped.anchors_l.shape)}, " \
+                                             "expected (6, 4)"
     # the same pairs on both sides: anchor j of each modality comes from one training pair
     j = (F.normalize(img.pooled, dim=1) @ capped.anchors_v.T).argmax(0)
     assert torch.equal(j, (F.normalize(txt.pooled, dim=1) @ capped.anchors_l.T).argmax(0)), \
-        "the image and text anchors do not come from the same training pairs"
+        "the image and text anchors do not come from the same training pairs, expected anchor j of both from pair j"
 
 
 def test_retrieval_on_paired_clusters_and_permutation():
@@ -81,10 +84,11 @@ def test_retrieval_on_paired_clusters_and_permutation():
     same = lab[150:, None] == lab[None, 150:]
     # the best caption of every held-out image is of its concept (chance 1/20)
     hit = same[torch.arange(50), S.argmax(1)].float().mean()
-    assert hit > 0.8, f"{100 * hit:.0f}% of held-out images find a caption of their concept first (chance 5%)"
+    assert hit > 0.8, \
+        f"{100 * hit:.0f}% of held-out images find a caption of their concept first, expected over 80% (chance 5%)"
     perm = torch.randperm(50)
     S_p = asif.score(asif.embed_image(img[150:][perm]), asif.embed_text(txt[150:]))
-    assert torch.allclose(S_p, S[perm]), "scores of the permuted images are not the permuted scores"
+    assert torch.allclose(S_p, S[perm]), "scores of the permuted images are not the expected permuted scores"
 
 
 def test_dense_image_matches_pooled_representation():
@@ -95,7 +99,7 @@ def test_dense_image_matches_pooled_representation():
     dense = asif.dense_image(img)
     assert dense.shape == (5, 4, 5), f"dense_image has shape {tuple(dense.shape)}, expected (B, H*W, N_a) = (5, 4, 5)"
     assert torch.allclose(dense[:, 1], asif.embed_image(img), atol=1e-6), \
-        "a patch equal to the pooled vector does not get the image's representation"
+        "a patch equal to the pooled vector does not get the image's representation, expected it to"
 
 
 def test_one_input_normalisation_at_fit_and_at_test():

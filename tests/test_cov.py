@@ -115,7 +115,7 @@ def test_deformable_sample_pixel_centre_reads_the_patch():
     out = deformable_sample(value, loc, torch.ones(1, 1, 1, 1))
     assert out.item() == pytest.approx(value[0, 0, 0, i, j].item()), (
         f"the centre of patch (row {i}, col {j}), loc ((j + .5) / W, (i + .5) / H), reads {out.item():.4g}, "
-        f"not that patch's value {value[0, 0, 0, i, j].item():g}")
+        f"expected that patch's value {value[0, 0, 0, i, j].item():g}")
 
 
 @pytest.mark.parametrize("M", [4, 8])
@@ -161,9 +161,9 @@ def test_threshold_mask_matches_loop():
         for q in range(5):
             expect = torch.tensor(naive_mask(logits[b, q].tolist(), eps), dtype=torch.float64)
             assert_same(out[b, q], expect, f"threshold_mask row ({b}, {q}) at eps {eps} against the loop")
-    assert (out > 0).sum() < out.numel(), "threshold_mask keeps every patch"   # the mask does drop patches
-    assert_same(threshold_mask(logits, 0.0), logits.softmax(-1), "threshold_mask at eps 0 (every patch in) "
-                "against the full softmax")
+    assert (out > 0).sum() < out.numel(), f"threshold_mask at eps {eps} keeps every patch, expected it to drop some"
+    assert_same(threshold_mask(logits, 0.0), logits.softmax(-1), "threshold_mask at eps 0 (every patch in), "
+                "expected the full softmax")
 
 
 def test_threshold_mask_normalises_the_scores_not_the_softmax():
@@ -173,10 +173,10 @@ def test_threshold_mask_normalises_the_scores_not_the_softmax():
     cos = torch.linspace(-1, 1, 81, dtype=torch.float64)[None]             # (1, N=81)
     for tau in (0.03, 0.1, 0.3, 1.0):
         kept = int((threshold_mask(cos / tau, 0.7) > 0).sum())
-        assert kept == 25, f"threshold_mask at eps 0.7, tau {tau}: {kept} of 81 patches kept; want 25 (the cosines " \
+        assert kept == 25, f"threshold_mask at eps 0.7, tau {tau}: {kept} of 81 patches kept, expected 25 (the cosines " \
                            f"within the top 30% of their range: hatAttn = (cos + 1) / 2 >= 0.7)"
     band = lambda tau: int((cos >= 1 - tau * math.log(1 / 0.7)).sum())    # the softmax-output reading's kept count
-    assert band(0.1) == 2, "the softmax-output reading keeps 2 patches at tau 0.1 here"
+    assert band(0.1) == 2, "(the test's own check) expected the softmax-output reading to keep 2 patches at tau 0.1"
 
 
 def test_threshold_mask_keeps_the_top_patch_of_a_constant_row():
@@ -301,7 +301,7 @@ def test_regions_match_naive_loop():
     assert_same(attn_bar.double(), ref_bar, "attn_bar (the threshold mask) against the loop", atol=1e-5, rtol=1e-4)
     assert_same(r.double(), ref_r, "the regions r = attn_bar V F against the loop", atol=1e-5, rtol=1e-4)
     kept = (attn_bar > 0).float().mean()
-    assert 0 < kept < 0.5, f"attn_bar keeps {100 * kept:.0f}% of the patches; at eps 0.5 it drops most"
+    assert 0 < kept < 0.5, f"attn_bar keeps {100 * kept:.0f}% of the patches, expected under 50% at eps 0.5"
 
 
 def test_conc_loss_reads_the_full_softmax_attention():
@@ -312,10 +312,10 @@ def test_conc_loss_reads_the_full_softmax_attention():
         ref_attn, ref_bar, _ = naive_assign(m, img)
     full = sum(sum(naive_spread(a, 4, 4)) for a in ref_attn) / ref_attn.shape[:2].numel()
     masked = sum(sum(naive_spread(a, 4, 4)) for a in ref_bar) / ref_bar.shape[:2].numel()
-    assert abs(full - masked) > 0.01                                    # the two readings differ here
+    assert abs(full - masked) > 0.01, "(the test's own check) expected the two readings to differ here"
     assert logs["conc"] == pytest.approx(full, rel=1e-4), (
-        f"L_conc = {logs['conc']:.4f}; the spread of the full softmax attention is {full:.4f}, of the masked "
-        f"attention {masked:.4f}")
+        f"L_conc = {logs['conc']:.4f}, expected {full:.4f}, the spread of the full softmax attention (of the masked "
+        f"attention: {masked:.4f})")
 
 
 # ----------------------------------------------------------------------------- baselines vs loops

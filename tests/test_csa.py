@@ -39,16 +39,18 @@ def test_planted_correlations_are_recovered():
     csa = CSA(img.pooled.shape[1], txt.pooled.shape[1], d=4, normalize=False, ridge="auto").fit(img, txt)
     found = lambda t: ", ".join(f"{x:.3f}" for x in t.tolist())
     assert torch.allclose(csa.rho, torch.tensor(rho), atol=0.02), \
-        f"canonical correlations {found(csa.rho)}, planted 0.9, 0.7, 0.5, 0.3"
+        f"canonical correlations {found(csa.rho)}, expected the planted 0.9, 0.7, 0.5, 0.3"
     # the projected (un-normalised) views correlate per dimension at rho_i, across dims at 0
     u = (img.pooled - csa.mu_v) @ csa.A
     v = (txt.pooled - csa.mu_l) @ csa.B
     assert torch.allclose(corr(u, v), torch.tensor(rho), atol=0.02), \
-        f"the projected views x A, y B correlate at {found(corr(u, v))} per dimension, planted 0.9, 0.7, 0.5, 0.3"
-    assert corr(u[:, :1], v[:, 1:2]).abs() < 0.03, "canonical variate 1 of x correlates with variate 2 of y"
+        f"the projected views x A, y B correlate at {found(corr(u, v))} per dimension, expected the planted 0.9, 0.7, 0.5, 0.3"
+    assert corr(u[:, :1], v[:, 1:2]).abs() < 0.03, \
+        f"canonical variate 1 of x correlates with variate 2 of y at {corr(u[:, :1], v[:, 1:2]).item():.3f}, expected 0"
     # within a view the canonical variates are uncorrelated with unit variance
     assert torch.allclose(torch.cov(u.T), torch.eye(4), atol=0.02), \
-        f"the covariance of x's canonical variates is not the identity (off by {(torch.cov(u.T) - torch.eye(4)).abs().max():.3f})"
+        f"the covariance of x's canonical variates is off the expected identity by " \
+        f"{(torch.cov(u.T) - torch.eye(4)).abs().max():.3f}"
 
 
 def test_matches_generalised_eigenproblem():
@@ -61,7 +63,7 @@ def test_matches_generalised_eigenproblem():
     M = torch.linalg.solve(S_xx, S_xy) @ torch.linalg.solve(S_yy, S_xy.T)
     eig = torch.linalg.eigvals(M).real.sort(descending=True).values[:3]
     assert torch.allclose(csa.rho.double() ** 2, eig, atol=1e-4), \
-        f"rho^2 = {(csa.rho.double() ** 2).tolist()}, the eigenvalues of S_xx^-1 S_xy S_yy^-1 S_yx are {eig.tolist()}"
+        f"rho^2 = {(csa.rho.double() ** 2).tolist()}, expected the eigenvalues of S_xx^-1 S_xy S_yy^-1 S_yx {eig.tolist()}"
 
 
 def test_one_dimensional_views_give_absolute_pearson():
@@ -70,26 +72,28 @@ def test_one_dimensional_views_give_absolute_pearson():
     y = -0.6 * x + torch.randn(500, 1, generator=g)
     csa = CSA(1, 1, ridge=0.0, normalize=False).fit(Features.from_vectors(x), Features.from_vectors(y))
     assert torch.allclose(csa.rho, corr(x, y).abs(), atol=1e-5), \
-        f"rho {csa.rho.tolist()} of two 1-d views, their |Pearson r| is {corr(x, y).abs().tolist()}"
+        f"rho {csa.rho.tolist()} of two 1-d views, expected their |Pearson r| {corr(x, y).abs().tolist()}"
 
 
 def test_score_is_rho_weighted_dot_and_permutes_with_batch():
     img, txt = planted_views(2000, [0.9, 0.5])
     csa = CSA(5, 4, normalize=False, ridge="auto").fit(img, txt)
     e_v, e_l = csa.embed_image(img[:7]), csa.embed_text(txt[:5])
-    assert torch.allclose(e_v.norm(dim=1), torch.ones(7), atol=1e-5), "image embeddings are not unit length"
+    assert torch.allclose(e_v.norm(dim=1), torch.ones(7), atol=1e-5), \
+        f"image embeddings of norms {e_v.norm(dim=1).tolist()}, expected 1"
     S = csa.score(e_v, e_l)
     naive = torch.tensor([[sum(csa.rho[i] * e_v[a, i] * e_l[b, i] for i in range(csa.d)) for b in range(5)]
                           for a in range(7)])
     assert torch.allclose(S, naive, atol=1e-5), \
-        f"scores differ from sum_i rho_i u_i v_i by up to {(S - naive).abs().max():.3g}"
+        f"scores differ by up to {(S - naive).abs().max():.3g} from the expected sum_i rho_i u_i v_i"
     perm = torch.randperm(7)
     assert torch.allclose(csa.score(csa.embed_image(img[perm]), e_l), S[perm], atol=1e-6), \
-        "scores of the permuted images are not the permuted scores"
+        "scores of the permuted images are not the expected permuted scores"
     # true pairs score higher than mismatched ones on average
     S_all = csa.score(csa.embed_image(img[:200]), csa.embed_text(txt[:200]))
     assert S_all.diag().mean() > S_all.mean() + 0.2, \
-        f"true pairs score {S_all.diag().mean():.3f} on average, all pairs {S_all.mean():.3f}: no alignment"
+        f"true pairs score {S_all.diag().mean():.3f} on average, all pairs {S_all.mean():.3f}: expected the true " \
+        f"pairs over {S_all.mean() + 0.2:.3f}"
 
 
 def test_few_samples_and_dense_image():
@@ -98,16 +102,17 @@ def test_few_samples_and_dense_image():
     txt = random_features(10, 3, 8, seed=4)
     csa = CSA(6, 8, ridge="auto").fit(img, txt)                          # d = min(200, 6, 8, 10 - 1) = 6
     assert csa.A.shape == (6, 6), f"A has shape {tuple(csa.A.shape)}, expected (D_v, d) = (6, 6)"
-    assert torch.isfinite(csa.A).all(), "A has NaN or inf entries (10 samples, ridge 'auto')"
+    assert torch.isfinite(csa.A).all(), "A has NaN or inf entries (10 samples, ridge 'auto'), expected finite ones"
     dense = csa.dense_image(img)
     assert dense.shape == (10, 4, 6), f"dense_image has shape {tuple(dense.shape)}, expected (10, 4, 6)"
     # a patch token equal to the pooled vector gets the image embedding
     img.tokens[:, 1] = img.pooled
     assert torch.allclose(csa.dense_image(img)[:, 0], csa.embed_image(img), atol=1e-5), \
-        "a patch equal to the pooled vector does not get the image's embedding"
-    small = CSA(6, 8, ridge="auto").fit(img[:4], txt[:4])               # N - 1 = 3 canonical pairs only
-    assert (small.rho[3:] == 0).all(), f"4 samples give 3 canonical pairs, rho = {small.rho.tolist()}"
-    assert (small.A[:, 3:] == 0).all(), "4 samples give 3 canonical pairs, yet A's columns 4-6 are not 0"
+        "a patch equal to the pooled vector does not get the image's embedding, expected it to"
+    small = CSA(6, 8, ridge="auto").fit(img[:4], txt[:4])  # N - 1 = 3 canonical pairs only
+    assert (small.rho[3:] == 0).all(), \
+        f"rho = {small.rho.tolist()}, expected 0 from the 4th on: 4 samples give N - 1 = 3 canonical pairs"
+    assert (small.A[:, 3:] == 0).all(), "A's columns 4-6 are not 0, expected 0: 4 samples give N - 1 = 3 canonical pairs"
 
 
 def anisotropic_views(N, rho, extra_v, extra_l, signal_var=1.0, noise_var=1.0, cond=None, seed=0):
@@ -204,8 +209,9 @@ def test_covariances_in_chunks_match_the_whole_set():
     C = torch.cov(torch.cat([X, Y], 1).double().T)                                # (7, 7), divides by N - 1
     for name, got, want in (("mu_x", mu_x, X.double().mean(0)), ("mu_y", mu_y, Y.double().mean(0)),
                             ("S_xx", S_xx, C[:4, :4]), ("S_yy", S_yy, C[4:, 4:]), ("S_xy", S_xy, C[:4, 4:])):
-        assert torch.allclose(got, want), (f"{name} in chunks of 7 rows differs from the whole set's (torch.cov, "
-                                           f"N - 1) by up to {(got - want).abs().max():.3g}")
+        assert torch.allclose(got, want), (f"{name} in chunks of 7 rows differs by up to "
+                                           f"{(got - want).abs().max():.3g} from the expected whole set's (torch.cov, "
+                                           f"dividing by N - 1)")
 
 
 def F_unit(x):

@@ -143,9 +143,9 @@ def test_retrieval_metrics_match_naive_loops(seed):
     ref = naive_retrieval(S, txt_to_img)
     assert m.keys() == ref.keys(), f"keys {sorted(m)}, expected {sorted(ref)}"
     for k in ref:
-        assert m[k] == pytest.approx(ref[k], abs=1e-5), f"{k} = {m[k]:.5g}, the naive loop gives {ref[k]:.5g}"
-    assert 0 < m["i2t_r1"] < 100                             # not a degenerate case
-    assert 0 < m["i2t_map"] < 1
+        assert m[k] == pytest.approx(ref[k], abs=1e-5), f"{k} = {m[k]:.5g}, expected {ref[k]:.5g} (the naive loop)"
+    assert 0 < m["i2t_r1"] < 100, f"i2t_r1 = {m['i2t_r1']:.4g}, expected a percent strictly inside (0, 100) here"
+    assert 0 < m["i2t_map"] < 1, f"i2t_map = {m['i2t_map']:.4g}, expected a fraction strictly inside (0, 1) here"
 
 
 def test_retrieval_metrics_invariant_to_consistent_permutation():
@@ -157,7 +157,7 @@ def test_retrieval_metrics_invariant_to_consistent_permutation():
     m2 = ev.retrieval_metrics(S[pi][:, pt], inv_pi[txt_to_img[pt]])
     for k in m:
         assert m2[k] == pytest.approx(m[k], abs=1e-5), \
-            f"{k} = {m2[k]:.5g} after permuting images and captions consistently, {m[k]:.5g} before"
+            f"{k} = {m2[k]:.5g} after permuting images and captions consistently, expected {m[k]:.5g} as before"
 
 
 def test_score_matrix_chunked_equals_full():
@@ -185,7 +185,7 @@ def test_retrieval_end_to_end_is_perfect_for_near_copies_and_uses_eval_mode():
     want(m, "i2t_map", 1, near)
     want(m, "i2t_p5", 1, near)
     want(m, "t2i_p1", 1, near, exact=True)
-    assert method.training, "retrieval() left the method in eval mode"   # flag restored
+    assert method.training, "retrieval() left the method in eval mode, expected its training flag restored"
 
 
 # ----------------------------------------------------------------------------- embed
@@ -244,7 +244,7 @@ def test_token_level_class_logits_average_scores_over_templates():
         for c in range(C):
             ref = sum(naive_token_score(img[i], txt[c * n + r]) for r in range(n)) / n
             assert float(logits[i, c]) == pytest.approx(ref, abs=1e-5), (
-                f"image {i}, class {c}: logit {float(logits[i, c]):.4f}, the mean over its {n} templates' "
+                f"image {i}, class {c}: logit {float(logits[i, c]):.4f}, expected the mean over its {n} templates' "
                 f"scores is {ref:.4f} (prompts are class-major)")
 
 
@@ -278,14 +278,20 @@ def test_miou_hand_made_and_ignore_pixels_excluded():
     pred2 = pred.clone()
     pred2[1, 1:] = torch.tensor([1, 0])           # only ignored pixels changed
     got2 = miou_of(pred2, gt, 2)
-    assert got2 == got, f"changing the prediction on ignored (255) pixels moves mIoU from {got:.4g} to {got2:.4g}"
+    assert got2 == got, (f"changing the prediction on ignored (255) pixels moves mIoU from {got:.4g} to {got2:.4g}, "
+                         f"expected {got:.4g} unchanged")
     # a class predicted but absent from gt counts with IoU 0; a class absent from both does not count
     got = miou_of(torch.tensor([0, 2]), torch.tensor([0, 0]), 4)
     assert got == pytest.approx(100 * (1 / 2 + 0) / 2), (
         f"mIoU {got:.4g}, expected 25 (class 0 IoU 1/2, class 2 predicted but absent IoU 0, classes 1 and 3 "
         f"absent from both: not counted)")
-    with pytest.raises(ValueError):
+    try:                                          # a label outside 0..C-1 that is not ignore_index
         miou_of(torch.tensor([0]), torch.tensor([7]), 2)
+    except ValueError:
+        pass
+    else:
+        pytest.fail("iou_counts(pred [0], gt [7], C = 2) returned, expected a ValueError: a label outside 0..C-1 "
+                    "(other than ignore_index) is an error")
 
 
 def test_miou_accumulates_over_the_set_not_per_image():
@@ -294,7 +300,8 @@ def test_miou_accumulates_over_the_set_not_per_image():
     pred2 = torch.ones(2, 2, dtype=torch.long)                                                # all class 1
     per_image = (miou_of(pred1, gt1, 2) + miou_of(pred2, gt2, 2)) / 2
     pooled = miou_of(torch.stack([pred1, pred2]), torch.stack([gt1, gt2]), 2)
-    assert per_image == pytest.approx((100 + 100 * (0 + 3 / 4) / 2) / 2), f"per-image mean {per_image:.4g}, not 68.75"
+    assert per_image == pytest.approx((100 + 100 * (0 + 3 / 4) / 2) / 2), \
+        f"(the test's own check) per-image mean {per_image:.4g}, expected 68.75"
     assert pooled == pytest.approx(100 * (4 / 5 + 3 / 4) / 2), \
         f"mIoU of the two images together {pooled:.4g}, expected 77.5 (intersections and unions summed over the set)"
 
@@ -370,7 +377,8 @@ def test_segmentation_upsamples_logits_bilinearly():
     valid = masks != 255
     for kw in (dict(mode="nearest"), dict(mode="bilinear", align_corners=True)):
         other = F.interpolate(logits, size=(Hm, Wm), **kw).argmax(1)
-        assert (other != masks)[valid].float().mean() > 0.05, kw                     # the test can tell them apart
+        assert (other != masks)[valid].float().mean() > 0.05, \
+            f"(the test's own check) {kw} upsampling, expected to differ from the truth on > 5% of the pixels"
 
 
 def test_segmentation_sums_intersections_and_unions_over_all_batches():
@@ -392,9 +400,10 @@ def test_segmentation_sums_intersections_and_unions_over_all_batches():
     prompts = Features.from_vectors(torch.eye(C))
     got = ev.segmentation(Cosine(), img, masks, prompts, 1, batch_size=2)["miou_fg"]
     assert got == pytest.approx(expect, abs=1e-4), \
-        f"mIoU {got:.4g} over 5 images in batches of 2; intersections and unions summed over all give {expect:.4g}"
+        f"mIoU {got:.4g} over 5 images in batches of 2, expected {expect:.4g} (intersections, unions summed over all)"
     last = ev.segmentation(Cosine(), img[4:], masks[4:], prompts, 1)["miou_fg"]
-    assert abs(last - expect) > 1                                                   # the last batch alone differs
+    assert abs(last - expect) > 1, f"(the test's own check) the last batch alone gives {last:.4g}, expected it to " \
+                                   f"differ from {expect:.4g}"
 
 
 # ----------------------------------------------------------------------------- binding

@@ -141,7 +141,7 @@ def test_only_blanks_the_chosen_exercises_and_never_overwrites(tmp_path):
 def graded_results(root):
     """{exercise: [(node, outcome, message)]} of every graded test, from one pytest run in root."""
     ids = list(dict.fromkeys(t for ex in EXERCISES.values() for t in ex["tests"]))
-    results, broken, tail = grader.run_tests(root, ids)
+    results, broken, tail, _ = grader.run_tests(root, ids)
     assert not broken, broken
     out = {}
     for n, ex in EXERCISES.items():
@@ -175,7 +175,9 @@ def test_every_graded_test_fails_on_the_blank_copy(student_copy):
 def test_student_copy_fails_every_exercise_and_the_rest_still_imports(student_copy):
     ref_files = msc.project_files(ROOT)
     assert msc.project_files(student_copy) == ref_files
-    for left_out in ("exercises/answers.md", "methods/fast_cap.py", "tests/test_exercises.py"):
+    for left_out in ("exercises/answers.md", "exercises/answers_template.md", "exercises/answers_figures.json",
+                     "exercises/make_answers.py", "tests/test_answers.py", "methods/fast_cap.py",
+                     "tests/test_exercises.py"):
         assert (ROOT / left_out).exists() and not (student_copy / left_out).exists(), left_out
     assert not any((student_copy / d).exists() for d in (".git", ".cache", "results"))
     for rel in ref_files:                                         # verbatim outside the regions
@@ -185,6 +187,8 @@ def test_student_copy_fails_every_exercise_and_the_rest_still_imports(student_co
             for n, s, e, indent, words in msc.find_regions(got.decode().split("\n")):
                 raise_line = f"{indent}raise NotImplementedError({f'Exercise {n} {words}'!r})"
                 assert got.decode().split("\n")[s:e] == [raise_line], rel
+        elif rel.suffix == ".md" and msc.ANSWERS.search(ref.decode()):
+            assert got.decode() == msc.without_answers(ref.decode()), rel
         else:
             assert got == ref, rel
     r = subprocess.run([sys.executable, "-c", "import align, data, encoders, evaluate, features, methods, recycling, "
@@ -296,8 +300,11 @@ def test_pasted_back_copy_passes_and_trains_the_paper_form_to_the_last_digit(stu
     copy, no_mask = tmp_path / "solved", tmp_path / "no-mask"
     shutil.copytree(student_copy, copy)
     msc.paste_back(copy, ROOT)
-    for rel in msc.project_files(copy):
-        assert (copy / rel).read_bytes() == (ROOT / rel).read_bytes(), rel
+    for rel in msc.project_files(copy):                       # the reference, less the docs' answers
+        ref = (ROOT / rel).read_bytes()
+        if rel.suffix == ".md" and msc.ANSWERS.search(ref.decode()):
+            ref = msc.without_answers(ref.decode()).encode()
+        assert (copy / rel).read_bytes() == ref, rel
     shutil.copytree(copy, no_mask)
     rel, right, wrong = NO_MASK
     text = (no_mask / rel).read_text()
@@ -488,6 +495,29 @@ def test_the_sheet_gives_each_exercise_its_needs_and_time_and_an_order_that_keep
     assert "python exercises/grade.py" in sheet.split("**Tests in a student copy.**")[1].split("\n\n")[0]
 
 
+def experiment_sections():
+    """{"E1": its text, ...} of the sheet's experiments."""
+    sheet = (ROOT / "exercises" / "README.md").read_text().split("## Experiments")[1].split("## A two-week")[0]
+    return {m[1]: m[2] for m in re.finditer(r"\*\*(E\d)\.(.*?)(?=\*\*E\d\.|\Z)", sheet, re.S)}
+
+
+def test_each_experiment_says_every_exercise_its_runs_need_and_e1_one_schedule():
+    """"(after exercises ...)" lists what its align.py runs execute (table.run_needs: the method's and the
+    evaluation's); E1's three runs train the same --epochs."""
+    sections = experiment_sections()
+    assert sorted(sections) == [f"E{i}" for i in range(1, 7)]
+    for e, text in sections.items():
+        runs = re.findall(r"python align\.py ([^`\n]*)", text)
+        if not runs:
+            continue
+        methods = {m for r in runs for m in re.findall(r"--method (\w+)", r)} or {"pal"}
+        need = sorted(set().union(*(table.run_needs(m, "--analyses" in text) for m in methods)))
+        label = re.search(r"\(after exercises? ([\d, ]+)[;)]", text)
+        assert label and sorted(map(int, re.findall(r"\d+", label[1]))) == need, (e, label and label[0], need)
+    e1 = re.findall(r"^python align\.py .*$", sections["E1"], re.M)
+    assert len(e1) == 3 and len({re.search(r"--epochs (\d+)", r)[1] for r in e1}) == 1, e1
+
+
 def test_the_experiments_give_each_run_its_own_out_folder():
     sheet = (ROOT / "exercises" / "README.md").read_text()
     for e in ("E1", "E2", "E3"):
@@ -521,3 +551,227 @@ def test_the_needs_column_is_what_grading_finds(tmp_path):
                 assert f"blocked by exercise {m}" in lines[0] or f"blocked by exercise {m}" in "\n".join(lines), lines
                 found.setdefault(n, []).append(m)
     assert found == {n: sorted(d) for n, d in table.DEPENDS.items()}
+
+
+# ----------------------------------------------------------------------------- grading against the references
+
+def reference_cases():
+    """(exercise, name, the project's function, its reference, inputs as a function) for every reference."""
+    import course_references as cr
+    from conftest import random_features
+    from methods.cov import CoV
+    g = torch.Generator().manual_seed(1)
+    rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[True] * 5, [True, True, True, False, False], [True] * 4 + [False]])
+    w = torch.randn(3, 4, 6, generator=g, dtype=torch.float64)
+    w[1, 2:] = 0                                                              # padded words
+    r = torch.randn(2, 5, 6, generator=g, dtype=torch.float64)
+    r[0, 4] = 0                                                               # a padded region
+    cov = CoV(8, 6, dim=16, n_regions=4, eps=0.5, n_heads=2, n_points=2).double()
+    img = random_features(3, 9 + 1, 8, grid=(3, 3)).to("cpu", torch.float64)
+    import methods.cov as mc
+    import evaluate
+    import methods.losses as ml
+    import methods.pal as mp
+
+    class Global:  # the smallest method a class_logits call needs
+        def score(self, a, b):
+            return a @ b.T
+    cases = [(2, "info_nce", ml.info_nce, cr.info_nce, lambda: (rnd(4, 6), rnd(4, 6), 0.1)),
+             (2, "info_nce_of_logits", ml.info_nce_of_logits, cr.info_nce_of_logits, lambda: (rnd(4, 4),)),
+             (2, "info_nce_of_logits (two)", ml.info_nce_of_logits, cr.info_nce_of_logits,
+              lambda: (rnd(4, 4), rnd(4, 4))),
+             (3, "relative", mp.relative, cr.relative, lambda: (rnd(3, 5, 6), rnd(4, 6))),
+             (3, "cap", mp.cap, cr.cap, lambda: (rnd(3, 5, 4), mask, 0.1)),
+             (4, "deformable_sample", mc.deformable_sample, cr.deformable_sample,
+              lambda: (rnd(2, 2, 3, 4, 5), (torch.rand(2, 3, 2, 4, 2, generator=g, dtype=torch.float64) * 1.4 - 0.2)
+                       .requires_grad_(), rnd(2, 3, 2, 4))),
+             (5, "threshold_mask", mc.threshold_mask, cr.threshold_mask,
+              lambda: (rnd(2, 3, 7).softmax(-1), 0.5)),
+             (5, "CoV.regions", lambda i: CoV.regions(cov, i), lambda i: cr.regions(cov, i), lambda: (img,)),
+             (5, "CoV.spread", CoV.spread, cr.spread, lambda: (rnd(2, 3, 12).softmax(-1), (3, 4))),
+             (6, "max_mean", mc.max_mean, cr.max_mean,
+              lambda: (r.clone().requires_grad_(), w.clone().requires_grad_())),
+             (6, "real_word_mean", mc.real_word_mean, cr.real_word_mean, lambda: (rnd(2, 3, 4), w)),
+             (13, "template_average", evaluate.template_average, cr.template_average, lambda: (rnd(6, 5), 3)),
+             (13, "class_logits", evaluate.class_logits, cr.class_logits,
+              lambda: (Global(), torch.randn(4, 5, generator=g), torch.randn(2, 5, generator=g), 3))]
+    assert {n for n, *_ in cases} == set(cr.REFERENCES)
+    return cases
+
+
+def test_each_reference_is_the_reference_code_in_values_and_gradients():
+    """tests/course_references.py, what grade.py puts in place of a student's dependency, computes what the
+    project's own regions compute, forward and backward."""
+    for n, name, ours, ref, inputs in reference_cases():
+        torch.manual_seed(0)
+        args = inputs()
+        got, want = ref(*args), ours(*args)
+        got, want = (got if isinstance(got, tuple) else (got,)), (want if isinstance(want, tuple) else (want,))
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, msg=lambda m: f"exercise {n}'s {name}: {m}")
+        leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        if leaves and got[0].requires_grad:
+            for a, b in zip(torch.autograd.grad(got[0].sum(), leaves), torch.autograd.grad(want[0].sum(), leaves)):
+                torch.testing.assert_close(a, b, msg=lambda m: f"exercise {n}'s {name}, gradient: {m}")
+
+
+WRONG_CAP = ("methods/pal.py", "alpha = logits.softmax(dim=1)", "alpha = logits.softmax(dim=2)")
+
+
+@pytest.mark.slow
+def test_a_wrong_dependency_is_graded_as_its_own_exercise(tmp_path):
+    """A cap with the softmax over the anchors fails exercise 3; exercises 2 and 6, whose tests run cap too, are
+    graded with the reference cap: passed, saying the student's own cap also breaks them. A blank cap blocks."""
+    copy = tmp_path / "wrong-cap"
+    msc.make_copy(copy, only=set())
+    rel, right, wrong = WRONG_CAP
+    text = (copy / rel).read_text()
+    assert text.count(right) == 1
+    (copy / rel).write_text(text.replace(right, wrong))
+    code, lines, out = grade(copy, 2, 3, 6)
+    assert code == 1, out
+    assert "  FAILED  " in lines[3] and "softmax over the anchors" in lines[3], out
+    for n in (2, 6):
+        assert "  passed  " in lines[n] and "also fails with your exercise 3: " in lines[n], out
+    assert "test_padded_words_do_not_change_the_score[TextGuided] passes with the reference exercise 3" in lines[6]
+    msc.make_copy(tmp_path / "only3", only={3})
+    code, lines, out = grade(tmp_path / "only3", 6)
+    assert "  BLOCKED  " in lines[6] and "blocked by exercise 3: " in lines[6], out
+
+
+# ----------------------------------------------------------------------------- a run of other code keeps its own folder
+
+def test_config_records_the_method_code_and_a_run_of_other_code_is_refused_in_its_out(tmp_path):
+    """config.json's methods_sha256 (sha256 over methods/*.py, sorted) changes with any byte of a method file,
+    and outfolder compares it as a setting: a rerun after changing one's code never replaces the old results."""
+    import importlib
+    import train
+    home = lambda name: importlib.import_module(name if (ROOT / f"{name}.py").is_file() else f"infra.{name}")
+    outfolder, RunError = home("outfolder"), home("errors").RunError
+    shutil.copytree(ROOT / "methods", tmp_path / "methods", ignore=shutil.ignore_patterns("__pycache__"))
+    assert train.methods_sha256(tmp_path / "methods") == train.methods_sha256()
+    csa = tmp_path / "methods" / "csa.py"
+    csa.write_text(csa.read_text() + "\n")
+    changed = train.methods_sha256(tmp_path / "methods")
+    assert changed != train.methods_sha256() and len(changed) == 64
+    assert "methods_sha256=train.methods_sha256()" in (ROOT / "align.py").read_text()   # what config.json holds
+    old = {"data": "shapes", "method": "csa", "methods_sha256": train.methods_sha256()}
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(old))
+    outfolder.begin(out, dict(old), resume=False)                     # the same code: a rerun, allowed
+    with pytest.raises(RunError, match=r"other settings \(methods_sha256 '\w+' there, '\w+' now\); pass another "
+                                       r"--out \(e\.g\. --out .*-2\)"):
+        outfolder.begin(out, dict(old, methods_sha256=changed), resume=False)
+
+
+# ----------------------------------------------------------------------------- what a failing check says
+
+def graded_assertions():
+    """(exercise, "file:line", the assertion's message source or the call) of every check in the graded tests."""
+    import ast
+    seen, out = set(), []
+    for n, ex in EXERCISES.items():
+        for node_id in ex["tests"]:
+            path, name = node_id.split("::")
+            if (path, name.split("[")[0]) in seen:
+                continue
+            seen.add((path, name.split("[")[0]))
+            tree = ast.parse((ROOT / path).read_text())
+            fn = next(f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == name.split("[")[0])
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Assert):
+                    out.append((n, f"{path}:{node.lineno}", ast.unparse(node.msg) if node.msg else ""))
+                elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("pytest.raises", "assert_same", "want",
+                                                                                "torch.testing.assert_close"):
+                    out.append((n, f"{path}:{node.lineno}", ast.unparse(node.func)))
+    return out
+
+
+def test_every_graded_check_names_the_expected_value():
+    """Each assertion of a graded test carries a message saying what was expected (exercises/grade.py prints its
+    first line); assert_same and want say "expected" themselves; pytest.raises ("DID NOT RAISE") and a bare
+    assert_close are not used there."""
+    checks = graded_assertions()
+    assert len(checks) > 100
+    bad = [(n, where, msg) for n, where, msg in checks
+           if msg in ("pytest.raises", "torch.testing.assert_close") or
+           (msg not in ("assert_same", "want") and not re.search(r"\bexpected\b", msg))]
+    assert not bad, bad
+    from conftest import assert_same
+    with pytest.raises(AssertionError, match=r"x: 1 of 2 entries differ, by up to 1 \(at \[1\]: 3, expected 2\)"):
+        assert_same(torch.tensor([1.0, 3.0]), torch.tensor([1.0, 2.0]), "x")
+
+
+def marker_text(n):
+    """The words of exercise n's markers, all its regions together."""
+    words = []
+    for rel in EXERCISES[n]["regions"]:
+        words += [t for m, *_, t in msc.find_regions((ROOT / rel).read_text().split("\n")) if m == n]
+    return " ".join(words)
+
+
+def test_what_the_tests_require_is_in_the_markers():
+    """The requirements a graded test checks beyond the equation are in the marker a student reads."""
+    assert "raise ValueError" in marker_text(10) and "outside 0..C-1" in marker_text(10)
+    assert all(k in marker_text(8) for k in ("linear_top1", "cosine_top1", "nobias_top1"))
+    assert "N - 1" in marker_text(7)
+    assert "dim 0" in EXERCISES[8]["hint"] and "(rows of W, dim -1)" not in EXERCISES[8]["hint"]
+
+
+# ----------------------------------------------------------------------------- the copy an instructor hands out
+
+def test_the_copy_to_hand_out_is_an_archive_without_the_answers(tmp_path):
+    import tarfile
+    archive = tmp_path / "course.tar.gz"
+    blanked = msc.make_archive(archive, only={3})
+    assert blanked == {3: 2}
+    with tarfile.open(archive) as tar:
+        names = tar.getnames()
+        assert names and all(n == "course" or n.startswith("course/") for n in names), names[:5]
+        files = {n[len("course/"):] for n in names if tar.getmember(n).isfile()}
+        results = tar.extractfile("course/docs/results.md").read().decode()
+        pal = tar.extractfile("course/methods/pal.py").read().decode()
+    assert files == {str(rel) for rel in msc.project_files(ROOT)} | {"exercises/this_copy.json"}
+    for left_out in ("exercises/answers.md", "exercises/answers_template.md", "exercises/make_answers.py",
+                     "tests/test_answers.py", "methods/fast_cap.py", "tests/test_exercises.py"):
+        assert left_out not in files, left_out
+    assert "raise NotImplementedError('Exercise 3" in pal
+    # the docs' part that answers E3 (and links to answers.md) is one line saying it is left out
+    ref = (ROOT / "docs" / "results.md").read_text()
+    assert "## CoV-Align's defaults on real features" in ref and "answers.md" in ref
+    assert "## CoV-Align's defaults on real features" not in results and "answers.md" not in results
+    assert "Left out of the student copy: this part answers experiment E3" in results
+    assert results.replace(msc.without_answers(ref), "") == ""
+    with pytest.raises(SystemExit, match="exists"):
+        msc.make_archive(archive)                                  # a copy handed out is never overwritten
+    shipped = [p for p in msc.project_files(ROOT) if p.suffix == ".md"]
+    answers_in = [str(p) for p in shipped if "answers.md" in msc.without_answers((ROOT / p).read_text())
+                  and str(p) != "exercises/README.md"]
+    assert not answers_in, f"docs in a copy that point to exercises/answers.md: {answers_in}"
+
+
+@pytest.mark.slow
+def test_a_rerun_after_changing_the_method_code_is_refused_in_the_old_out(tmp_path, cache_dir):
+    """The sheet's rule, end to end: CSA's run in a copy, a method file changed, the same command again: refused
+    before it writes, the first results as they were; the same code again: a rerun, allowed."""
+    copy = tmp_path / "copy"
+    msc.make_copy(copy, only=set())
+    out = tmp_path / "csa-run"
+    cmd = [sys.executable, "align.py", "--method", "csa", *TINY_RUN, "--cache-dir", str(cache_dir), "--out", str(out)]
+    run = lambda: subprocess.run(cmd, cwd=copy, capture_output=True, text=True, timeout=900)
+    r = run()
+    assert r.returncode == 0, r.stderr[-2000:]
+    config = json.loads((out / "config.json").read_text())
+    assert re.fullmatch(r"[0-9a-f]{64}", config["methods_sha256"]), config.get("methods_sha256")
+    metrics = (out / "metrics.json").read_bytes()
+    csa = copy / "methods" / "csa.py"
+    csa.write_text(csa.read_text().replace("x = X[i:i + chunk].double() - mu_x", "x = X[i:i + chunk].double() - mu_x "))
+    r = run()
+    assert r.returncode == 1 and "holds the results of a run with other settings (methods_sha256 " in r.stderr, \
+        r.stderr[-2000:]
+    assert (out / "metrics.json").read_bytes() == metrics
+    csa.write_text(csa.read_text().replace("x = X[i:i + chunk].double() - mu_x ", "x = X[i:i + chunk].double() - mu_x"))
+    r = run()
+    assert r.returncode == 0, r.stderr[-2000:]

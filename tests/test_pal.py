@@ -108,7 +108,7 @@ def test_padding_does_not_change_h(pooling):
     diff = (h - h_padded).abs().amax(1)
     bad = (diff.nan_to_num(nan=float("inf")) > 1e-6).nonzero()[:, 0].tolist()
     assert not bad, (f"text h of rows {bad} changes by up to {diff.max().item():.3g} when 3 padded tokens of "
-                     f"large garbage (mask False) are appended: padded tokens must get weight 0")
+                     f"large garbage (mask False) are appended, expected no change: padded tokens must get weight 0")
 
 
 def test_permuting_the_batch_permutes_the_scores():
@@ -119,23 +119,26 @@ def test_permuting_the_batch_permutes_the_scores():
         S = m.score(m.embed_image(img), m.embed_text(txt))
         S_perm = m.score(m.embed_image(img[pi]), m.embed_text(txt[pt]))
     gap = (S_perm - S[pi][:, pt]).abs().max().item()
-    assert gap <= 1e-6, f"scores of the permuted batch differ from the permuted scores by up to {gap:.3g}"
-    assert S.abs().max() <= 1 + 1e-6, f"a score of {S.abs().max().item():.3g}: h_v, h_l are not unit length"
+    assert gap <= 1e-6, f"scores of the permuted batch differ by up to {gap:.3g} from the expected permuted scores"
+    assert S.abs().max() <= 1 + 1e-6, \
+        f"a score of {S.abs().max().item():.3g}, expected |S| <= 1: h_v, h_l are not unit length"
 
 
 def test_gradients_reach_the_anchors_and_only_them():
     img, txt = text_and_image(B=4)
     m = PAL(5, 4, K=8, fast=False)
-    assert [n for n, _ in m.named_parameters()] == ["A_v", "A_l"]
+    names = [n for n, _ in m.named_parameters()]
+    assert names == ["A_v", "A_l"], f"PAL's parameters {names}, expected ['A_v', 'A_l']"
     loss, logs = m.loss(img, txt)
     loss.backward()
     for name, A in (("A_v", m.A_v), ("A_l", m.A_l)):
-        assert A.grad is not None, f"no gradient reaches {name}"
-        assert torch.isfinite(A.grad).all(), f"the gradient of {name} is not finite"
-        assert A.grad.abs().sum() > 0, f"the gradient of {name} is 0"
+        assert A.grad is not None, f"no gradient reaches {name}, expected one through cap and the loss"
+        assert torch.isfinite(A.grad).all(), f"the gradient of {name} is not finite, expected finite"
+        assert A.grad.abs().sum() > 0, f"the gradient of {name} is 0, expected a non-zero one"
     for t in (img.tokens, txt.tokens, img.pooled, txt.pooled):
-        assert not t.requires_grad and t.grad is None, "a gradient reaches the frozen features"
-    assert logs["nce"] == pytest.approx(loss.item())
+        assert not t.requires_grad and t.grad is None, "a gradient reaches the frozen features, expected none"
+    assert logs["nce"] == pytest.approx(loss.item()), f"logs['nce'] = {float(logs['nce']):.5f}, expected the loss " \
+                                                      f"{loss.item():.5f}"
 
 
 def test_anchor_gradient_matches_finite_differences_with_padding():
@@ -144,7 +147,8 @@ def test_anchor_gradient_matches_finite_differences_with_padding():
     A = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     h = lambda A: F.normalize(cap(relative(txt.tokens, A), txt.mask, 0.03)[0], dim=-1)  # Eq. (3)-(7)
     assert torch.autograd.gradcheck(h, (A,), raise_exception=False), \
-        "the anchors' gradient of h = normalise(cap(relative(Z, A))) differs from finite differences (float64)"
+        "the anchors' gradient of h = normalise(cap(relative(Z, A))) differs from finite differences (float64), " \
+        "expected them equal"
 
 
 def test_info_nce_is_the_mean_of_both_directions():
@@ -157,19 +161,21 @@ def test_info_nce_is_the_mean_of_both_directions():
     def cross_entropy(rows):                       # mean over i of -log softmax(rows[i])_i
         return sum(math.log(sum(math.exp(x) for x in row)) - row[i] for i, row in enumerate(rows)) / len(rows)
     i2t, t2i = cross_entropy(s), cross_entropy([list(col) for col in zip(*s)])
-    assert abs(i2t - t2i) > 0.1                    # the directions differ here: one of them alone fails
+    assert abs(i2t - t2i) > 0.1, "(the test's own check) expected the two directions to differ here"
     got, want = info_nce(h_v, h_l, tau).item(), (i2t + t2i) / 2
     assert got == pytest.approx(want, rel=1e-5), (
-        f"info_nce = {got:.4f}, the loop gives {want:.4f} (image->text alone {i2t:.4f}, text->image alone {t2i:.4f})")
+        f"info_nce = {got:.4f}, expected {want:.4f}, the loop's (image->text alone {i2t:.4f}, "
+        f"text->image alone {t2i:.4f})")
     got = info_nce_of_logits(h_v @ h_l.T / tau).item()
     assert got == pytest.approx(want, rel=1e-5), (
-        f"info_nce_of_logits = {got:.4f}, the loop gives {want:.4f} (rows alone {i2t:.4f}, columns alone {t2i:.4f})")
+        f"info_nce_of_logits = {got:.4f}, expected {want:.4f}, the loop's (rows alone {i2t:.4f}, "
+        f"columns alone {t2i:.4f})")
     # two matrices (FILIP's image->text and text->image similarities): the rows of the first, the columns of the second
     s2 = [[x * x / 20 for x in row] for row in s]
     want = (cross_entropy(s) + cross_entropy([list(col) for col in zip(*s2)])) / 2
     got = info_nce_of_logits(h_v @ h_l.T / tau, torch.tensor(s2)).item()
     assert got == pytest.approx(want, rel=1e-5), (
-        f"info_nce_of_logits(logits, logits_t2i) = {got:.4f}, the loop gives {want:.4f} (the rows of logits and "
+        f"info_nce_of_logits(logits, logits_t2i) = {got:.4f}, expected {want:.4f}, the loop's (the rows of logits and "
         f"the columns of logits_t2i)")
 
 
@@ -241,7 +247,8 @@ def test_dense_image_is_normalised_per_patch_relative_representation():
     assert d.shape == (3, 6, 7), f"dense_image has shape {tuple(d.shape)}, expected (3, 6, 7): (B, H*W, K)"
     r = torch.tensor([naive_cos(img.tokens[1, 1 + 4].tolist(), a) for a in m.A_v.tolist()])   # patch 4
     gap = (d[1, 4] - r / r.norm()).abs().max().item()
-    assert gap <= 1e-5, f"patch 4 of image 1 differs from its normalised cosines to the anchors by {gap:.3g}"
+    assert gap <= 1e-5, (f"patch 4 of image 1 differs by {gap:.3g} from what is expected, its normalised cosines to "
+                         f"the anchors {(r / r.norm()).tolist()}")
 
 
 def test_analyse_writes_figures_and_returns_overlaps(tmp_path):

@@ -77,13 +77,18 @@ def test_mutual_knn_and_cka_tables_equal_the_pairwise_measures():
     g = torch.Generator().manual_seed(1)
     Xs = {a: torch.randn(50, d, generator=g) for a, d in ((1, 8), (2, 16), (3, 4))}
     Ys = {b: torch.randn(50, d, generator=g) + 0.5 * Xs[1][:, :1] for b, d in ((1, 12), (2, 6))}
-    assert similarity.mutual_knn_table(Xs, Ys, 5) == {(a, b): similarity.mutual_knn(Xs[a], Ys[b], 5)
-                                                      for a in Xs for b in Ys}
-    assert similarity.cka_table(Xs, Ys) == {(a, b): similarity.cka(Xs[a], Ys[b]) for a in Xs for b in Ys}
-    assert similarity.mutual_knn_table({0: Xs[1]}, {0: Xs[1]}, 5)[0, 0] == 1.0      # a set with itself
+    got, want = similarity.mutual_knn_table(Xs, Ys, 5), {(a, b): similarity.mutual_knn(Xs[a], Ys[b], 5)
+                                                          for a in Xs for b in Ys}
+    assert got == want, f"mutual_knn_table {got}, expected the pairwise mutual_knn {want}"
+    got, want = similarity.cka_table(Xs, Ys), {(a, b): similarity.cka(Xs[a], Ys[b]) for a in Xs for b in Ys}
+    assert got == want, f"cka_table {got}, expected the pairwise cka {want}"
+    got = similarity.mutual_knn_table({0: Xs[1]}, {0: Xs[1]}, 5)[0, 0]
+    assert got == 1.0, f"mutual_knn_table of a set with itself {got}, expected 1.0"
     knn = (similarity.knn_indices(Xs[1], 5), similarity.knn_indices(Ys[2], 5))       # the tables mutual_knn reads
-    assert similarity.mutual_knn(Xs[1], Ys[2], 5, knn=knn) == similarity.mutual_knn(Xs[1], Ys[2], 5) > 0
-    assert similarity.mutual_knn(Xs[1], Ys[2], 5, knn=(knn[0], knn[0])) == 1.0        # it reads the tables given
+    got, want = similarity.mutual_knn(Xs[1], Ys[2], 5, knn=knn), similarity.mutual_knn(Xs[1], Ys[2], 5)
+    assert got == want > 0, f"mutual_knn with the kNN tables given {got}, expected {want} as without them (> 0)"
+    got = similarity.mutual_knn(Xs[1], Ys[2], 5, knn=(knn[0], knn[0]))
+    assert got == 1.0, f"mutual_knn given the same kNN table twice {got}, expected 1.0 (it reads the tables given)"
 
 
 def test_concurrent_extraction_gives_the_serial_features():

@@ -52,7 +52,8 @@ def test_neural_collapse_exact_collapse_gives_100():
     feats = W[labels] * torch.rand(20, 1, generator=torch.Generator().manual_seed(0)).add(0.1)
     d = R.neural_collapse_check(W, torch.zeros(5), feats, labels)
     assert d == {"linear_top1": 100.0, "cosine_top1": 100.0, "nobias_top1": 100.0}, \
-        f"{d} on exactly collapsed features (every feature a positive multiple of its class's row): all 100"
+        f"{d} on exactly collapsed features (every feature a positive multiple of its class's row), expected " \
+        f"linear_top1, cosine_top1, nobias_top1 all 100"
 
 
 def test_neural_collapse_bias_and_norm_change_the_answer():
@@ -60,11 +61,13 @@ def test_neural_collapse_bias_and_norm_change_the_answer():
     feats, labels = torch.tensor([[1.0, 0.9]]), torch.tensor([0])
     d = R.neural_collapse_check(W, torch.tensor([0.0, 0.5]), feats, labels)  # 0.9 + 0.5 > 1: bias flips it
     assert d == {"linear_top1": 0.0, "cosine_top1": 100.0, "nobias_top1": 100.0}, \
-        f"{d}: f = (1, 0.9), b = (0, 0.5): the bias flips the linear head only"
+        f"{d}: f = (1, 0.9), b = (0, 0.5), expected linear_top1 0, cosine_top1 100, nobias_top1 100 (the bias " \
+        f"flips the linear head only)"
     W = torch.tensor([[10.0, 0.0], [0.0, 1.0]])                             # now the norm decides
     d = R.neural_collapse_check(W, torch.zeros(2), torch.tensor([[0.2, 1.0]]), labels)
     assert d == {"linear_top1": 100.0, "cosine_top1": 0.0, "nobias_top1": 100.0}, \
-        f"{d}: rows of norm 10 and 1, f = (0.2, 1): the cosine classifier ignores the norms, W f does not"
+        f"{d}: rows of norm 10 and 1, f = (0.2, 1), expected linear_top1 100, cosine_top1 0, nobias_top1 100 " \
+        f"(the cosine classifier ignores the norms, W f does not)"
 
 
 # ---------------------------------------------------------------- mutual kNN, CKA
@@ -82,19 +85,19 @@ def test_mutual_knn_matches_naive_loop():
     Y = torch.cat([X, torch.zeros(25, 2)], 1) + 0.7 * torch.randn(25, 7, generator=g)
     for k in (1, 3, 7):
         got, want = S.mutual_knn(X, Y, k), naive_mutual_knn(X, Y, k)
-        assert abs(got - want) < 1e-6, f"mutual_knn at k = {k}: {got:.4f}, the loop (self excluded) gives {want:.4f}"
+        assert abs(got - want) < 1e-6, f"mutual_knn at k = {k}: {got:.4f}, expected {want:.4f}, the loop's (self excluded)"
 
 
 def test_mutual_knn_identical_and_independent():
     g = torch.Generator().manual_seed(1)
     X = torch.randn(400, 16, generator=g)
     got = S.mutual_knn(X, X, 10)
-    assert got == 1.0, f"mutual_knn of a space with itself is {got:.4f}, not 1"
+    assert got == 1.0, f"mutual_knn of a space with itself is {got:.4f}, expected 1"
     got = S.mutual_knn(X, 3 * X @ orthogonal(16), 10)
-    assert got == 1.0, f"mutual_knn with a rotated, scaled copy is {got:.4f}, not 1 (cosine neighbours)"
+    assert got == 1.0, f"mutual_knn with a rotated, scaled copy is {got:.4f}, expected 1 (cosine neighbours)"
     Y = torch.randn(400, 12, generator=g)
     got = S.mutual_knn(X, Y, 10)
-    assert abs(got - 10 / 399) < 0.01, f"mutual_knn of independent spaces is {got:.4f}, chance is k / (N - 1) = 0.025"
+    assert abs(got - 10 / 399) < 0.01, f"mutual_knn of independent spaces is {got:.4f}, expected about chance, k / (N - 1) = 0.025"
 
 
 def test_cka_against_naive_formula_and_invariances():
@@ -140,11 +143,11 @@ def test_neural_collapse_check_matches_naive_loop():
     expect = {"linear_top1": top1(lambda i, f: float(W[i] @ f) + float(b[i])),
               "cosine_top1": top1(lambda i, f: cos(W[i], f)),
               "nobias_top1": top1(lambda i, f: float(W[i] @ f))}
-    assert len(set(expect.values())) == 3                     # the three classifiers differ here
+    assert len(set(expect.values())) == 3, f"(the test's own check) {expect}: expected three different figures"
     got = R.neural_collapse_check(W, b, feats, labels)
     assert got.keys() == expect.keys(), f"keys {sorted(got)}, expected {sorted(expect)}"
     for k in expect:
-        assert abs(got[k] - expect[k]) < 1e-4, f"{k} = {got[k]:.2f}, the per-image loop gives {expect[k]:.2f}"
+        assert abs(got[k] - expect[k]) < 1e-4, f"{k} = {got[k]:.2f}, expected {expect[k]:.2f} (the per-image loop)"
 
 
 # ---------------------------------------------------------------- Fig. 1
@@ -157,12 +160,13 @@ def test_prototype_alignment_head_rows_vs_noisy_means():
     labels = torch.arange(C).repeat_interleave(6)
     feats = W[labels] * 3 + 2.0 * torch.randn(len(labels), D, generator=g)
     d = R.prototype_alignment(W, feats, labels, T, counts=(1, 2, 5, 10), k=(3, 5), repeats=2)
-    assert set(d) == {f"{s}_k{k}" for k in (3, 5) for s in ("head", "mean1", "mean2", "mean5", "meanall")}
+    keys = {f"{s}_k{k}" for k in (3, 5) for s in ("head", "mean1", "mean2", "mean5", "meanall")}
+    assert set(d) == keys, f"keys {sorted(d)}, expected {sorted(keys)}"
     for k in ("head_k3", "head_k5"):                                       # the head IS the text geometry
-        assert d[k] == 1.0, f"{k} = {d[k]:.3f}: head rows that are a rotated copy of the text space give 1"
+        assert d[k] == 1.0, f"{k} = {d[k]:.3f}, expected 1: head rows that are a rotated copy of the text space"
     assert d["mean1_k5"] < d["mean5_k5"], \
-        f"mean1_k5 = {d['mean1_k5']:.3f} >= mean5_k5 = {d['mean5_k5']:.3f}: averaging more images should help"
-    assert d["mean5_k5"] < 1.0, "noisy class means align perfectly"
+        f"mean1_k5 = {d['mean1_k5']:.3f} >= mean5_k5 = {d['mean5_k5']:.3f}, expected mean1_k5 < mean5_k5: averaging more images helps"
+    assert d["mean5_k5"] < 1.0, f"mean5_k5 = {d['mean5_k5']:.3f}: noisy class means align perfectly, expected < 1"
 
 
 # ---------------------------------------------------------------- Appendix I

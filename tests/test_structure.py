@@ -34,22 +34,23 @@ def test_rs_matches_loops():
     for tau in (0.05, 0.5):
         got, want = structure_reg(X, Z, tau).item(), naive_rs(X, Z, tau)
         assert math.isclose(got, want, rel_tol=1e-4, abs_tol=1e-6), \
-            f"R_S at tau {tau} = {got:.6f}, the loops (normalise, centre, softmax rows, JS) give {want:.6f}"
+            f"R_S at tau {tau} = {got:.6f}, expected {want:.6f} (the loops: normalise, centre, softmax rows, JS)"
 
 
 def test_rs_zero_for_identity_and_rotation_positive_otherwise():
     g = torch.Generator().manual_seed(1)
     X = torch.randn(16, 6, generator=g)
     got = structure_reg(X, X, 0.05).item()
-    assert abs(got) < 1e-6, f"R_S of a space with itself is {got:.3g}, not 0"
+    assert abs(got) < 1e-6, f"R_S of a space with itself is {got:.3g}, expected 0"
     Q, _ = torch.linalg.qr(torch.randn(6, 6, generator=g))
     got = structure_reg(X, 3.0 * X @ Q, 0.05).item()
-    assert abs(got) < 1e-5, f"R_S of a rotated, scaled copy is {got:.3g}, not 0"   # rotation + scale keep all cosines
+    assert abs(got) < 1e-5, f"R_S of a rotated, scaled copy is {got:.3g}, expected 0"   # rotation, scale keep cosines
     got = structure_reg(X, torch.randn(16, 6, generator=g), 0.05).item()
-    assert got > 0.01, f"R_S of two independent spaces is {got:.3g}, not > 0.01"  # (the diagonal dominates at tau 0.05)
+    assert got > 0.01, f"R_S of two independent spaces is {got:.3g}, expected > 0.01"  # (the diagonal dominates)
     P = torch.softmax(torch.randn(4, 4, generator=g), 1)
-    assert js_divergence(P, P).abs() < 1e-7, f"JS(P || P) = {js_divergence(P, P).item():.3g}, not 0"
-    assert js_divergence(P, P.flip(0)) <= math.log(2), "a JS divergence above its bound log 2"
+    assert js_divergence(P, P).abs() < 1e-7, f"JS(P || P) = {js_divergence(P, P).item():.3g}, expected 0"
+    assert js_divergence(P, P.flip(0)) <= math.log(2), \
+        f"JS divergence {js_divergence(P, P.flip(0)).item():.4f}, expected at most its bound log 2 = 0.6931"
 
 
 def test_identity_head_has_zero_regulariser():
@@ -60,9 +61,9 @@ def test_identity_head_has_zero_regulariser():
         m.g_l.weight.copy_(torch.eye(8))
     m.step.fill_(10 ** 6)                                  # lambda fully on
     loss, logs = m.loss(img, txt)
-    assert logs["r_s"] < 1e-6, f"R_S of identity heads on equal features is {logs['r_s']:.3g}, not 0"
+    assert logs["r_s"] < 1e-6, f"R_S of identity heads on equal features is {logs['r_s']:.3g}, expected 0"
     assert math.isclose(loss.item(), logs["nce"], rel_tol=1e-5), \
-        f"the loss {loss.item():.5f} is not the InfoNCE {logs['nce']:.5f} alone when R_S = 0"
+        f"the loss {loss.item():.5f}, expected the InfoNCE {logs['nce']:.5f} alone when R_S = 0"
 
 
 def test_lambda_warmup_counts_training_steps_only():
