@@ -74,11 +74,11 @@ def deformable_sample(value, loc, A):
 
 # ----------------------------------------------------------------------------- exercise 5: CoV's regions
 
-def threshold_mask(attn, eps):
-    hi, lo = attn.amax(-1, keepdim=True), attn.amin(-1, keepdim=True)
-    hat = torch.where(attn >= hi, torch.ones_like(attn), (attn - lo) / (hi - lo).clamp_min(1e-12))
-    kept = torch.where(hat >= eps, hat, torch.zeros_like(hat))
-    return kept / kept.sum(-1, keepdim=True).clamp_min(1e-12)
+def threshold_mask(logits, eps):
+    hi, lo = logits.amax(-1, keepdim=True), logits.amin(-1, keepdim=True)
+    hat = torch.where(logits >= hi, torch.ones_like(logits), (logits - lo) / (hi - lo).clamp_min(1e-12))
+    e = torch.where(hat >= eps, (logits - hi).exp(), torch.zeros_like(logits))   # the kept patches' softmax
+    return e / e.sum(-1, keepdim=True)
 
 
 def regions(self, img):
@@ -89,7 +89,7 @@ def regions(self, img):
         z = self.norm(z + self.deform(z, self.ref, F_img, img.grid))
     cos = torch.einsum("bqk,bnk->bqn", unit(self.W_assign(z)), unit(self.W_assign(F_img)))
     attn = (cos / self.tau).softmax(-1)                                 # (B, Q, N)
-    kept = threshold_mask(attn, self.eps)                               # attn_bar
+    kept = threshold_mask(cos / self.tau, self.eps)                     # attn_bar
     return torch.einsum("bqn,bnk->bqk", kept, self.V(F_img)), attn, kept
 
 
