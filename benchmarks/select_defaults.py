@@ -6,11 +6,10 @@
 The one protocol for every default this project chooses from data:
 1. Only the alignment pairs are read (align.py's training set of the Shapes world); no test set is
    loaded, embedded or scored (tests/test_select_defaults.py poisons them and the choice does not move).
-2. A validation split is carved from those pairs: by image (20% of the images, with their captions)
-   where retrieval on new images is the point (CoV's eps, SAIL's schedule); by class where novel
-   classes are the point (CSA's ridge): a seeded half of the 24 colour-shape classes is held out, the
-   validation pairs are those whose caption names only held-out classes, the fit pairs those naming
-   only kept ones (the pairs that mix both are not used).
+2. A validation split is carved from those pairs: by image (20% of the images, with their captions),
+   what every default here is chosen on; by class (--split class) where novel classes are the point: a
+   seeded half of the 24 colour-shape classes is held out, the validation pairs are those whose caption
+   names only held-out classes, the fit pairs those naming only kept ones (pairs that mix both unused).
 3. Each candidate fits on the fit pairs (align.py's training loop, train.train) and is scored on the
    validation pairs on all three tasks: retrieval RSum (one caption per image), zero-shot top-1 on the
    validation images with one object, segmentation mIoU-fg on the validation images' shape masks (the
@@ -52,7 +51,7 @@ SWEEPS = {
     "cov": dict(hp="eps", values=[0.0, 0.5, 0.7, 0.9], split="image", fixed=dict(dim=128),
                 loop=dict(epochs=5, batch_size=64), paper=0.7),
     "sail": dict(hp="epochs", values=[5, 10, 20, 40, 60], split="image", fixed={}, loop={}),
-    "csa": dict(hp="ridge", values=["auto", 0.01, 0.03, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0], split="class",
+    "csa": dict(hp="ridge", values=["auto", 0.01, 0.03, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0], split="image",
                 fixed={}, loop={}),
 }
 
