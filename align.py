@@ -7,7 +7,7 @@ Writes <out>/config.json (every setting as resolved), <out>/metrics.json, <out>/
 (the method's state_dict), <out>/checkpoint.pt (each epoch, for --resume) and figures
 (PNG) of methods that draw them. Every check runs before any long work; the run writes into
 .<name>.partial beside <out> and moves its files into <out> only when it has finished
-(outfolder.py). align.py knows a method only through the interface in methods/__init__.py.
+(infra/outfolder.py). align.py knows a method only through the interface in methods/__init__.py.
 """
 import argparse
 import contextlib
@@ -34,21 +34,22 @@ if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_
 import numpy as np
 import torch
 
-import cache
-import checks
+from infra import cache
+from infra import checks
 import data
-import distributed
+from infra import distributed
 import encoders
 import evaluate
 import layers
 import negatives
-import outfolder
+from infra import outfolder
 import recycling
-import storage
+from infra import storage
 import train
-from errors import RunError
+from infra.errors import RunError
 from exercises.table import refuse_blank_exercises
-from methods import METHODS, budget
+from methods import METHODS
+from infra import budget
 import eval_sets
 
 
@@ -74,7 +75,7 @@ def parse_args(argv=None):
     arg("--device", default="auto", choices=["auto", "cpu", "cuda"],
         help="auto = cuda when available")
     arg("--threads", type=int, default=0,
-        help="torch CPU threads (0 = methods/budget.py's rule: 1 for the encoders, all cores "
+        help="torch CPU threads (0 = infra/budget.py's rule: 1 for the encoders, all cores "
              "for large steps)")
     arg("--seed", type=int, default=0,
         help="seed of the method's init and batch order, in [0, 2^32)")
@@ -122,7 +123,7 @@ def parse_args(argv=None):
 
 def encode_threads(args, device):
     """Set the CPU threads of the encoders and extraction (--threads, else 1 on a CPU: the rule of
-    methods/budget.py); returns torch's default, all cores, for the training rule."""
+    infra/budget.py); returns torch's default, all cores, for the training rule."""
     cores = torch.get_num_threads()
     if args.threads or device == "cpu":
         torch.set_num_threads(args.threads or 1)

@@ -23,7 +23,7 @@ import pickle
 import torch
 
 from features import Features, autocast, host_batch
-from model_files import IMAGENET_MEAN, IMAGENET_STD, ImagePreprocess
+from infra.model_files import IMAGENET_MEAN, IMAGENET_STD, ImagePreprocess
 
 
 class MapEncoder:

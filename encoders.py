@@ -5,12 +5,12 @@ K anchors / output dim, Q regions, L words, C classes, H x W patch grid.
 
 Read top to bottom: the Hugging Face image and text encoders and their loaders, then
 load_encoders. Around them: the model-folder checks and the image preprocessing in
-model_files.py; the CNNs (torchvision ResNets, EfficientNet-Lite) in cnn_encoders.py; the
+infra/model_files.py; the CNNs (torchvision ResNets, EfficientNet-Lite) in cnn_encoders.py; the
 built-in tiny Shapes encoders in shapes_encoders.py; layer choice and --select-layers in
 layers.py; the token-layout contract every encoder keeps (one table for every family, and the
-special-token rule) in features.py; the feature cache in cache.py.
+special-token rule) in features.py; the feature cache in infra/cache.py.
 Every encoder has .name, .layer, .dim, .preprocess (a string in the cache key),
-.fingerprint (its weights', also in the cache key: cache.py "Weights fingerprints"),
+.fingerprint (its weights', also in the cache key: infra/cache.py "Weights fingerprints"),
 .encode(batch, device) -> Features, .pooled_layers(batch, device) -> {layer: (B, D)};
 text encoders .words(texts); image encoders .head().
 """
@@ -25,9 +25,9 @@ import torch.nn as nn
 
 import cnn_encoders
 import layers
-import model_files
-from cache import folder_fingerprint
-from errors import first_line
+from infra import model_files
+from infra.cache import folder_fingerprint
+from infra.errors import first_line
 from features import TOKEN_RULE, Features, autocast, host_batch, word_positions, word_tokens
 from shapes_encoders import ShapesImageEncoder, TinyTextEncoder, load_shapes_encoders
 

@@ -35,7 +35,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from loader import Progress, batch_to, is_stored, read_ahead
+from infra.loader import Progress, batch_to, is_stored, read_ahead
 
 
 # ----------------------------------------------------------------------------- embedding step

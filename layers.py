@@ -33,7 +33,7 @@ def select_layers(image_enc, text_enc, pairs, metric="mknn", n=5000, batch_size=
 
     import data
     import similarity
-    from storage import atomic_write_text
+    from infra.storage import atomic_write_text
 
     def pooled_by_layer(enc, items):  # {layer: (n, D_layer)} on device
         out = {}

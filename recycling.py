@@ -67,9 +67,9 @@ import copy
 import torch
 import torch.nn.functional as F
 
-import cache
+from infra import cache
 import data
-from shards import ConcatFeatures
+from infra.shards import ConcatFeatures
 from features import Features
 from similarity import mutual_knn
 import eval_sets

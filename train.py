@@ -2,7 +2,7 @@
 resolved once, and the one training loop every method trains in.
 
 run_settings and resolved_hp say what a checkpoint and config.json record; resolve_loop picks the
-epochs, batch and threads (on a CPU within methods/budget.py's FLOP budget); fit_or_train runs a
+epochs, batch and threads (on a CPU within infra/budget.py's FLOP budget); fit_or_train runs a
 method's closed-form fit or train, the mini-batch loop with the method's optimiser, a cosine
 schedule, a checkpoint each epoch, --resume, and a clear stop on a non-finite loss.
 """
@@ -13,14 +13,14 @@ from pathlib import Path
 import torch
 
 import data
-import distributed
-import loader
-import outfolder
-import storage
-from checks import LOOP_RANGES, describe, hp_names, in_range
-from errors import RunError
+from infra import distributed
+from infra import loader
+from infra import outfolder
+from infra import storage
+from infra.checks import LOOP_RANGES, describe, hp_names, in_range
+from infra.errors import RunError
 from features import Features
-from methods import budget
+from infra import budget
 from negatives import contrastive_scale, hard_negative_loss
 
 
@@ -105,7 +105,7 @@ def loop_plan(given, method, n):
 def resolve_loop(args, method, img, txt, device, cores):
     """The loop's settings as the run will use them (config.json holds these; train takes them): the
     flags, else the method's defaults, on a CPU with no --epochs within the FLOP budget of
-    methods/budget.py; and the thread counts."""
+    infra/budget.py; and the thread counts."""
     threads = dict(encode_threads=torch.get_num_threads(), train_threads=torch.get_num_threads())
     given = loop_settings(args, method.defaults)
     if method.loss is None:

@@ -39,18 +39,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-import cache  # noqa: E402
+from infra import cache  # noqa: E402
 import data  # noqa: E402
 import encoders  # noqa: E402
 import evaluate  # noqa: E402
 import shapes_encoders as se  # noqa: E402
 import similarity  # noqa: E402
 from features import Features  # noqa: E402
-import loader
+from infra import loader
 import features
-import model_files
+from infra import model_files
 import layers
-import shards
+from infra import shards
 import shapes
 
 SIZES = {  # rows, tokens, dim of (a); images, model (hidden, layers, heads) of (b); pairs, text layers of (c); (d)

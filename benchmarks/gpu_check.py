@@ -46,7 +46,7 @@ def write_models(root, tiny):
     from transformers import (AutoModel, BeitConfig, BeitForImageClassification, BitImageProcessor, Dinov2Config,
                               RobertaConfig, RobertaTokenizer)
 
-    import model_files
+    from infra import model_files
     from test_real import WORDS
     torch.manual_seed(0)
     large = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)

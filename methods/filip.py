@@ -36,7 +36,7 @@ class FILIP(Method):
     defaults = dict(lr=3e-3, epochs=30, batch_size=128, weight_decay=1e-4, optimizer="adam")  # as CoV here
     ranges = dict(K="[1, inf)", tau="(0, inf)", score_chunk="[1, inf)")  # valid --hp values (align.py)
 
-    split_loss = True  # its loss reads the batch only through embed_image / embed_text (distributed.py)
+    split_loss = True  # its loss reads the batch only through embed_image / embed_text (infra/distributed.py)
     refuses_align_data = dict.fromkeys(("weights", "weights+pairs"),  # head rows: one vector each
                                         "its image embedding reads only the patch tokens, and a head row is one "
                                         "vector with no patches")

@@ -172,7 +172,7 @@ class PAL(Method):
                   tau_p="(0, inf)", tau="(0, inf)", pooling=("cap", "mean", "global"),
                   fast=(True, False) if HAVE_FAST else (False,))  # choice 9
 
-    split_loss = True  # its loss reads the batch only through embed_image / embed_text (distributed.py)
+    split_loss = True  # its loss reads the batch only through embed_image / embed_text (infra/distributed.py)
     reads_head_rows = True  # align.py passes head_rows: what the image encoder's head reads (choice 8)
 
     def contrastive_scale(self):  # 1 / temperature of its contrastive logits (--hard-negatives)

@@ -85,7 +85,7 @@ class PALRel(Method):
                   order=("local", "relation", "index"), W="[0, inf)",
                   fast=(True, False) if HAVE_FAST else (False,))  # pal.py choice 9
 
-    split_loss = True  # its loss reads the batch only through embed_image / embed_text (distributed.py)
+    split_loss = True  # its loss reads the batch only through embed_image / embed_text (infra/distributed.py)
     refuses_align_data = {"weights": "its relation term (R1) reads the patch grid's positions, and head rows "
                                      "alone have no grid (weights+pairs reads each head row as its one token)"}
 

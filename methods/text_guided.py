@@ -85,7 +85,7 @@ class TextGuided(Method):
     ranges = dict(K="[1, inf)", tau_a="(0, inf)", tau="(0, inf)", score_chunk="[1, inf)",
                   fast=(True, False))  # valid --hp
 
-    split_loss = True  # its loss reads the batch only through embed_image / embed_text (distributed.py)
+    split_loss = True  # its loss reads the batch only through embed_image / embed_text (infra/distributed.py)
     refuses_align_data = dict.fromkeys(("weights", "weights+pairs"),  # head rows: one vector each
                                         "its image embedding reads only the patch tokens, and a head row is one "
                                         "vector with no patches")

@@ -4,11 +4,11 @@ import argparse
 import pytest
 import torch
 
-import cache
-from shards import StoredFeatures
+from infra import cache
+from infra.shards import StoredFeatures
 from features import Features
 from methods.linear import Linear
-import shards
+from infra import shards
 from conftest import train_with
 
 

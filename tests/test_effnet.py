@@ -12,7 +12,7 @@ import torch
 
 import encoders
 import shapes_encoders
-import model_files
+from infra import model_files
 import layers
 import shapes
 

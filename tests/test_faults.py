@@ -21,17 +21,17 @@ import pytest
 import torch
 
 import align
-import cache
+from infra import cache
 import encoders
-import outfolder
+from infra import outfolder
 import shapes_encoders
 from conftest import interrupted, random_features, train_with
 from methods.linear import Linear
 from methods.mlp import MLP
 import cnn_encoders
-import storage
+from infra import storage
 import shapes
-import checks
+from infra import checks
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ("--method", "linear", "--epochs", "3")          # every full run: 3 short epochs, 20 test images

@@ -15,13 +15,13 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-import cache
+from infra import cache
 import data
 import encoders
 import shapes_encoders
 import similarity
 import cnn_encoders
-import model_files
+from infra import model_files
 import layers
 import shapes
 import eval_sets

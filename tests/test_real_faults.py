@@ -20,16 +20,16 @@ import torch
 from PIL import Image
 
 import align
-import cache
+from infra import cache
 import data
 import encoders
 from features import Features
 from test_real import write_ade, write_karpathy, write_models, write_voc
 import layers
-import shards
-import storage
+from infra import shards
+from infra import storage
 import shapes
-import checks
+from infra import checks
 import eval_sets
 
 ROOT = Path(__file__).resolve().parents[1]

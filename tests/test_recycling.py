@@ -351,7 +351,7 @@ def test_weights_plus_pairs_on_a_memory_mapped_training_set(tmp_path, monkeypatc
     """D_aug = pairs ∪ head rows when the pairs are StoredFeatures (sharded, memory-mapped):
     rows equal the in-memory union, batches read only their own rows, the training loop runs on it."""
     import argparse
-    from shards import StoredFeatures
+    from infra.shards import StoredFeatures
     from methods.linear import Linear
     from test_cache import FakeEncoder, extract, shard_rows
     n = 30
@@ -388,7 +388,7 @@ def test_analyses_run_on_real_data_with_a_head_and_a_torchvision_set(tmp_path, m
     a torchvision set (EuroSAT's ImageFolder layout, classes cat, dog, car, forest). Table 1 is
     checked against the checkpoint's own logits; Table 2 uses "A photo of a {class}"."""
     import align
-    import cache
+    from infra import cache
     import encoders
     from transformers import BeitConfig, BeitForImageClassification
     from test_real import VISION, write_image, write_karpathy

@@ -20,16 +20,16 @@ import pytest
 import torch
 
 import align
-import outfolder
+from infra import outfolder
 import recycling
 from conftest import random_features
 from features import Features
 from methods import METHODS
 from methods.mlp import MLP
 from test_real import models, write_karpathy  # noqa: F401  (the tiny Hugging Face models fixture)
-import storage
+from infra import storage
 import shapes
-import checks
+from infra import checks
 import train
 
 ROOT = Path(__file__).resolve().parents[1]

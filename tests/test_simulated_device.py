@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
-import outfolder
+from infra import outfolder
 from simulated_device import simulated_cuda
 import features
-import shards
+from infra import shards
 import shapes
 from conftest import train_with
 
@@ -108,7 +108,7 @@ def test_cached_features_are_keyed_by_the_precision_they_were_computed_in(monkey
     """fp32 features from a CPU, bf16- and fp16-autocast features from GPUs: three cache keys."""
     from types import SimpleNamespace
 
-    import cache
+    from infra import cache
     enc = SimpleNamespace(name="shapes-text", fingerprint="abc", layer=-1, preprocess="words")
     parts = dict(dataset="shapes", split="test", modality="text")
     keys = {"cpu": cache.feature_key(enc, ["a red circle"], "cpu", **parts)}
@@ -138,7 +138,7 @@ def test_extraction_on_the_device_gives_the_host_features_of_the_cpu(sharded, tm
     """cache.extract with device="cuda" through Hugging Face encoders (tiny random DINOv2 and BERT):
     pinned host batches, the decode thread a batch ahead, autocast, features back on the host (one
     file, or memory-mapped shards), equal to the CPU's."""
-    import cache
+    from infra import cache
     import encoders
     from test_real import images, write_models
     models = write_models(tmp_path / "models")

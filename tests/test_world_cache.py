@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import cache
+from infra import cache
 import data
 import shapes
 

@@ -19,7 +19,7 @@ import os
 import shutil
 from pathlib import Path
 
-from errors import RunError
+from infra.errors import RunError
 
 OUTPUT_ONLY = ("out", "resume", "threads", "cache_dir", "figures", "encode_threads", "train_threads",
                "given", "software", "files")   # where and how a run writes, what ran it: not what it computes

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from errors import first_line
+from infra.errors import first_line
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from errors import RunError, first_line
+from infra.errors import RunError, first_line
 
 # ---------------------------------------------------------------------------
 # Writing and reading cache files: atomic, locked, and never unpickling code

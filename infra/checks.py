@@ -12,10 +12,10 @@ import os
 import torch
 
 import data
-import model_files
-import outfolder
-import storage
-from errors import RunError
+from infra import model_files
+from infra import outfolder
+from infra import storage
+from infra.errors import RunError
 
 # ---------------------------------------------------------------------------
 # Checks that run before anything else
@@ -102,7 +102,7 @@ def check_flags(args, method_cls):
         raise RunError(f"--num-pairs {args.num_pairs}: a count of pairs cannot be negative")
     if args.threads < 0:
         raise RunError(f"--threads {args.threads}: give a positive count (0 = the rule of "
-                       f"methods/budget.py)")
+                       f"infra/budget.py)")
     if not 0 <= args.seed < 2**32:
         raise RunError(f"--seed {args.seed}: give a seed in [0, 2^32) (numpy's seeds)")
     if args.select_pairs < MIN_SELECT_PAIRS:

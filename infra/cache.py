@@ -2,7 +2,7 @@
 
 extract() runs an encoder over a set and caches its outputs (features.Features), as one
 fp16 torch file or, for COCO-scale sets, memory-mapped shards read back as
-StoredFeatures (shards.py). Every file is written atomically under a per-key lock, read with
+StoredFeatures (infra/shards.py). Every file is written atomically under a per-key lock, read with
 torch.load(weights_only=True), and keyed by every setting plus the encoder's weights
 fingerprint, so a changed setting or new weights never read stale features.
 """
@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 
 import data
-import distributed
-import shards
+from infra import distributed
+from infra import shards
 from features import Features, precision
-from loader import Progress
-from storage import atomic_save, file_lock, safe_load
+from infra.loader import Progress
+from infra.storage import atomic_save, file_lock, safe_load
 import shapes
 
 # ---------------------------------------------------------------------------
