@@ -10,7 +10,7 @@ built-in tiny Shapes encoders in shapes_encoders.py; layer choice and --select-l
 layers.py; the token-layout contract every encoder keeps (one table for every family, and the
 special-token rule) in features.py; the feature cache in infra/cache.py.
 Every encoder has .name, .layer, .dim, .preprocess (a string in the cache key),
-.fingerprint (its weights', also in the cache key: infra/cache.py "Weights fingerprints"),
+.fingerprint (its weights', also in the cache key: infra/fingerprints.py),
 .encode(batch, device) -> Features, .pooled_layers(batch, device) -> {layer: (B, D)};
 text encoders .words(texts); image encoders .head().
 """
@@ -26,7 +26,7 @@ import torch.nn as nn
 import cnn_encoders
 import layers
 from infra import model_files
-from infra.cache import folder_fingerprint
+from infra.fingerprints import folder_fingerprint
 from infra.errors import first_line
 from features import TOKEN_RULE, Features, autocast, host_batch, word_positions, word_tokens
 from shapes_encoders import ShapesImageEncoder, TinyTextEncoder, load_shapes_encoders

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from infra.cache import state_fingerprint
+from infra.fingerprints import state_fingerprint
 from infra.storage import atomic_save, atomic_target, file_lock, fits, load_plain, safe_load
 from features import TOKEN_RULE, Features, word_positions, word_tokens
 import shapes

@@ -7,6 +7,7 @@ storage      atomic, checksummed files; locks; free space
 outfolder    the results folder: written into .<name>.partial, moved into --out when finished
 cache        the feature cache (and the Shapes world's)
 shards       sharded, memory-mapped features when a set is large
+fingerprints what an encoder's weights are, for the cache key
 loader       batches from the cache, read ahead
 distributed  torchrun: sharded extraction, data-parallel training
 budget       how long a method trains on a CPU, on how many threads

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import align
-from infra import cache
+from infra import cache, fingerprints
 import encoders
 from infra import outfolder
 import shapes_encoders
@@ -146,7 +146,7 @@ def test_a_model_folder_rewritten_in_place_gets_new_features(tmp_path, monkeypat
     commit = "0123456789abcdef0123456789abcdef01234567"
     snap = tmp_path / "models--org--m" / "snapshots" / commit
     snap.mkdir(parents=True)
-    assert cache.folder_fingerprint(snap) == f"commit {commit}"
+    assert fingerprints.folder_fingerprint(snap) == f"commit {commit}"
     import torchvision
     calls = []
 
