@@ -17,7 +17,7 @@ from infra import distributed
 from infra import loader
 from infra import outfolder
 from infra import storage
-from infra.checks import LOOP_RANGES, describe, hp_names, in_range
+from infra.checks import hp_names, refuse_batch
 from infra.errors import RunError
 from features import Features
 from infra import budget
@@ -93,10 +93,7 @@ def loop_plan(given, method, n):
     at most n, a step budget ("steps", methods/__init__.py) as ceil(steps / steps per epoch) epochs.
     A batch the method cannot train on is refused."""
     batch = min(given["batch_size"], n)
-    low = method.ranges.get("batch_size", LOOP_RANGES["batch_size"])
-    if not in_range(batch, low):
-        raise RunError(f"a batch of {batch} pair(s) ({n} alignment pairs): "
-                       f"{type(method).__name__} takes batch_size {describe(low)}; use more pairs")
+    refuse_batch(type(method), batch, n)
     steps = n // batch                  # the last partial batch is dropped: InfoNCE wants full ones
     epochs = given["epochs"] if given["epochs"] is not None else -(-method.defaults["steps"] // steps)
     return dict(given, epochs=epochs, batch_size=batch)
@@ -125,14 +122,31 @@ def resolve_loop(args, method, img, txt, device, cores):
     return {**loop, **threads}
 
 
+def resume_state(args, out, settings, defaults):
+    """The checkpoint --resume continues, loaded here once and compared on what is known before the
+    features (settings, and the loop's lr, weight decay and seed; train compares the rest: epochs,
+    batch, the weights' shapes); else args.resume (True: --resume before a first checkpoint)."""
+    ckpt = outfolder.checkpoint(out)
+    if not (args.resume and ckpt.exists()):
+        return args.resume
+    given = loop_settings(args, defaults)                # epochs, batch: known after the features
+    return load_checkpoint(ckpt, {**settings, **{k: given[k] for k in ("lr", "weight_decay", "seed")}})
+
+
 def load_checkpoint(ckpt, settings):
     """A --resume checkpoint, refused with one line when it is truncated, holds code, or was
-    written under other settings (listing what differs); only the keys of `settings` count."""
+    written under other settings (same_settings)."""
     try:
         state = storage.load_plain(ckpt)
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         raise RunError(f"--resume: {ckpt} is truncated or corrupt ({type(e).__name__}); delete it "
                        f"to start over, or run without --resume") from None
+    return same_settings(ckpt, state, settings)
+
+
+def same_settings(ckpt, state, settings):
+    """state, refused when it was written under other settings (listing what differs); only the keys
+    of `settings` count."""
     old = state.get("settings", {}) if isinstance(state, dict) else {}
     diff = [f"{k} {old.get(k)!r} there, {v!r} now" for k, v in settings.items() if old.get(k) != v]
     if diff:
@@ -188,7 +202,8 @@ def train(method, img, txt, loop, out, device, resume=False, settings=None, nega
     a checkpoint each epoch, --resume, and a clear stop on a non-finite loss.
 
     loop: the loop's settings as they run (epochs, batch_size, lr, weight_decay, seed; resolve_loop
-    or loop_plan); resume: go on from out's checkpoint when there is one (--resume).
+    or loop_plan); resume: go on from out's checkpoint when there is one (--resume): True, or the
+    checkpoint resume_state has loaded.
     settings: what the run depends on besides the loop's own settings (method, hp, data,
     encoders' weights, ...); stored in the checkpoint, and a --resume under other settings
     is refused with what differs (load_checkpoint).
@@ -204,8 +219,10 @@ def train(method, img, txt, loop, out, device, resume=False, settings=None, nega
     opt = opt_cls(params, lr=lr, weight_decay=wd, betas=d.get("betas", (0.9, 0.999)))
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, epochs * steps_per_epoch))
     start, ckpt, last = 0, outfolder.partial(out) / "checkpoint.pt", None   # written each epoch
-    if resume and outfolder.checkpoint(out).exists():
-        state = load_checkpoint(outfolder.checkpoint(out), settings)
+    if resume is True and outfolder.checkpoint(out).exists():
+        resume = load_checkpoint(outfolder.checkpoint(out), settings)
+    if isinstance(resume, dict):
+        state = same_settings(outfolder.checkpoint(out), resume, settings)
         method.load_state_dict(state["method"])
         opt.load_state_dict(state["opt"])
         sched.load_state_dict(state["sched"])

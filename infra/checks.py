@@ -8,6 +8,7 @@ import argparse
 import ast
 import inspect
 import os
+from pathlib import Path
 
 import torch
 
@@ -31,6 +32,30 @@ FLAGS = dict(epochs="--epochs", batch_size="--batch-size", lr="--lr", weight_dec
 
 
 MIN_SELECT_PAIRS = 10  # mutual kNN takes k = ceil(2 n^(1/3)) neighbours: 10 pairs, k = 5 of 9
+
+
+def before_any_work(args, method_cls, out):
+    """Every refusal that needs no work, in one call: --hp, a student copy's blank exercises, the
+    flags against their ranges and the method's interface, the device, the paths and --out.
+    Returns (hp, the checked --hp as keywords; device, "cpu" or "cuda")."""
+    hp = parse_hp(method_cls, args.hp)
+    refuse_blank_exercises(args)
+    check_flags(args, method_cls)
+    return hp, check_places(args, out)
+
+
+def refuse_blank_exercises(args):
+    """In a student copy (exercises/this_copy.json, written by exercises/make_student_copy.py), a run
+    that needs an exercise still blank stops here; the course's table decides. The reference
+    checkout loads nothing of the course."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "exercises" / "this_copy.json").is_file():
+        return
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("course_table", root / "exercises" / "table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    table.refuse_blank_exercises(args.method, args.analyses, args.select_layers, root=root)
 
 
 def in_range(value, spec):
@@ -147,10 +172,17 @@ def check_pair_count(args, method_cls):
         return
     if args.num_pairs == 0:
         raise RunError("--num-pairs 0 leaves no alignment data; add the head rows with --align-data weights")
+    if method_cls.loss is not None:
+        refuse_batch(method_cls, args.num_pairs, args.num_pairs, f"--num-pairs {args.num_pairs}: ")
+
+
+def refuse_batch(method_cls, batch, n, flag=""):
+    """A batch the method cannot train on (below its batch_size range): refused, before the features
+    when --num-pairs caps the pairs, else once the pairs are counted."""
     low = method_cls.ranges.get("batch_size", LOOP_RANGES["batch_size"])
-    if method_cls.loss is not None and not in_range(args.num_pairs, low):
-        raise RunError(f"--num-pairs {args.num_pairs}: a batch of {args.num_pairs} pair(s) ({args.num_pairs} "
-                       f"alignment pairs): {method_cls.__name__} takes batch_size {describe(low)}; use more pairs")
+    if not in_range(batch, low):
+        raise RunError(f"{flag}a batch of {batch} pair(s) ({n} alignment pairs): {method_cls.__name__} "
+                       f"takes batch_size {describe(low)}; use more pairs")
 
 
 def check_places(args, out):
