@@ -242,14 +242,6 @@ def weight_pairs(args, run, device="cpu"):
     return recycling.weight_pairs(W, recycling.class_name_features(run, names, args, device))
 
 
-def head_row_hp(args, method_cls, hp, image_enc):
-    """hp, plus the interface's head_rows keyword (methods/__init__.py) when the method reads it
-    (reads_head_rows) and aligns on head rows alone: what the image encoder's head reads."""
-    if checks.aligned_on(args) == "weights" and method_cls.reads_head_rows:
-        return {"head_rows": getattr(image_enc, "head_reads", "pooled"), **hp}
-    return hp
-
-
 # ---------------------------------------------------------------------------
 # Evaluation on every task
 # ---------------------------------------------------------------------------
@@ -297,25 +289,26 @@ def evaluate_all(method, run, args, out, device):
 def main(argv=None):
     args = argv if isinstance(argv, argparse.Namespace) else parse_args(argv)
     out, method_cls = out_folder(args), METHODS[args.method]
-    hp, device = checks.before_any_work(args, method_cls, out)    # every refusal that needs no work
-    cores = start(args, device)                     # threads, the allocator, torchrun's ranks
+    settings = checks.before_any_work(args, method_cls, out)   # every refusal that needs no work
+    device, cores = settings.device, start(args, settings.device)   # threads, allocator, torchrun
     with outfolder.held(out):                       # one run at a time in --out
         # data -> frozen features
         run = load_inputs(args, device)             # data, encoders, head rows, --select-layers
-        hp = head_row_hp(args, method_cls, hp, run.image_encoder)
-        probe = checks.check_memory(args, method_cls, hp, input_dims(run, device), device)
-        settings = train.run_settings(args, method_cls, hp, run.image_encoder, run.text_encoder, run.sets)
-        resume = train.resume_state(args, out, settings, probe.defaults)   # a wrong one stops here
+        settings.read_inputs(run.image_encoder, run.text_encoder, run.sets)   # layers, weights, data
+        probe = checks.check_memory(args, method_cls, settings.hp, input_dims(run, device), device)
+        resume = train.resume_state(settings, probe.defaults)   # a wrong checkpoint stops here
         extract_features(args, run, device)
         checks.check_features_vary(args, run)       # a layer whose pooled vector ignores its input
         # -> the method and its loop's settings, resolved once
         img, txt, negs = alignment_data(args, run, device)
-        method = make_method(args, method_cls, hp, img, txt, device)
-        loop = train.resolve_loop(args, method, img, txt, device, cores)   # epochs, batch, lr, threads
-        config = run_config(args, method, settings, loop, len(img), device, out)
+        method = make_method(args, method_cls, settings.hp, img, txt, device)
+        settings.resolve_loop(method, img, txt, cores)           # epochs, batch, lr, threads
+        config = settings.config(method, alignment_pairs=len(img))
+        print("[config] " + json.dumps(config, default=str))
         with outfolder.run_folder(out, config) as work:    # moved into --out when the block is done
             # -> training
-            metrics = {"train": train.fit_or_train(method, img, txt, loop, out, device, resume, settings, negs)}
+            metrics = {"train": train.fit_or_train(method, img, txt, settings.loop, out, device, resume,
+                                                   settings.depends_on(), negs)}
             if not distributed.finish():            # torchrun: the group ends; rank 0 goes on alone
                 return {}
             storage.atomic_save(method.state_dict(), work / "method.pt")
@@ -334,21 +327,6 @@ def make_method(args, method_cls, hp, img, txt, device):
     print(f"[method] {args.method}: {trained:,} trainable parameters, {len(img)} alignment pairs "
           f"({args.align_data})")
     return method
-
-
-def run_config(args, method, settings, loop, n_pairs, device, out):
-    """config.json: every flag as resolved, the loop's settings, the method's hyperparameters as it
-    runs them, what the inputs are (layers, weights, data), and what ran the run."""
-    config = dict(vars(args), **loop, hp=train.resolved_hp(method, settings), device=device, out=str(out),
-                  alignment_pairs=n_pairs, image_layer=settings["image_layer_used"],
-                  text_layer=settings["text_layer_used"],
-                  image_weights=settings["image_weights"], text_weights=settings["text_weights"],
-                  data_root=settings["data_root"] or args.data_root,
-                  data_hash=settings["data_hash"], method_defaults=method.defaults,
-                  given=checks.given_settings(args), software=train.software())
-    distributed.same_everywhere("settings", {**settings, **loop})
-    print("[config] " + json.dumps(config, default=str))
-    return config
 
 
 def write_metrics(metrics, config, run, args, work, device):

@@ -22,9 +22,8 @@ from pathlib import Path
 
 from infra import distributed, storage
 from infra.errors import RunError
+from infra.settings import compared
 
-OUTPUT_ONLY = ("out", "resume", "threads", "cache_dir", "figures", "encode_threads", "train_threads",
-               "given", "software", "files")   # where and how a run writes, what ran it: not what it computes
 OUT_FILES = ("config.json", "metrics.json", "method.pt", "checkpoint.pt")   # what a run writes into --out
 
 
@@ -41,11 +40,6 @@ def old_config(folder):
     except (OSError, ValueError):
         return None
     return old if isinstance(old, dict) and "data" in old else None
-
-
-def settings_of(config):
-    """What a run's results depend on: config.json without its output-only fields."""
-    return {k: v for k, v in config.items() if k not in OUTPUT_ONLY}
 
 
 def differences(old, new):
@@ -65,7 +59,7 @@ def free_name(out):
 def refuse_other(out, old, new):
     """Stop when the run in out (its settings `old`) is not a rerun of `new`: one line naming what
     differs (the data and the method in words) and a free --out."""
-    diff = differences(settings_of(old), settings_of(new))
+    diff = differences(compared(old), compared(new))
     if not diff:
         return
     where = lambda s: s.get("data") if s.get("data") == "shapes" else f"{s.get('data')} in {s.get('data_root')}"

@@ -30,7 +30,8 @@ from test_real import models, write_karpathy  # noqa: F401  (the tiny Hugging Fa
 from infra import storage
 import shapes
 from infra import checks
-import train
+from infra import settings
+from infra.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ("--eval-images", "20", "--no-figures", "--threads", "1")
@@ -85,7 +86,8 @@ def test_config_holds_the_resolved_loop_settings_of_a_run_without_epochs(cache_d
     assert ckpt["epoch"] == 19 and ckpt["settings"]["epochs"] == 20 and ckpt["settings"]["batch_size"] == 256
     # MLP declares 400 steps at batch 512: on 300 pairs, batch 300, 1 step an epoch, 400 epochs
     args = align.parse_args(["--method", "mlp"])
-    assert train.loop_plan(train.loop_settings(args, MLP.defaults), MLP(8, 6), 300) == dict(
+    mlp = MLP(8, 6)
+    assert settings.plan_loop(Settings(args, MLP, {}, "cpu", None).loop_given(mlp.defaults), mlp, 300) == dict(
         epochs=400, batch_size=300, lr=5e-3, weight_decay=0.0, seed=0)
 
 
