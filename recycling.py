@@ -70,6 +70,7 @@ import torch.nn.functional as F
 from infra import cache
 import data
 from infra.shards import ConcatFeatures
+from infra.errors import RunError
 from features import Features
 from similarity import mutual_knn
 import eval_sets
@@ -408,7 +409,7 @@ def cannot_analyse(run, args):
     align.py asks before any features are extracted."""
     try:
         run.image_encoder.head()
-    except SystemExit as e:
+    except RunError as e:
         return str(e).removeprefix("error: ")
     if not any(isinstance(s, data.LabelSet) for s in run.sets.values()):
         return (f"--data {args.data} has no classification set (put one of {', '.join(eval_sets.TORCHVISION_SETS)} in "

@@ -21,6 +21,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))    # the project: infra.errors
+from infra.errors import RunError  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 SKIP_DIRS = {".git", ".cache", "results", "__pycache__", ".pytest_cache"}
 SKIP_FILES = {Path("exercises/answers.md"),     # the experiments' answers, for instructors
@@ -83,9 +86,9 @@ def make_copy(out_dir, only=None, root=ROOT):
     """Write the student copy; returns {exercise: number of regions blanked}."""
     out_dir = Path(out_dir).resolve()
     if out_dir == Path(root).resolve() or Path(root).resolve() in out_dir.parents:
-        raise SystemExit(f"error: {out_dir} is inside the project; choose a folder outside it")
+        raise RunError(f"{out_dir} is inside the project; choose a folder outside it")
     if out_dir.exists() and any(out_dir.iterdir()):
-        raise SystemExit(f"error: {out_dir} exists and is not empty (a student copy is never overwritten)")
+        raise RunError(f"{out_dir} exists and is not empty (a student copy is never overwritten)")
     blanked = {}
     for rel in project_files(root):
         src, dst = Path(root) / rel, out_dir / rel
@@ -130,12 +133,12 @@ def main(argv=None):
     args = p.parse_args(argv)
     unknown = set(args.only or []) - set(EXERCISES)
     if unknown:
-        raise SystemExit(f"error: no exercise {sorted(unknown)}; the exercises are {sorted(EXERCISES)}")
+        raise RunError(f"no exercise {sorted(unknown)}; the exercises are {sorted(EXERCISES)}")
     t0 = time.time()
     blanked = make_copy(args.out_dir, set(args.only) if args.only else None)
     missing = set(args.only or EXERCISES) - set(blanked)
     if missing:
-        raise SystemExit(f"error: no marked region found for exercise(s) {sorted(missing)}")
+        raise RunError(f"no marked region found for exercise(s) {sorted(missing)}")
     print(f"student copy in {args.out_dir} ({time.time() - t0:.1f}s): blanked "
           + ", ".join(f"exercise {n} ({k} region{'s' if k > 1 else ''})" for n, k in sorted(blanked.items())))
     print(f"grade it with: python exercises/grade.py   (inside {args.out_dir})")

@@ -12,8 +12,9 @@ analyses'); refuse_blank_exercises stops a run that needs a still blank one, bef
 """
 import json
 import re
-import sys
 from pathlib import Path
+
+from infra.errors import RunError
 
 ROOT = Path(__file__).resolve().parents[1]
 COPY_RECORD = Path("exercises/this_copy.json")    # written into a student copy: the exercises it blanked
@@ -215,5 +216,5 @@ def refuse_blank_exercises(method, analyses=False, select_layers=None, root=ROOT
         else:
             fix = (f"finish {'it' if len(missing) == 1 else 'them'}: python exercises/grade.py "
                    f"{' '.join(map(str, missing))} says what is left")
-        sys.exit(f"error: --method {method}{' --analyses' if analyses else ''} needs exercises "
+        raise RunError(f"--method {method}{' --analyses' if analyses else ''} needs exercises "
                  f"{', '.join(map(str, need))}; still blank: {', '.join(map(str, missing))} ({fix})")

@@ -320,7 +320,8 @@ def test_no_import_circle():
 
 
 def test_every_import_points_down():
-    """The layers, bottom up: the data (data, features, shapes); infra/, which keeps the promises;
+    """The layers, bottom up: infra/errors.py (RunError, raised at every layer); the data (data,
+    features, shapes); infra/, which keeps the promises;
     the paper's path (encoders, methods/, train, evaluate, ...); align.py on top. infra/ reads no paper
     module above the data, a method file no module outside methods/, and nothing imports align."""
     graph = import_graph()

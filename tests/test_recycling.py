@@ -14,6 +14,7 @@ from conftest import random_features, train_with
 from test_real import models  # noqa: F401  (the tiny Hugging Face models fixture)
 import align
 import eval_sets
+from infra.errors import RunError
 
 
 def orthogonal(D, seed=0):
@@ -430,7 +431,7 @@ def test_analyses_say_in_one_line_what_is_skipped(capsys):
 
     class NoHead:
         def head(self):
-            raise SystemExit("error: tiny-dinov2 has no linear classification head. Use ...")
+            raise RunError("tiny-dinov2 has no linear classification head. Use ...")
 
     class Head:
         def head(self):
