@@ -6,10 +6,11 @@
 A region is everything between `# EXERCISE N ...` (plus its `#   ...` continuation
 lines) and `# END EXERCISE N` in a .py file; in the copy it becomes one
 `raise NotImplementedError("Exercise N ...")` at the marker's indentation, the
-markers stay. Every other byte is copied verbatim. Left out: exercises/answers.md,
-methods/fast_cap.py (a fast form of exercise 3: without it PAL and PAL-Rel train
-through the student's relative + cap), tests/test_exercises.py (it holds the answers
-it plants), and .git, .cache, results, __pycache__, .pytest_cache. The copy records the
+markers stay. Every other byte is copied verbatim, but methods/fast_cap.py (a fast form of
+exercise 3, its answer): the copy's is exercises/paper_cap.py, so PAL and PAL-Rel train
+through the student's relative + cap. Left out: exercises/answers.md,
+tests/test_exercises.py (it holds the answers it plants), and .git, .cache, results,
+__pycache__, .pytest_cache. The copy records the
 exercises it blanked in exercises/this_copy.json. OUT_DIR must not
 exist or be empty (a student's work is never overwritten).
 """
@@ -25,9 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))    # the project: i
 from infra.errors import RunError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+PAPER_CAP = Path("exercises/paper_cap.py")        # the copy's methods/fast_cap.py: the paper form runs
 SKIP_DIRS = {".git", ".cache", "results", "__pycache__", ".pytest_cache"}
 SKIP_FILES = {Path("exercises/answers.md"),     # the experiments' answers, for instructors
-              Path("methods/fast_cap.py"),       # PAL's fast CAP: computes exercise 3's p (pal.py choice 9)
+              Path("methods/fast_cap.py"),       # PAL's fast CAP computes exercise 3's p: PAPER_CAP instead
               Path("tests/test_exercises.py"),   # the course's own test: it plants each exercise's answer
               Path("exercises/this_copy.json")}  # a copy's own record (below), never carried into another
 START = re.compile(r"^(?P<indent>[ \t]*)# EXERCISE (?P<n>\d+)\b(?P<text>.*)$")
@@ -101,6 +103,7 @@ def make_copy(out_dir, only=None, root=ROOT):
             shutil.copymode(src, dst)
         else:
             shutil.copy2(src, dst)
+    shutil.copy2(Path(root) / PAPER_CAP, out_dir / "methods" / "fast_cap.py")
     # which exercises this copy blanks (align.py's refusal reads it to advise the right --only)
     (out_dir / "exercises" / "this_copy.json").write_text(json.dumps({"blanked": sorted(only or blanked)}) + "\n")
     return blanked

@@ -5,8 +5,8 @@ fails, while the rest of the project still imports, no exercise's answer stands 
 it, and align.py refuses a run that needs a blank exercise in one line; one classic mistake
 per exercise, patched into a copy, fails with the hint naming it; a cap that forgets the
 padding mask fails its grade and changes PAL's retrieval; the reference regions pasted back
-grade as passed and align.py gives the reference's metrics there (its paper form, since a copy
-has no methods/fast_cap.py). This file plants the answers, so it is not in a student copy."""
+grade as passed and align.py gives the reference's metrics there (its paper form: a copy's
+methods/fast_cap.py is exercises/paper_cap.py). This file plants the answers, so it is not in a student copy."""
 import builtins
 import io
 import json
@@ -175,8 +175,9 @@ def test_every_graded_test_fails_on_the_blank_copy(student_copy):
 def test_student_copy_fails_every_exercise_and_the_rest_still_imports(student_copy):
     ref_files = msc.project_files(ROOT)
     assert msc.project_files(student_copy) == ref_files
-    for left_out in ("exercises/answers.md", "methods/fast_cap.py", "tests/test_exercises.py"):
+    for left_out in ("exercises/answers.md", "tests/test_exercises.py"):
         assert (ROOT / left_out).exists() and not (student_copy / left_out).exists(), left_out
+    assert (student_copy / "methods" / "fast_cap.py").read_bytes() == (ROOT / msc.PAPER_CAP).read_bytes()
     assert not any((student_copy / d).exists() for d in (".git", ".cache", "results"))
     for rel in ref_files:                                         # verbatim outside the regions
         ref, got = (ROOT / rel).read_bytes(), (student_copy / rel).read_bytes()
@@ -291,8 +292,8 @@ def run_align(root, out, cache_dir, *extra):
 
 @pytest.mark.slow
 def test_pasted_back_copy_passes_and_trains_the_paper_form_to_the_last_digit(student_copy, tmp_path, cache_dir):
-    """The copy (no fast_cap.py) trains PAL through relative + cap: the reference's metrics with --hp fast=False;
-    a cap that forgets the padding mask fails its grade there and changes the retrieval."""
+    """The copy (its fast_cap.py the paper form) trains PAL through relative + cap: the reference's metrics with
+    --hp fast=False; a cap that forgets the padding mask fails its grade there and changes the retrieval."""
     copy, no_mask = tmp_path / "solved", tmp_path / "no-mask"
     shutil.copytree(student_copy, copy)
     msc.paste_back(copy, ROOT)
@@ -319,8 +320,8 @@ def test_pasted_back_copy_passes_and_trains_the_paper_form_to_the_last_digit(stu
     finally:
         for finish in runs:
             finish.process.kill()
-    assert "[pal] CAP trains in the paper form, cap(relative(Z, A), mask, tau_p) (methods/fast_cap.py is not in " \
-           "this copy)" in log.splitlines()
+    assert "[fast_cap] CAP trains in the paper form, cap(relative(Z, A), mask, tau_p) (methods/fast_cap.py is not " \
+           "in this copy)" in log.splitlines()
     assert got == want
     assert wrong_run["retrieval"]["rsum"] != want["retrieval"]["rsum"], (wrong_run["retrieval"], want["retrieval"])
 
