@@ -40,7 +40,7 @@ MISTAKES = {
         "align_corners=True"),
     5: ("methods/cov.py", "l_c = self.spread(attn, img.grid).mean()",
         "l_c = self.spread(threshold_mask(attn, self.eps), img.grid).mean()", "L_conc on the masked attention"),
-    6: ("methods/cov.py", "t2i = (best_region * w_ok[None]).sum(-1) / w_ok.sum(-1)[None].clamp_min(1)",
+    6: ("methods/filip.py", "t2i = (best_region * w_ok[None]).sum(-1) / w_ok.sum(-1)[None].clamp_min(1)",
         "t2i = best_region.mean(-1)", "padded words counted in the mean"),
     7: ("methods/csa.py", "x = X[i:i + chunk].double() - mu_x",
         "x = X[i:i + chunk].double() - X[i:i + chunk].double().mean(1, keepdim=True)", "centring with the wrong mean"),
@@ -420,7 +420,7 @@ def test_no_function_outside_a_region_answers_an_exercise(student_copy):
     r = subprocess.run([sys.executable, "-c", CALLABLE_PROBE], cwd=student_copy, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split("\n")[:3] == ["mutual_knn_table 9", "FILIP.loss 2", "text_guided_score 3"], r.stdout
+    assert r.stdout.split("\n")[:3] == ["mutual_knn_table 9", "FILIP.loss 2", "text_guided_score 6"], r.stdout
 
 
 def planted_commented_raise(copy):
