@@ -23,8 +23,8 @@ import pickle
 import torch
 
 from features import Features, autocast, host_batch
-from infra.model_files import IMAGENET_MEAN, IMAGENET_STD, ImagePreprocess
 from infra.errors import RunError
+from infra.model_files import IMAGENET_MEAN, IMAGENET_STD, ImagePreprocess
 
 
 class MapEncoder:

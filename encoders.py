@@ -25,10 +25,10 @@ import torch.nn as nn
 
 import cnn_encoders
 import layers
-from infra import model_files
-from infra.fingerprints import folder_fingerprint
-from infra.errors import RunError, first_line
 from features import TOKEN_RULE, Features, autocast, host_batch, word_positions, word_tokens
+from infra import model_files
+from infra.errors import RunError, first_line
+from infra.fingerprints import folder_fingerprint
 from shapes_encoders import ShapesImageEncoder, TinyTextEncoder, load_shapes_encoders
 
 # The token-layout contract (what every encoder hands on, one table for every family) and its

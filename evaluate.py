@@ -37,7 +37,6 @@ import torch.nn.functional as F
 
 from infra.loader import Progress, batch_to, is_stored, read_ahead
 
-
 # ----------------------------------------------------------------------------- embedding step
 
 @contextlib.contextmanager

@@ -67,14 +67,13 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from infra import cache
 import data
-from infra.shards import ConcatFeatures
-from infra.errors import RunError
-from features import Features
-from similarity import mutual_knn
 import eval_sets
-
+from features import Features
+from infra import cache
+from infra.errors import RunError
+from infra.shards import ConcatFeatures
+from similarity import mutual_knn
 
 # ---------------------------------------------------------------- alignment data (§4)
 
@@ -461,7 +460,7 @@ def recycling_analyses(run, args, device):
                                     template=FEW_SHOT_TEMPLATE).to("cpu")  # the key holds the text
             if mlp is None:
                 mlp = weight_aligned_mlp(W, names_txt)                     # 400 full-batch steps
-            aligned = lambda sf, sl: finetune_mlp_classifier(mlp, prompts, sf, sl)
+            aligned = lambda sf, sl: finetune_mlp_classifier(mlp, prompts, sf, sl)  # noqa: B023 (called in this iteration)
             out["few_shot"] = few_shot(feats[~even], labels[~even], support_shots=shots, aligned_classifier=aligned)
         else:
             print(f"[analyses] {name}: Table 2 skipped: a class has {fewest} held-out images (needs 2+)")

@@ -17,12 +17,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from infra.fingerprints import state_fingerprint
-from infra.errors import RunError
-from infra.storage import atomic_save, atomic_target, file_lock, fits, load_plain, safe_load
-from features import TOKEN_RULE, Features, word_positions, word_tokens
 import shapes
-
+from features import TOKEN_RULE, Features, word_positions, word_tokens
+from infra.errors import RunError
+from infra.fingerprints import state_fingerprint
+from infra.storage import atomic_save, atomic_target, file_lock, fits, load_plain, safe_load
 
 SPECIALS = ["[PAD]", "[CLS]", "[MASK]", "[UNK]"]
 PAD, CLS, MASK, UNK = range(4)
@@ -145,7 +144,7 @@ def pretrain_text_encoder(seed=0, steps=800, log=print):
         return ids, mask, target, pick
 
     t0 = time.time()
-    for step in range(steps):
+    for _step in range(steps):
         idx = torch.randint(len(train_corpus), (64,), generator=g)
         ids, mask, target, pick = masked_batch([train_corpus[i] for i in idx])
         logits = model.mlm_head(model(ids, mask))

@@ -10,7 +10,7 @@ _said = []
 
 def chunked_cap(Z, A, mask, tau_p, V=None, chunk_elements=None):
     """p (B, K) = cap(relative(Z, A), mask, tau_p)[0], and Y = alpha^T V (B, K, c) if V is given."""
-    from .pal import cap, relative            # the student's: this file sits in methods/ of the copy
+    from .pal import cap, relative  # the student's: this file sits in methods/ of the copy
     if not _said:
         _said.append(True)
         print("[fast_cap] CAP trains in the paper form, cap(relative(Z, A), mask, tau_p) (methods/fast_cap.py "

@@ -15,12 +15,11 @@ from pathlib import Path
 import torch
 
 import data
-from infra import distributed
-from infra import shards
+import shapes
 from features import Features, precision
+from infra import distributed, shards
 from infra.loader import Progress
 from infra.storage import atomic_save, file_lock, safe_load
-import shapes
 
 # ---------------------------------------------------------------------------
 # Feature extraction, run once and cached

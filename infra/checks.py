@@ -13,9 +13,7 @@ from pathlib import Path
 import torch
 
 import data
-from infra import model_files
-from infra import outfolder
-from infra import storage
+from infra import model_files, outfolder, storage
 from infra.errors import RunError
 from infra.settings import LOOP_RANGES, Settings, aligned_on, describe, flags, hp_names, in_range, refuse_batch
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from infra.errors import RunError, first_line
 from features import Features
+from infra.errors import RunError, first_line
 from infra.loader import Progress, read_ahead
 from infra.storage import atomic_save, atomic_target, file_crc, load_plain, safe_load
 

@@ -75,7 +75,7 @@ from .mlp import MLP
 from .pal import PAL
 from .pal_rel import PALRel
 from .sail import SAIL
-from .structure import LinearRS, MLPRS
+from .structure import MLPRS, LinearRS
 from .t2c import T2C
 from .text_guided import TextGuided
 

@@ -62,7 +62,6 @@ from . import Method
 from .filip import token_max as max_mean  # S(I,T)'s two terms: FILIP's token-wise max, its Eq. (4)-(5)
 from .losses import info_nce_of_logits, score_in_chunks
 
-
 # ----------------------------------------------------------------------------- helpers
 
 def deformable_sample(value, loc, A):

@@ -45,7 +45,6 @@ import torch.nn.functional as F
 from . import Method
 from .losses import info_nce
 
-
 # ---------------------------------------------------------------- blocks
 
 

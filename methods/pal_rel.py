@@ -58,8 +58,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import Method
-from .losses import info_nce
 from .fast_cap import chunked_cap
+from .losses import info_nce
 from .pal import PAL, cap, relative
 
 

@@ -12,14 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import random_features, train_with
 
 import align
-from infra import cache
-from infra import outfolder
-from conftest import random_features, train_with
-from methods.linear import Linear
-from infra import checks
 import train
+from infra import cache, checks, outfolder
+from methods.linear import Linear
 
 ROOT = Path(__file__).resolve().parents[1]
 

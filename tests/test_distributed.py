@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from infra import distributed
-import encoders
 from conftest import random_features
+
+import encoders
+from infra import distributed
 from methods import METHODS
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -98,7 +98,7 @@ def test_markers_and_table_agree():
     marked = {}
     for rel in msc.project_files(ROOT):
         if rel.suffix == ".py" and "# EXERCISE" in (text := (ROOT / rel).read_text()):
-            for n, start, end, indent, words in msc.find_regions(text.split("\n"), str(rel)):
+            for n, start, end, _indent, words in msc.find_regions(text.split("\n"), str(rel)):
                 assert end > start and words, f"{rel}: exercise {n} region is empty or has no text"
                 marked.setdefault(n, set()).add(str(rel))
     assert set(marked) == set(EXERCISES)
@@ -167,7 +167,7 @@ def test_reference_passes_every_graded_test_and_grades_all_passed():
 def test_every_graded_test_fails_on_the_blank_copy(student_copy):
     """A test that passes with an exercise still blank checks nothing of the student's code."""
     for n, tests in graded_results(student_copy).items():
-        for node, outcome, msg in tests:
+        for node, outcome, _msg in tests:
             assert outcome == "failed", f"exercise {n}: {node} passes with every exercise blank"
 
 

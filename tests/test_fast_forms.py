@@ -10,11 +10,10 @@ import torch
 import torch.nn.functional as F
 from conftest import random_features
 
-from methods.pal import PAL, cap, relative
-from methods.pal_rel import PALRel, grid_positions, sincos
-
 from methods import fast_cap
 from methods.fast_cap import chunked_cap
+from methods.pal import PAL, cap, relative
+from methods.pal_rel import PALRel, grid_positions, sincos
 
 needs_fast = pytest.mark.skipif(not hasattr(fast_cap, "ChunkedCAP"), reason="a student copy: no fast form")
 

@@ -19,19 +19,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import interrupted, random_features, train_with
 
 import align
-from infra import cache, fingerprints
+import cnn_encoders
 import encoders
-from infra import outfolder
+import shapes
 import shapes_encoders
-from conftest import interrupted, random_features, train_with
+from infra import cache, checks, fingerprints, outfolder, storage
 from methods.linear import Linear
 from methods.mlp import MLP
-import cnn_encoders
-from infra import storage
-import shapes
-from infra import checks
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ("--method", "linear", "--epochs", "3")          # every full run: 3 short epochs, 20 test images

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import align
+from infra import settings
 from methods import METHODS, Method
 from methods.pal import PAL
-from infra import settings
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -11,14 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from infra import cache
 from conftest import interrupted, random_features, train_with
-from infra import budget
-from methods.linear import Linear
-from infra import loader
-from infra import shards
+
 import shapes
+from infra import budget, cache, loader, shards
+from methods.linear import Linear
 
 ROOT = Path(__file__).resolve().parents[1]
 

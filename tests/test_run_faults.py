@@ -18,20 +18,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import random_features
+from test_real import models, write_karpathy  # noqa: F401  (the tiny Hugging Face models fixture)
 
 import align
-from infra import outfolder
 import recycling
-from conftest import random_features
+import shapes
 from features import Features
+from infra import checks, outfolder, settings, storage
+from infra.settings import Settings
 from methods import METHODS
 from methods.mlp import MLP
-from test_real import models, write_karpathy  # noqa: F401  (the tiny Hugging Face models fixture)
-from infra import storage
-import shapes
-from infra import checks
-from infra import settings
-from infra.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ("--eval-images", "20", "--no-figures", "--threads", "1")
