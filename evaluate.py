@@ -35,9 +35,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from errors import RunError
-from loader import Progress, batch_to, is_stored, read_ahead
-
+from infra.errors import RunError
+from infra.loader import Progress, batch_to, is_stored, read_ahead
 
 # ----------------------------------------------------------------------------- embedding step
 

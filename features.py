@@ -2,8 +2,8 @@
 precision encoders compute in.
 
 Features is what every stage passes around (tokens, mask, pooled, grid). How batches of it reach
-the device is in loader.py; how features are computed once and cached on disk (extract,
-memory-mapped shards read back as StoredFeatures) in cache.py.
+the device is in infra/loader.py; how features are computed once and cached on disk (extract,
+memory-mapped shards read back as StoredFeatures) in infra/cache.py.
 
 Shape alphabet (used in every file): B batch, T tokens, D features,
 K anchors / output dim, Q regions, L words, C classes, H x W patch grid.

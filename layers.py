@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from infra.errors import RunError
+
 
 # ---------------------------------------------------------------------------
 # Layer selection (the STRUCTURE paper's protocol): the most similar layer pair
@@ -33,7 +35,7 @@ def select_layers(image_enc, text_enc, pairs, metric="mknn", n=5000, batch_size=
 
     import data
     import similarity
-    from storage import atomic_write_text
+    from infra.storage import atomic_write_text
 
     def pooled_by_layer(enc, items):  # {layer: (n, D_layer)} on device
         out = {}
@@ -88,4 +90,4 @@ def select_layers(image_enc, text_enc, pairs, metric="mknn", n=5000, batch_size=
 def check_layer(flag, layer, name, first, last):
     """A layer the encoder has: first..last, or -1 (the last); else one error line."""
     if not (layer == -1 or first <= layer <= last):
-        raise SystemExit(f"error: {flag} {layer}: {name} has layers {first}..{last} (-1 = the last)")
+        raise RunError(f"{flag} {layer}: {name} has layers {first}..{last} (-1 = the last)")

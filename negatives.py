@@ -11,7 +11,7 @@ import re
 
 import torch
 
-from errors import RunError
+from infra.errors import RunError
 
 # The closed word classes the rule reads (open classes, nouns and adjectives, are whatever they delimit).
 DETERMINERS = {"a", "an", "the", "this", "that", "these", "those", "its", "his", "her", "their", "my", "your",

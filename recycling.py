@@ -67,13 +67,13 @@ import copy
 import torch
 import torch.nn.functional as F
 
-import cache
 import data
-from shards import ConcatFeatures
-from features import Features
-from similarity import mutual_knn
 import eval_sets
-
+from features import Features
+from infra import cache
+from infra.errors import RunError
+from infra.shards import ConcatFeatures
+from similarity import mutual_knn
 
 # ---------------------------------------------------------------- alignment data (§4)
 
@@ -409,7 +409,7 @@ def cannot_analyse(run, args):
     align.py asks before any features are extracted."""
     try:
         run.image_encoder.head()
-    except SystemExit as e:
+    except RunError as e:
         return str(e).removeprefix("error: ")
     if not any(isinstance(s, data.LabelSet) for s in run.sets.values()):
         return (f"--data {args.data} has no classification set (put one of {', '.join(eval_sets.TORCHVISION_SETS)} in "
@@ -461,7 +461,7 @@ def recycling_analyses(run, args, device):
                                     template=FEW_SHOT_TEMPLATE).to("cpu")  # the key holds the text
             if mlp is None:
                 mlp = weight_aligned_mlp(W, names_txt)                     # 400 full-batch steps
-            aligned = lambda sf, sl: finetune_mlp_classifier(mlp, prompts, sf, sl)
+            aligned = lambda sf, sl: finetune_mlp_classifier(mlp, prompts, sf, sl)  # noqa: B023 (called in this iteration)
             out["few_shot"] = few_shot(feats[~even], labels[~even], support_shots=shots, aligned_classifier=aligned)
         else:
             print(f"[analyses] {name}: Table 2 skipped: a class has {fewest} held-out images (needs 2+)")

@@ -17,11 +17,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cache import state_fingerprint
-from storage import atomic_save, atomic_target, file_lock, fits, load_plain, safe_load
-from features import TOKEN_RULE, Features, word_positions, word_tokens
 import shapes
-
+from features import TOKEN_RULE, Features, word_positions, word_tokens
+from infra.errors import RunError
+from infra.fingerprints import state_fingerprint
+from infra.storage import atomic_save, atomic_target, file_lock, fits, load_plain, safe_load
 
 SPECIALS = ["[PAD]", "[CLS]", "[MASK]", "[UNK]"]
 PAD, CLS, MASK, UNK = range(4)
@@ -144,7 +144,7 @@ def pretrain_text_encoder(seed=0, steps=800, log=print):
         return ids, mask, target, pick
 
     t0 = time.time()
-    for step in range(steps):
+    for _step in range(steps):
         idx = torch.randint(len(train_corpus), (64,), generator=g)
         ids, mask, target, pick = masked_batch([train_corpus[i] for i in idx])
         logits = model.mlm_head(model(ids, mask))
@@ -360,7 +360,7 @@ def pretrain_both(seed, pos, folder, log=print):
     try:
         failed = [w for w, p in procs.items() if p.wait() != 0]
         if failed:
-            raise SystemExit(f"error: pretraining the tiny {' and '.join(failed)} encoder failed (its error is "
+            raise RunError(f"pretraining the tiny {' and '.join(failed)} encoder failed (its error is "
                              f"above); set ALIGN_PRETRAIN_PROCESSES=1 to pretrain in this process")
         return {w: load_plain(out) for w, out in outs.items()}
     finally:
@@ -388,11 +388,11 @@ def sha256(path):
 def load_shipped(path=SHIPPED, expect=SHIPPED_SHA256):
     """The shipped weights {"image", "text", "vocab", "acc"}, refused unless their sha256 is `expect`."""
     if not Path(path).is_file():
-        raise SystemExit(f"error: {path} is missing: the tiny encoders' weights are part of the repository "
+        raise RunError(f"{path} is missing: the tiny encoders' weights are part of the repository "
                          f"(git checkout -- weights/), or remake them: python shapes_encoders.py --remake")
     got = sha256(path)
     if got != expect:
-        raise SystemExit(f"error: {path} has sha256 {got[:12]}..., not the {expect[:12]}... this code ships; restore "
+        raise RunError(f"{path} has sha256 {got[:12]}..., not the {expect[:12]}... this code ships; restore "
                          f"it (git checkout -- weights/) or remake it: python shapes_encoders.py --remake")
     return load_plain(path)
 

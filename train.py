@@ -1,149 +1,45 @@
-"""Training: what a run depends on (its settings, compared on --resume), the loop's settings
-resolved once, and the one training loop every method trains in.
+"""Training: the one training loop every method trains in, and the --resume checkpoint it continues.
 
-run_settings and resolved_hp say what a checkpoint and config.json record; resolve_loop picks the
-epochs, batch and threads (on a CPU within methods/budget.py's FLOP budget); fit_or_train runs a
-method's closed-form fit or train, the mini-batch loop with the method's optimiser, a cosine
-schedule, a checkpoint each epoch, --resume, and a clear stop on a non-finite loss.
+fit_or_train runs a method's closed-form fit or train, the mini-batch loop with the method's
+optimiser, a cosine schedule, a checkpoint each epoch, --resume, and a clear stop on a non-finite
+loss. The loop's settings (epochs, batch, lr, ...) come resolved from infra/settings.py.
 """
-import inspect
 import time
-from pathlib import Path
 
 import torch
 
-import data
-import distributed
-import loader
-import outfolder
-import storage
-from checks import LOOP_RANGES, describe, hp_names, in_range
-from errors import RunError
 from features import Features
-from methods import budget
+from infra import distributed, loader, outfolder, storage
+from infra.errors import RunError
 from negatives import contrastive_scale, hard_negative_loss
 
 
-def data_identity(args, sets):
-    """What the training data is: the data folder by its real path and data.identity of the training set
-    (its files by path, size and time, its captions, their image links)."""
-    return dict(data_root=data.data_folder(args.data, args.data_root), data_hash=data.identity(sets["train"]))
-
-
-# ---------------------------------------------------------------------------
-# Settings: what a run depends on, resolved once
-# ---------------------------------------------------------------------------
-def run_settings(args, method_cls, hp, image_enc, text_enc, sets):
-    """What a checkpoint depends on besides the loop's settings (compared on --resume): the method
-    and every hyperparameter, the data and its identity, the encoders, their layers and weights."""
-    params = inspect.signature(method_cls.__init__).parameters
-    full_hp = {n: params[n].default for n in hp_names(method_cls)} | hp
-    return dict(method=args.method, data=args.data, image_encoder=args.image_encoder,
-                text_encoder=args.text_encoder, image_layer=args.image_layer,
-                text_layer=args.text_layer, select_layers=args.select_layers,
-                align_data=args.align_data, num_pairs=args.num_pairs,
-                hard_negatives=args.hard_negatives, **{f"hp.{k}": v for k, v in full_hp.items()},
-                image_layer_used=image_enc.layer, text_layer_used=text_enc.layer,
-                image_weights=getattr(image_enc, "fingerprint", None),
-                text_weights=getattr(text_enc, "fingerprint", None),
-                **data_identity(args, sets))
-
-
-def resolved_hp(method, settings):
-    """Every hyperparameter as the method runs it (config.json's "hp"): the keyword's value from
-    settings (given, else the __init__ default), or what __init__ resolved it to when it keeps it
-    under its own name (PAL's pooling None -> "cap"; methods/__init__.py)."""
-    kept = vars(method)                                   # the instance's plain attributes
-    plain = lambda x: x is None or isinstance(x, (bool, int, float, str))
-    return {name: kept[name] if plain(kept.get(name, ())) else value
-            for name, value in ((k[3:], v) for k, v in settings.items() if k.startswith("hp."))}
-
-
-def software():
-    """What ran the run, recorded but not compared (outfolder.OUTPUT_ONLY): python, torch,
-    transformers (its installed version, without importing it) and the git commit of this code
-    (None outside a checkout)."""
-    import importlib.metadata
-    import platform
-    import subprocess
-    try:
-        transformers = importlib.metadata.version("transformers")
-    except importlib.metadata.PackageNotFoundError:
-        transformers = None
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
-                                capture_output=True, text=True, timeout=10)
-        commit = commit.stdout.strip() if commit.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    return dict(python=platform.python_version(), torch=torch.__version__,
-                transformers=transformers, commit=commit or None)
-
-
-def methods_sha256(folder=None):
-    """sha256 over methods/*.py, sorted by name (each file's name, then its bytes): the method code a run
-    trained with. config.json records it, and outfolder compares it as a setting, so a run of changed
-    method code is refused in the --out of the old one."""
-    import hashlib
-    h = hashlib.sha256()
-    for path in sorted(Path(folder or Path(__file__).resolve().parent / "methods").glob("*.py")):
-        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    return h.hexdigest()
-
-
-def loop_settings(args, defaults):
-    """The training loop's settings as given: the flags, else the method's defaults."""
-    pick = lambda flag, name, fallback=None: flag if flag is not None else defaults.get(name, fallback)
-    return dict(epochs=pick(args.epochs, "epochs"),
-                batch_size=args.batch_size or defaults.get("batch_size"), lr=pick(args.lr, "lr"),
-                weight_decay=pick(args.weight_decay, "weight_decay", 0.0), seed=args.seed)
-
-
-def loop_plan(given, method, n):
-    """The loop's settings as they run on n pairs, from the settings given (loop_settings): the batch
-    at most n, a step budget ("steps", methods/__init__.py) as ceil(steps / steps per epoch) epochs.
-    A batch the method cannot train on is refused."""
-    batch = min(given["batch_size"], n)
-    low = method.ranges.get("batch_size", LOOP_RANGES["batch_size"])
-    if not in_range(batch, low):
-        raise RunError(f"a batch of {batch} pair(s) ({n} alignment pairs): "
-                       f"{type(method).__name__} takes batch_size {describe(low)}; use more pairs")
-    steps = n // batch                  # the last partial batch is dropped: InfoNCE wants full ones
-    epochs = given["epochs"] if given["epochs"] is not None else -(-method.defaults["steps"] // steps)
-    return dict(given, epochs=epochs, batch_size=batch)
-
-
-def resolve_loop(args, method, img, txt, device, cores):
-    """The loop's settings as the run will use them (config.json holds these; train takes them): the
-    flags, else the method's defaults, on a CPU with no --epochs within the FLOP budget of
-    methods/budget.py; and the thread counts."""
-    threads = dict(encode_threads=torch.get_num_threads(), train_threads=torch.get_num_threads())
-    given = loop_settings(args, method.defaults)
-    if method.loss is None:
-        return {**given, **threads}
-    loop = loop_plan(given, method, len(img))             # a batch it cannot train on stops here
-    distributed.check_batch(method, loop["batch_size"], args.hard_negatives)
-    if device == "cpu":
-        gflop, budgeted, line = budget.cpu_default(args.epochs, args.batch_size, method, img, txt)
-        if line:
-            print(f"[cpu default] {args.method}: {line}")
-            loop = loop_plan({**given, **budgeted}, method, len(img))
-            distributed.check_batch(method, loop["batch_size"], args.hard_negatives)
-        torch.set_num_threads(args.threads or budget.cpu_threads(gflop, cores))
-        threads["train_threads"] = torch.get_num_threads()
-        print(f"[threads] training on {threads['train_threads']} (a step's forward: {gflop:.2f} "
-              f"GFLOP of matrix products)")
-    return {**loop, **threads}
+def resume_state(settings, defaults):
+    """The checkpoint --resume continues, loaded here once and compared on what is known before the
+    features (what the run depends on, and the loop's lr, weight decay and seed; train compares the
+    rest: epochs, batch, the weights' shapes); else False, or True for --resume before a first
+    checkpoint. settings: infra/settings.py's Settings; defaults: the method's."""
+    ckpt = outfolder.checkpoint(settings.out)
+    if not (settings.args.resume and ckpt.exists()):
+        return settings.args.resume
+    given = settings.loop_given(defaults)                # epochs, batch: known after the features
+    return load_checkpoint(ckpt, settings.depends_on({k: given[k] for k in ("lr", "weight_decay", "seed")}))
 
 
 def load_checkpoint(ckpt, settings):
     """A --resume checkpoint, refused with one line when it is truncated, holds code, or was
-    written under other settings (listing what differs); only the keys of `settings` count."""
+    written under other settings (same_settings)."""
     try:
         state = storage.load_plain(ckpt)
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         raise RunError(f"--resume: {ckpt} is truncated or corrupt ({type(e).__name__}); delete it "
                        f"to start over, or run without --resume") from None
+    return same_settings(ckpt, state, settings)
+
+
+def same_settings(ckpt, state, settings):
+    """state, refused when it was written under other settings (listing what differs); only the keys
+    of `settings` count."""
     old = state.get("settings", {}) if isinstance(state, dict) else {}
     diff = [f"{k} {old.get(k)!r} there, {v!r} now" for k, v in settings.items() if old.get(k) != v]
     if diff:
@@ -219,8 +115,9 @@ def train(method, img, txt, loop, out, device, resume=False, settings=None, nega
     """Mini-batch training of method.loss with the method's optimiser, a cosine schedule,
     a checkpoint each epoch, --resume, and a clear stop on a non-finite loss.
 
-    loop: the loop's settings as they run (epochs, batch_size, lr, weight_decay, seed; resolve_loop
-    or loop_plan); resume: go on from out's checkpoint when there is one (--resume).
+    loop: the loop's settings as they run (epochs, batch_size, lr, weight_decay, seed: the
+    Settings' loop, infra/settings.py); resume: go on from out's checkpoint when there is one
+    (--resume): True, or the checkpoint resume_state has loaded.
     settings: what the run depends on besides the loop's own settings (method, hp, data,
     encoders' weights, ...); stored in the checkpoint, and a --resume under other settings
     is refused with what differs (load_checkpoint).
@@ -236,8 +133,10 @@ def train(method, img, txt, loop, out, device, resume=False, settings=None, nega
     opt = opt_cls(params, lr=lr, weight_decay=wd, betas=d.get("betas", (0.9, 0.999)))
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, epochs * steps_per_epoch))
     start, ckpt, last = 0, outfolder.partial(out) / "checkpoint.pt", None   # written each epoch
-    if resume and outfolder.checkpoint(out).exists():
-        state = load_checkpoint(outfolder.checkpoint(out), settings)
+    if resume is True and outfolder.checkpoint(out).exists():
+        resume = load_checkpoint(outfolder.checkpoint(out), settings)
+    if isinstance(resume, dict):
+        state = same_settings(outfolder.checkpoint(out), resume, settings)
         method.load_state_dict(state["method"])
         opt.load_state_dict(state["opt"])
         sched.load_state_dict(state["sched"])

@@ -23,9 +23,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import cache  # noqa: E402
 from features import Features  # noqa: E402
-import shards  # noqa: E402
+from infra import (
+    cache,  # noqa: E402
+    shards,  # noqa: E402
+)
 
 
 def memory_mb():

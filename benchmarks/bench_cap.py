@@ -14,6 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from features import Features  # noqa: E402
 from methods.pal import PAL  # noqa: E402
+
 torch.set_num_threads(1)
 B, H, W, L, Dv, Dl = 256, 8, 8, 24, 96, 96
 g = torch.Generator().manual_seed(0)
@@ -27,7 +28,7 @@ for fast in (True, False):
     m = PAL(Dv, Dl, fast=fast)
     opt = torch.optim.AdamW(m.parameters(), lr=3e-2, weight_decay=0.0)
     times = []
-    for i in range(6):
+    for _i in range(6):
         t0 = time.process_time()
         loss, _ = m.loss(img, txt)
         opt.zero_grad()

@@ -19,10 +19,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-import distributed  # noqa: E402
 import encoders  # noqa: E402
-import cache  # noqa: E402
 import shapes
+from infra import (
+    cache,  # noqa: E402
+    distributed,  # noqa: E402
+)
 
 
 def main():

@@ -39,19 +39,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-import cache  # noqa: E402
 import data  # noqa: E402
 import encoders  # noqa: E402
 import evaluate  # noqa: E402
+import features
+import layers
+import shapes
 import shapes_encoders as se  # noqa: E402
 import similarity  # noqa: E402
 from features import Features  # noqa: E402
-import loader
-import features
-import model_files
-import layers
-import shards
-import shapes
+from infra import (
+    cache,  # noqa: E402
+    loader,
+    model_files,
+    shards,
+)
 
 SIZES = {  # rows, tokens, dim of (a); images, model (hidden, layers, heads) of (b); pairs, text layers of (c); (d)
     "tiny": dict(rows=128, T=17, D=32, batch=32, images=4, ext_batch=2, shard_rows=4, hidden=32, layers=2, heads=2,
@@ -308,10 +310,10 @@ def bench_evaluation(z, device, repeats, sync):
         m = methods.METHODS[name](D, D, **({"dim": z["K"]} if name == "cov" else {"K": z["K"]})).to(device).eval()
 
         def run():
-            with evaluate.inference(m):
-                a = evaluate.embed(m.embed_image, img, device=device)
-                b = evaluate.embed(m.embed_text, txt, device=device)
-                evaluate.score_matrix(m, a, b, device=device)
+            with evaluate.inference(m):  # noqa: B023 (called in this iteration)
+                a = evaluate.embed(m.embed_image, img, device=device)  # noqa: B023 (called in this iteration)
+                b = evaluate.embed(m.embed_text, txt, device=device)  # noqa: B023 (called in this iteration)
+                evaluate.score_matrix(m, a, b, device=device)  # noqa: B023 (called in this iteration)
         with evaluate.inference(m):
             e = evaluate.embed(m.embed_image, img[:2], device=device)
         N, K = e.shape[1], e.shape[2]                                        # patches or regions per image, dim

@@ -46,8 +46,8 @@ OWN_DEFAULTS = {"mlp", "t2c", "csa", "asif"}     # fast defaults (mlp, t2c) or n
 
 def contrastive(method):
     """Does the method train with a contrastive loss (so --hard-negatives applies)?"""
-    from negatives import contrastive_scale
     from methods import METHODS
+    from negatives import contrastive_scale
     return contrastive_scale(METHODS[method](16, 12)) is not None
 
 
@@ -114,6 +114,7 @@ def probes(args):
     read it from a caption; one pooled vector can only if it binds colour to place."""
     import numpy as np
     import torch
+
     import encoders
     import shapes
     import shapes_encoders
@@ -175,6 +176,7 @@ def paraphrases(args):
     (chance 50). A form the encoder itself reads as its swap gives an aligner nothing to read."""
     import numpy as np
     import torch
+
     import encoders
     import shapes
     torch.set_num_threads(1)
@@ -190,7 +192,7 @@ def paraphrases(args):
     for text in args.texts:
         _, enc = encoders.load_encoders("shapes-cnn", args.minilm if text == "minilm" else "shapes-text",
                                         args.cache_dir)
-        vec = lambda captions: torch.nn.functional.normalize(enc.encode(captions).pooled.float(), dim=-1)
+        vec = lambda captions: torch.nn.functional.normalize(enc.encode(captions).pooled.float(), dim=-1)  # noqa: B023 (called in this iteration)
         canonical = [shapes.minimal_pairs(s, 0) for s in scenes]
         true0 = vec([t for t, _ in canonical])
         swaps0 = {k: vec([d[k] for _, d in canonical]) for k, _ in SWAPS}
@@ -206,9 +208,10 @@ def breakdown(args):
     """Each trained run's harder binding test per caption form: the all-styles set by training style,
     the held-out set by template (shapes.HELD_OUT_TEMPLATES), from the run's method.pt."""
     import torch
+
     import encoders
-    import shapes
     import evaluate
+    import shapes
     from methods import METHODS
     torch.set_num_threads(1)
     world = shapes.shapes_world()

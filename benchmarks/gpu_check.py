@@ -43,11 +43,18 @@ def write_world(root, tiny):
 def write_models(root, tiny):
     """dinov2 (DINOv2-L shape), beit (BEiT-L classifier shape) and roberta (RoBERTa-large shape) folders."""
     import torch
-    from transformers import (AutoModel, BeitConfig, BeitForImageClassification, BitImageProcessor, Dinov2Config,
-                              RobertaConfig, RobertaTokenizer)
-
-    import model_files
     from test_real import WORDS
+    from transformers import (
+        AutoModel,
+        BeitConfig,
+        BeitForImageClassification,
+        BitImageProcessor,
+        Dinov2Config,
+        RobertaConfig,
+        RobertaTokenizer,
+    )
+
+    from infra import model_files
     torch.manual_seed(0)
     large = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)
     small = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)

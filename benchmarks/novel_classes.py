@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import align  # noqa: E402
-import shapes  # noqa: E402
 import evaluate  # noqa: E402
+import shapes  # noqa: E402
 from features import Features  # noqa: E402
 from methods import METHODS  # noqa: E402
 

@@ -35,12 +35,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import align  # noqa: E402
-import cache  # noqa: E402
 import encoders  # noqa: E402
 import evaluate  # noqa: E402
 import shapes  # noqa: E402
 import train  # noqa: E402
 from features import Features  # noqa: E402
+from infra import cache  # noqa: E402
 from methods import METHODS  # noqa: E402
 
 PHRASE = re.compile(r"\b(" + "|".join(shapes.COLOUR_NAMES) + r") (" + "|".join(shapes.SHAPES) + r")\b")

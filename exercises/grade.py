@@ -29,7 +29,10 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))    # the project: infra.errors
 from table import DEPENDS, EXERCISES, blank_exercises  # noqa: E402
+
+from infra.errors import RunError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -185,10 +188,10 @@ def main(argv=None):
     numbers = args.numbers or sorted(EXERCISES)
     unknown = [n for n in numbers if n not in EXERCISES]
     if unknown:
-        raise SystemExit(f"error: no exercise {unknown}; the exercises are {sorted(EXERCISES)}")
+        raise RunError(f"no exercise {unknown}; the exercises are {sorted(EXERCISES)}")
     root = Path(args.root).resolve()
     if not (root / "tests").is_dir():
-        raise SystemExit(f"error: {root} has no tests/ folder: is it a copy of the project?")
+        raise RunError(f"{root} has no tests/ folder: is it a copy of the project?")
     t0 = time.time()
     report, tail = grade(root, numbers)
     for _, _, lines in report:

@@ -31,6 +31,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))    # the project: infra.errors
+from infra.errors import RunError  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = ROOT / "exercises" / "answers_template.md"
 ANSWERS = ROOT / "exercises" / "answers.md"
@@ -92,7 +95,7 @@ def run_one(name, cache_dir):
     _, status, usage = os.wait4(p.pid, 0)
     p.returncode = os.waitstatus_to_exitcode(status)
     if p.returncode != 0:
-        raise SystemExit(f"error: {name} ({shlex.join(cmd)}) failed:\n{log[-3000:]}")
+        raise RunError(f"{name} ({shlex.join(cmd)}) failed:\n{log[-3000:]}")
     figs = figures_of(json.loads((out / "metrics.json").read_text()))
     figs["cpu_s"] = round(usage.ru_utime + usage.ru_stime)
     print(f"[{name}] {time.time() - t0:.0f} s wall, {figs['cpu_s']} s CPU: rsum {figs['rsum']:.2f}", flush=True)
@@ -108,6 +111,7 @@ def e6_figures():
 def machine():
     """What the runs ran on, in words the answers print."""
     import platform
+
     import torch
     cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
                 if l.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else \
@@ -169,10 +173,10 @@ def results_rows(text, figures, rows):
         f = figures[run]
         cells = (f"{f['i2t_r1']:.1f} | {f['t2i_r1']:.1f} | {f['rsum']:.1f} | {f['top1']:.1f} | {f['miou_fg']:.1f} | "
                  f"{f['binding']:.1f} |")
-        text, n = re.subn(rf"^(\| {re.escape(label)} \| )(?:[^|\n]*\|){{6}}", lambda m: m[1] + cells, text, count=1,
-                          flags=re.M)
+        text, n = re.subn(rf"^(\| {re.escape(label)} \| )(?:[^|\n]*\|){{6}}", lambda m, cells=cells: m[1] + cells,
+                          text, count=1, flags=re.M)
         if n != 1:
-            raise SystemExit(f"error: no row '| {label} |' with six figures in a results table")
+            raise RunError(f"no row '| {label} |' with six figures in a results table")
     return text
 
 

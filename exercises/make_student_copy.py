@@ -10,12 +10,12 @@ out) and hands out the archive; a student unpacks it (`tar xzf course.tar.gz; cd
 A region is everything between `# EXERCISE N ...` (plus its `#   ...` continuation
 lines) and `# END EXERCISE N` in a .py file; in the copy it becomes one
 `raise NotImplementedError("Exercise N ...")` at the marker's indentation, the
-markers stay. Every other byte is copied verbatim, but for the parts of the docs that answer
-an experiment, between `<!-- answers EN ... -->` and `<!-- end answers -->` (docs/results.md's
-CoV-Align section answers E3), each replaced by one line saying so. Left out: the answers
-(exercises/answers.md, its template and figures, make_answers.py and tests/test_answers.py),
-methods/fast_cap.py (a fast form of exercise 3: without it PAL and PAL-Rel train
-through the student's relative + cap), tests/test_exercises.py (it holds the answers
+markers stay. Every other byte is copied verbatim, but methods/fast_cap.py (a fast form of
+exercise 3, its answer): the copy's is exercises/paper_cap.py, so PAL and PAL-Rel train through
+the student's relative + cap; and the parts of the docs that answer an experiment, between
+`<!-- answers EN ... -->` and `<!-- end answers -->` (docs/results.md's section that answers E3),
+each replaced by one line saying so. Left out: the answers (exercises/answers.md, its template and
+figures, make_answers.py and tests/test_answers.py), tests/test_exercises.py (it holds the answers
 it plants), and .git, .cache, results, __pycache__, .pytest_cache. The copy records the
 exercises it blanked in exercises/this_copy.json. OUT_DIR must not
 exist or be empty, an archive must not exist (a student's work is never overwritten).
@@ -30,12 +30,16 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))    # the project: infra.errors
+from infra.errors import RunError  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
+PAPER_CAP = Path("exercises/paper_cap.py")        # the copy's methods/fast_cap.py: the paper form runs
 SKIP_DIRS = {".git", ".cache", "results", "__pycache__", ".pytest_cache"}
 SKIP_FILES = {Path("exercises/answers.md"),     # the experiments' answers, for instructors
               Path("exercises/answers_template.md"), Path("exercises/answers_figures.json"),  # ... their source
               Path("exercises/make_answers.py"), Path("tests/test_answers.py"),              # ... and their check
-              Path("methods/fast_cap.py"),       # PAL's fast CAP: computes exercise 3's p (pal.py choice 9)
+              Path("methods/fast_cap.py"),       # PAL's fast CAP computes exercise 3's p: PAPER_CAP instead
               Path("tests/test_exercises.py"),   # the course's own test: it plants each exercise's answer
               Path("exercises/this_copy.json")}  # a copy's own record (below), never carried into another
 START = re.compile(r"^(?P<indent>[ \t]*)# EXERCISE (?P<n>\d+)\b(?P<text>.*)$")
@@ -101,9 +105,9 @@ def make_copy(out_dir, only=None, root=ROOT):
     """Write the student copy; returns {exercise: number of regions blanked}."""
     out_dir = Path(out_dir).resolve()
     if out_dir == Path(root).resolve() or Path(root).resolve() in out_dir.parents:
-        raise SystemExit(f"error: {out_dir} is inside the project; choose a folder outside it")
+        raise RunError(f"{out_dir} is inside the project; choose a folder outside it")
     if out_dir.exists() and any(out_dir.iterdir()):
-        raise SystemExit(f"error: {out_dir} exists and is not empty (a student copy is never overwritten)")
+        raise RunError(f"{out_dir} exists and is not empty (a student copy is never overwritten)")
     blanked = {}
     for rel in project_files(root):
         src, dst = Path(root) / rel, out_dir / rel
@@ -118,6 +122,7 @@ def make_copy(out_dir, only=None, root=ROOT):
             dst.write_text(without_answers(text))
         else:
             shutil.copy2(src, dst)
+    shutil.copy2(Path(root) / PAPER_CAP, out_dir / "methods" / "fast_cap.py")
     # which exercises this copy blanks (align.py's refusal reads it to advise the right --only)
     (out_dir / "exercises" / "this_copy.json").write_text(json.dumps({"blanked": sorted(only or blanked)}) + "\n")
     return blanked
@@ -128,11 +133,11 @@ def make_archive(archive, only=None, root=ROOT):
     course/); returns make_copy's {exercise: regions blanked}."""
     archive = Path(archive).resolve()
     if not archive.name.endswith(".tar.gz"):
-        raise SystemExit(f"error: {archive} does not end in .tar.gz")
+        raise RunError(f"{archive} does not end in .tar.gz")
     if archive.exists():
-        raise SystemExit(f"error: {archive} exists (a copy handed out is never overwritten)")
+        raise RunError(f"{archive} exists (a copy handed out is never overwritten)")
     if archive == Path(root).resolve() or Path(root).resolve() in archive.parents:
-        raise SystemExit(f"error: {archive} is inside the project; choose a folder outside it")
+        raise RunError(f"{archive} is inside the project; choose a folder outside it")
     name = archive.name[:-len(".tar.gz")]
     with tempfile.TemporaryDirectory() as tmp:
         blanked = make_copy(Path(tmp) / name, only, root)
@@ -171,13 +176,13 @@ def main(argv=None):
     args = p.parse_args(argv)
     unknown = set(args.only or []) - set(EXERCISES)
     if unknown:
-        raise SystemExit(f"error: no exercise {sorted(unknown)}; the exercises are {sorted(EXERCISES)}")
+        raise RunError(f"no exercise {sorted(unknown)}; the exercises are {sorted(EXERCISES)}")
     t0 = time.time()
     make = make_archive if args.out_dir.endswith(".tar.gz") else make_copy
     blanked = make(args.out_dir, set(args.only) if args.only else None)
     missing = set(args.only or EXERCISES) - set(blanked)
     if missing:
-        raise SystemExit(f"error: no marked region found for exercise(s) {sorted(missing)}")
+        raise RunError(f"no marked region found for exercise(s) {sorted(missing)}")
     print(f"student copy in {args.out_dir} ({time.time() - t0:.1f}s): blanked "
           + ", ".join(f"exercise {n} ({k} region{'s' if k > 1 else ''})" for n, k in sorted(blanked.items())))
     if args.out_dir.endswith(".tar.gz"):

@@ -12,8 +12,9 @@ analyses'); refuse_blank_exercises stops a run that needs a still blank one, bef
 """
 import json
 import re
-import sys
 from pathlib import Path
+
+from infra.errors import RunError
 
 ROOT = Path(__file__).resolve().parents[1]
 COPY_RECORD = Path("exercises/this_copy.json")    # written into a student copy: the exercises it blanked
@@ -73,8 +74,8 @@ EXERCISES = {
              "renormalise the kept weights; L_conc on the masked attention attn_bar instead of the full softmax "
              "attn; patch centres at j/W instead of (j+.5)/W; a constant row (max = min) masking every patch"),
     6: dict(
-        title="CoV: region-word max-sum score with padding (sparse region-word alignment; FILIP's score too)",
-        regions=["methods/cov.py"],
+        title="FILIP's token-wise max-sum with padding (CoV's score too); TextGuided's mean over real words",
+        regions=["methods/filip.py", "methods/text_guided.py"],
         tests=["tests/test_cov.py::test_max_sum_matches_loop_with_padding",
                "tests/test_cov.py::test_padded_words_do_not_change_the_score[CoV]",
                "tests/test_cov.py::test_padded_words_do_not_change_the_score[TextGuided]",
@@ -159,11 +160,11 @@ EXERCISES = {
 
 # The other exercises whose code an exercise's graded tests also run (grade.py says BLOCKED while one is blank;
 # the sheet's "needs" column; tests/test_exercises.py checks both against what grading finds).
-DEPENDS = {2: [3], 5: [2, 6], 6: [3, 4, 5], 10: [13], 11: [2]}
+DEPENDS = {2: [3], 5: [2, 6], 6: [4, 5], 10: [13], 11: [2]}
 
 # The exercises a run of align.py executes: its method's (training and scoring), then the evaluation's.
 NEEDS = {
-    "pal": [2, 3], "pal_rel": [2, 3], "cov": [2, 4, 5, 6], "text_guided": [2, 3, 6], "filip": [2, 6], "fa": [2],
+    "pal": [2, 3], "pal_rel": [2, 3], "cov": [2, 4, 5, 6], "text_guided": [2, 6], "filip": [2, 6], "fa": [2],
     "linear": [2], "linear_rs": [2, 11], "mlp_rs": [2, 11], "csa": [7], "asif": [12], "mlp": [], "t2c": [],
     "sail": [],
 }
@@ -215,5 +216,5 @@ def refuse_blank_exercises(method, analyses=False, select_layers=None, root=ROOT
         else:
             fix = (f"finish {'it' if len(missing) == 1 else 'them'}: python exercises/grade.py "
                    f"{' '.join(map(str, missing))} says what is left")
-        sys.exit(f"error: --method {method}{' --analyses' if analyses else ''} needs exercises "
+        raise RunError(f"--method {method}{' --analyses' if analyses else ''} needs exercises "
                  f"{', '.join(map(str, need))}; still blank: {', '.join(map(str, missing))} ({fix})")

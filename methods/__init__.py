@@ -35,7 +35,7 @@ Each method defines those five. What it may define besides, with the default `Me
                                     # (FILIP: its image -> text half). Keeps its gradient (evaluate.py runs
                                     # inference under no_grad).
     split_loss = False              # True: loss reads the batch only through embed_image / embed_text, so
-                                    # torchrun can split the batch across ranks (distributed.py). False: rank 0.
+                                    # torchrun can split the batch across ranks (infra/distributed.py). False: rank 0.
     refuses_align_data = {}         # {--align-data mode: why} the method cannot train on. A classifier-head
                                     # row (weight recycling) is one vector: Features with one token
                                     # (pooled = token 0) and, beside pairs, empty patch slots.
@@ -75,7 +75,7 @@ from .mlp import MLP
 from .pal import PAL
 from .pal_rel import PALRel
 from .sail import SAIL
-from .structure import LinearRS, MLPRS
+from .structure import MLPRS, LinearRS
 from .t2c import T2C
 from .text_guided import TextGuided
 

@@ -67,8 +67,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import Method
-from .losses import info_nce_of_logits
-
+from .filip import token_max as max_mean  # S(I,T)'s two terms: FILIP's token-wise max, its Eq. (4)-(5)
+from .losses import info_nce_of_logits, score_in_chunks
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -119,36 +119,6 @@ def max_sum(r, w):
     """S(I,T) of the sparse region-word alignment for all pairs: r (I, Q, K), w (T, L, K) unit or all-zero rows -> S (I, T)."""
     i2t, t2i = max_mean(r, w)
     return i2t + t2i                                                    # S(I,T), (I, T)
-
-
-def max_mean(r, w):
-    """The two terms of S(I,T) (FILIP's token-wise maximum similarity, its Eq. (4)-(5), the same):
-    r (I, Q, K), w (T, L, K) unit or all-zero rows -> i2t, t2i (I, T) each.
-
-    All-zero rows are padding: excluded from the max and from the mean.
-    """
-    # EXERCISE 6 (CoV's region-word max-sum): i2t = mean over real regions of max over real words of s_ij, t2i = mean over real
-    #   words of max over real regions; r (I, Q, K), w (T, L, K), all-zero rows are padding -> i2t, t2i (I, T)
-    r_ok = r.abs().sum(-1) > 0                                          # (I, Q)
-    w_ok = w.abs().sum(-1) > 0                                          # (T, L)
-    s = torch.einsum("iqk,tlk->itql", r, w)                             # s_ij, (I, T, Q, L)
-    neg = torch.finfo(s.dtype).min
-    best_word = s.masked_fill(~w_ok[None, :, None, :], neg).amax(-1)    # max_j s_ij, (I, T, Q)
-    best_region = s.masked_fill(~r_ok[:, None, :, None], neg).amax(-2)  # max_i s_ij, (I, T, L)
-    i2t = (best_word * r_ok[:, None]).sum(-1) / r_ok.sum(-1, keepdim=True).clamp_min(1)
-    t2i = (best_region * w_ok[None]).sum(-1) / w_ok.sum(-1)[None].clamp_min(1)
-    return i2t, t2i                                                     # (I, T) each
-    # END EXERCISE 6
-
-
-def real_word_mean(x, w):
-    """Mean of x (I, T, L) over the real words of w (T, L, K), all-zero rows being padding -> (I, T)
-    (TextGuided's Eq. (3))."""
-    # EXERCISE 6 (the mean over real words): x (I, T, L), w (T, L, K); padded (all-zero) words of w count neither
-    #   in the sum nor in the number divided by -> (I, T)
-    w_ok = w.abs().sum(-1) > 0                                          # (T, L)
-    return (x * w_ok[None]).sum(-1) / w_ok.sum(-1)[None].clamp_min(1)
-    # END EXERCISE 6
 
 
 def grid_centres(rows, cols, device=None):
@@ -271,14 +241,7 @@ class CoV(Method):
 
     def score(self, img_emb, txt_emb):
         """S(I,T) for all pairs, in chunks of <= score_chunk elements -> (N_img, N_txt)."""
-        (I, Q, _), (T, L, _) = img_emb.shape, txt_emb.shape
-        ct = max(1, min(T, self.score_chunk // (Q * L)))         # texts per chunk
-        ci = max(1, self.score_chunk // (ct * Q * L))            # images per chunk
-        S = img_emb.new_empty(I, T)
-        for i in range(0, I, ci):
-            for t in range(0, T, ct):
-                S[i:i + ci, t:t + ct] = max_sum(img_emb[i:i + ci], txt_emb[t:t + ct])
-        return S
+        return score_in_chunks(max_sum, img_emb, txt_emb, self.score_chunk)
 
     # --- CDFO and the loss function
     def loss(self, img, txt):

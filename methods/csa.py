@@ -6,7 +6,8 @@ Unlocking Vision-Language Alignment via Weight Recycling" (its Eq. (2):
 g(f_I(x)) ~ g_bar(f_T(t)) with g, g_bar linear, found by CCA).
 
 CCA finds A (D_v, d), B (D_l, d) maximising corr(A_i^T x, B_i^T y) per dimension,
-with the projected dimensions uncorrelated within each view. Solved here as
+with the projected dimensions uncorrelated within each view. Solved here in seven steps (this
+file's numbering, not equations of the paper; the code carries "step (n)"):
 
     (1) x <- x / ||x||,  y <- y / ||y||                           one input normalisation
     (2) S_xx, S_yy, S_xy  covariances of the mean-centred views (+ ridge r I)
@@ -18,6 +19,8 @@ with the projected dimensions uncorrelated within each view. Solved here as
 
 Symbols -> variables: mu_x, mu_y -> self.mu_v, self.mu_l; A, B -> self.A, self.B;
 rho -> self.rho; d -> self.d; r -> ridge * trace(S) / D (per view).
+The file: covariances (step 2), cca (steps 3-5), the method (steps 1, 6, 7), then the ridge
+selection of choice 3.
 
 Deviations / choices:
 1. CCA by torch.linalg in float64 (Cholesky whitening + SVD), not the authors' cca_zoo call; the
@@ -50,7 +53,7 @@ MIN_SELECT = 50                                # fewer training pairs: no held-o
 
 
 def covariances(X, Y, chunk=8192):
-    """Means and (co)variances of paired rows X (N, D_v), Y (N, D_l), in float64 on X's device."""
+    """Step (2): means and (co)variances of paired rows X (N, D_v), Y (N, D_l), in float64 on X's device."""
     # EXERCISE 7 (CCA): means mu_x (D_v,), mu_y (D_l,) and the covariances S_xx, S_yy, S_xy of the mean-centred
     #   views, in float64, accumulated over chunks of rows, the sums divided by N - 1 (as torch.cov; N gives the same CCA)
     N, dev = len(X), X.device
@@ -70,8 +73,8 @@ def covariances(X, Y, chunk=8192):
 
 
 def cca(S_xx, S_yy, S_xy, d, ridge):
-    """Canonical directions A (D_v, d), B (D_l, d) and correlations rho (d,) of covariances S,
-    with ridge r = ridge * tr(S) / D per view."""
+    """Steps (3)-(5): canonical directions A (D_v, d), B (D_l, d) and correlations rho (d,) of
+    covariances S, with ridge r = ridge * tr(S) / D per view."""
     # EXERCISE 7 (CCA): S + r I = L L^T (Cholesky, r = ridge * tr(S) / D), T = L_x^-1 S_xy L_y^-T = U diag(rho) V^T
     #   (SVD); A = L_x^-T U[:, :d] (D_v, d), B = L_y^-T V[:, :d] (D_l, d), rho[:d]
     eye = lambda S: torch.eye(len(S), dtype=S.dtype, device=S.device)
@@ -88,6 +91,56 @@ def cca(S_xx, S_yy, S_xy, d, ridge):
     # END EXERCISE 7
 
 
+class CSA(Method):
+    defaults = dict(epochs=0)  # closed form: fit() only, no training loop
+    ranges = dict(d="[1, inf)", ridge="[0, inf)")  # valid --hp values (align.py)
+    hp_words = dict(ridge=("auto",))               # --hp ridge=auto: choice 3
+
+    def __init__(self, d_image, d_text, d=200, ridge=0.1, normalize=True):  # d: weight-recycling App. E;
+        super().__init__()                                                  # ridge, normalize: choices 3, 2
+        self.d, self.ridge, self.normalize = min(d, d_image, d_text), ridge, normalize
+        self.register_buffer("mu_v", torch.zeros(d_image))
+        self.register_buffer("mu_l", torch.zeros(d_text))
+        self.register_buffer("A", torch.zeros(d_image, self.d))
+        self.register_buffer("B", torch.zeros(d_text, self.d))
+        self.register_buffer("rho", torch.zeros(self.d))
+        self.chosen_ridge = None                           # what fit() used (a float)
+
+    def unit(self, x):
+        """Step (1), the one input normalisation (choice 2), at fit and at test: rows to unit L2 norm, fp32."""
+        return F.normalize(x.float(), dim=-1) if self.normalize else x.float()
+
+    @torch.no_grad()
+    def fit(self, img, txt):
+        X, Y = self.unit(img.pooled), self.unit(txt.pooled)          # (N, D_v), (N, D_l), choice 2
+        ridge = self.ridge
+        if ridge == "auto":
+            ridge = select_ridge(X, Y, self.d)[0] if len(X) >= MIN_SELECT else 1.0
+        self.chosen_ridge = float(ridge)
+        mu_x, mu_y, S_xx, S_yy, S_xy = covariances(X, Y)
+        d = min(self.d, len(X) - 1)
+        A, B, rho = cca(S_xx, S_yy, S_xy, d, ridge)       # (D_v, d), (D_l, d), (d,)
+        self.mu_v.copy_(mu_x)
+        self.mu_l.copy_(mu_y)
+        self.A.zero_()[:, :d] = A.float()
+        self.B.zero_()[:, :d] = B.float()
+        self.rho.zero_()[:d] = rho.float()
+        return self
+
+    def embed_image(self, img):
+        return F.normalize((self.unit(img.pooled) - self.mu_v) @ self.A, dim=-1)      # step (6), (B, d)
+
+    def embed_text(self, txt):
+        return F.normalize((self.unit(txt.pooled) - self.mu_l) @ self.B, dim=-1)      # step (6), (B, d)
+
+    def score(self, img_emb, txt_emb):
+        return (img_emb * self.rho) @ txt_emb.T            # step (7): sum_i rho_i x_i y_i, (N_img, N_txt)
+
+    def dense_image(self, img):
+        return F.normalize((self.unit(img.patches()) - self.mu_v) @ self.A, dim=-1)   # (B, H*W, d)
+
+
+# ---------------------------------------------------------------- choice 3: ridge="auto", picked on held-out pairs
 def held_out_split(N, held_out=0.2, max_held_out=2000, seed=0, device="cpu"):
     """(val, fit) pair indices of choice 3: `held_out` of the pairs at random (at most max_held_out) held out."""
     perm = torch.randperm(N, generator=torch.Generator().manual_seed(seed)).to(device)
@@ -113,52 +166,3 @@ def select_ridge(X, Y, d, ridges=RIDGES, max_held_out=2000, seed=0):
         rank_t2i = (s >= true[None, :]).sum(0)
         scores[r] = 0.5 * ((1 / rank_i2t).mean() + (1 / rank_t2i).mean()).item()
     return max(scores, key=scores.get), scores
-
-
-class CSA(Method):
-    defaults = dict(epochs=0)  # closed form: fit() only, no training loop
-    ranges = dict(d="[1, inf)", ridge="[0, inf)")  # valid --hp values (align.py)
-    hp_words = dict(ridge=("auto",))               # --hp ridge=auto: choice 3
-
-    def __init__(self, d_image, d_text, d=200, ridge=0.1, normalize=True):  # d: weight-recycling App. E;
-        super().__init__()                                                  # ridge, normalize: choices 3, 2
-        self.d, self.ridge, self.normalize = min(d, d_image, d_text), ridge, normalize
-        self.register_buffer("mu_v", torch.zeros(d_image))
-        self.register_buffer("mu_l", torch.zeros(d_text))
-        self.register_buffer("A", torch.zeros(d_image, self.d))
-        self.register_buffer("B", torch.zeros(d_text, self.d))
-        self.register_buffer("rho", torch.zeros(self.d))
-        self.chosen_ridge = None                           # what fit() used (a float)
-
-    def unit(self, x):
-        """The one input normalisation (choice 2), applied at fit and at test: rows to unit L2 norm, fp32."""
-        return F.normalize(x.float(), dim=-1) if self.normalize else x.float()
-
-    @torch.no_grad()
-    def fit(self, img, txt):
-        X, Y = self.unit(img.pooled), self.unit(txt.pooled)          # (N, D_v), (N, D_l), choice 2
-        ridge = self.ridge
-        if ridge == "auto":
-            ridge = select_ridge(X, Y, self.d)[0] if len(X) >= MIN_SELECT else 1.0
-        self.chosen_ridge = float(ridge)
-        mu_x, mu_y, S_xx, S_yy, S_xy = covariances(X, Y)
-        d = min(self.d, len(X) - 1)
-        A, B, rho = cca(S_xx, S_yy, S_xy, d, ridge)       # (D_v, d), (D_l, d), (d,)
-        self.mu_v.copy_(mu_x)
-        self.mu_l.copy_(mu_y)
-        self.A.zero_()[:, :d] = A.float()
-        self.B.zero_()[:, :d] = B.float()
-        self.rho.zero_()[:d] = rho.float()
-        return self
-
-    def embed_image(self, img):
-        return F.normalize((self.unit(img.pooled) - self.mu_v) @ self.A, dim=-1)      # (B, d)
-
-    def embed_text(self, txt):
-        return F.normalize((self.unit(txt.pooled) - self.mu_l) @ self.B, dim=-1)      # (B, d)
-
-    def score(self, img_emb, txt_emb):
-        return (img_emb * self.rho) @ txt_emb.T            # s(x, y) = sum_i rho_i x_i y_i, (N_img, N_txt)
-
-    def dense_image(self, img):
-        return F.normalize((self.unit(img.patches()) - self.mu_v) @ self.A, dim=-1)   # (B, H*W, d)

@@ -45,7 +45,6 @@ import torch.nn.functional as F
 from . import Method
 from .losses import info_nce
 
-
 # ---------------------------------------------------------------- blocks
 
 
@@ -99,7 +98,7 @@ class FA(Method):
                     optimizer="adamw")
     ranges = dict(K="[1, inf)", dropout="[0, 1)", tau_init="(0, inf)", dense=("local", "sum"))  # valid --hp
 
-    split_loss = True  # its loss reads the batch only through embed_image / embed_text (distributed.py)
+    split_loss = True  # its loss reads the batch only through embed_image / embed_text (infra/distributed.py)
     refuses_align_data = dict.fromkeys(("weights", "weights+pairs"),  # head rows: one vector each
                                         "its image embedding adds the mean of the patch tokens (Eq. 3), and a "
                                         "head row has no patches")

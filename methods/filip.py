@@ -24,19 +24,41 @@ Deviations / choices:
 7. Optimiser as CoV here (Adam, lr 3e-3, weight decay 1e-4, 30 epochs, batch 128): FILIP pre-trains
    from scratch and gives no post-hoc schedule.
 """
+import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from . import Method
-from .cov import max_mean as token_max   # Eq. (4)-(5): the two terms of CoV's region-word max-sum
 from .losses import info_nce_of_logits, score_in_chunks
+
+
+def token_max(r, w):
+    """FILIP's token-wise maximum similarity, Eq. (4)-(5), for all pairs: r (I, Q, K) patches (CoV: its
+    regions), w (T, L, K) words, unit or all-zero rows -> s_i2t, s_t2i (I, T) each.
+
+    All-zero rows are padding: excluded from the max and from the mean.
+    """
+    # EXERCISE 6 (the token-wise max-sum, CoV's region-word score): i2t = mean over real regions of max over real
+    #   words of s_ij, t2i = mean over real words of max over real regions; r (I, Q, K), w (T, L, K), all-zero
+    #   rows are padding -> i2t, t2i (I, T)
+    r_ok = r.abs().sum(-1) > 0                                          # (I, Q)
+    w_ok = w.abs().sum(-1) > 0                                          # (T, L)
+    s = torch.einsum("iqk,tlk->itql", r, w)                             # s_ij, (I, T, Q, L)
+    neg = torch.finfo(s.dtype).min
+    best_word = s.masked_fill(~w_ok[None, :, None, :], neg).amax(-1)    # max_j s_ij, (I, T, Q)
+    best_region = s.masked_fill(~r_ok[:, None, :, None], neg).amax(-2)  # max_i s_ij, (I, T, L)
+    i2t = (best_word * r_ok[:, None]).sum(-1) / r_ok.sum(-1, keepdim=True).clamp_min(1)
+    t2i = (best_region * w_ok[None]).sum(-1) / w_ok.sum(-1)[None].clamp_min(1)
+    return i2t, t2i                                                     # (I, T) each
+    # END EXERCISE 6
+
 
 
 class FILIP(Method):
     defaults = dict(lr=3e-3, epochs=30, batch_size=128, weight_decay=1e-4, optimizer="adam")  # as CoV here
     ranges = dict(K="[1, inf)", tau="(0, inf)", score_chunk="[1, inf)")  # valid --hp values (align.py)
 
-    split_loss = True  # its loss reads the batch only through embed_image / embed_text (distributed.py)
+    split_loss = True  # its loss reads the batch only through embed_image / embed_text (infra/distributed.py)
     refuses_align_data = dict.fromkeys(("weights", "weights+pairs"),  # head rows: one vector each
                                         "its image embedding reads only the patch tokens, and a head row is one "
                                         "vector with no patches")
@@ -64,7 +86,7 @@ class FILIP(Method):
         return self.embed_image(img)[:, :, None]                  # (B, H*W, 1, K)
 
     def score(self, img_emb, txt_emb):
-        return score_in_chunks(lambda v, w: sum(token_max(v, w)), img_emb, txt_emb, self.score_chunk)  # s_i2t + s_t2i
+        return score_in_chunks(lambda v, w: sum(token_max(v, w)), img_emb, txt_emb, self.score_chunk)  # i2t + t2i
 
     def contrastive_score(self, img_emb, txt_emb):  # what loss() scales by 1 / tau for image -> text
         return token_max(img_emb, txt_emb)[0]                     # s_i2t, (N_img, N_txt)

@@ -26,7 +26,7 @@ class Linear(Method):
     defaults = dict(lr=1e-3, epochs=20, batch_size=256, weight_decay=1e-4, optimizer="adamw")
     ranges = dict(K="[1, inf)", tau="(0, inf)")  # valid --hp values (align.py)
 
-    split_loss = True  # its loss reads the batch only through embed_image / embed_text (distributed.py)
+    split_loss = True  # its loss reads the batch only through embed_image / embed_text (infra/distributed.py)
 
     def contrastive_scale(self):  # 1 / temperature of its contrastive logits (--hard-negatives)
         return 1 / self.tau

@@ -40,7 +40,7 @@ class MLP(Method):
     ranges = dict(hidden_mult="[1, inf)", dropout="[0, 1)", text_input=("raw", "l2"),  # valid --hp values (align.py)
                   batch_size="[1, inf)")  # loss 1 - cos is per pair, no negatives: a batch of one still learns
 
-    split_loss = True  # its loss reads the batch only through embed_image / embed_text (distributed.py)
+    split_loss = True  # its loss reads the batch only through embed_image / embed_text (infra/distributed.py)
 
     def __init__(self, d_image, d_text, hidden_mult=4, dropout=0.5,  # ref. code: hidden 4 d_i, dropout 0.5 (choice 6)
                  text_input="raw"):  # choice 1: "raw" f_T(t) (§4.1) or "l2" (y / ||y||), same in training and inference

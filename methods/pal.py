@@ -20,7 +20,9 @@ K-vectors of image and text are compared directly, with no projection head:
 | alpha_m           | alpha               | (B, T, K)  |
 | p_m, h_m          | p, h_v / h_l        | (B, K)     |
 | tau_p, tau, K     | self.tau_p, self.tau, self.K | |
-Anchor analysis: Table 4 (anchor_overlap), Fig. 3 (draw_anchor_figure).
+The file follows the paper: Eq. (2) anchors, Eqs. (3)-(4) relative, Eqs. (5)-(6) cap, the method
+(Eq. 7 in embed_*, Eq. 8 in loss), then the anchor analysis: Table 4 (anchor_overlap), Fig. 3
+(draw_anchor_figure).
 
 Deviations / choices:
 1. tau = 0.05, fixed (the paper does not give it): STRUCTURE's value, shared with the Linear head.
@@ -37,12 +39,11 @@ Deviations / choices:
 8. Aligned on classifier-head rows alone (--align-data weights, not in the paper): test images are
    pooled as the head read them ("global" for a pooled head, CAP for the Shapes CNN's per-patch
    head); align.py passes head_rows. A head row among image tokens is one vector (with_head_rows).
-9. fast (default True where methods/fast_cap.py is present): pool() runs Eqs. (3)-(6) through
-   fast_cap.chunked_cap, the same p in chunks with a hand-written backward, about twice as fast
-   (`python benchmarks/bench_cap.py`; tests/test_fast_forms.py checks values and gradients);
-   fast=False trains the paper form written out in pool().
+9. fast=True (the default): pool() runs Eqs. (3)-(6) through fast_cap.chunked_cap, the same p in
+   chunks with a hand-written backward, about twice as fast (`python benchmarks/bench_cap.py`;
+   tests/test_fast_forms.py checks values and gradients); fast=False trains the paper form,
+   cap(relative(Z, A), mask, tau_p), written out beside it in pool().
 """
-import importlib.util
 from pathlib import Path
 
 import torch
@@ -50,11 +51,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import Method
+from .fast_cap import chunked_cap  # choice 9: Eqs. (3)-(6) in chunks, the same p
 from .losses import info_nce
 
-HAVE_FAST = importlib.util.find_spec(__package__ + ".fast_cap") is not None   # choice 9
-if HAVE_FAST:
-    from .fast_cap import chunked_cap
 
 # ---------------------------------------------------------------- helpers
 def with_head_rows(x, Z, mask):
@@ -65,6 +64,17 @@ def with_head_rows(x, Z, mask):
     return torch.cat([x.tokens[:, :1], Z], 1), torch.cat([vector[:, None], mask], 1)
 
 
+def masked_mean(R, mask):
+    """Uniform pooling over the real tokens (Table 5, '+ full tokens'), (B, K)."""
+    m = mask[..., None].to(R.dtype)                  # (B, T, 1)
+    return (R * m).sum(dim=1) / m.sum(dim=1)
+
+
+# ---------------------------------------------------------------- blocks, in the paper's order
+def anchors(K, D):
+    """K learnable anchors of one modality, the method's only parameters: N(0, I) draws (choice 4).
+    Eq. (2), (K, D)"""
+    return nn.Parameter(torch.randn(K, D))
 
 
 def relative(Z, A):
@@ -86,28 +96,116 @@ def cap(R, mask, tau_p):
     # END EXERCISE 3
 
 
-def say_cap_form(name, fast):
-    """The one log line saying which form of CAP trains (choice 9), once per process and form."""
-    if (name, fast) in _said:
-        return
-    _said.add((name, fast))
-    if fast:
-        print(f"[{name}] CAP trains in its fast form (methods/fast_cap.py, checked equal to the paper form; "
-              f"--hp fast=False trains cap(relative(Z, A), mask, tau_p))")
-    else:
-        print(f"[{name}] CAP trains in the paper form, cap(relative(Z, A), mask, tau_p)"
-              + ("" if HAVE_FAST else " (methods/fast_cap.py is not in this copy)"))
+# ---------------------------------------------------------------- the method: Eqs. (2)-(8)
+class PAL(Method):
+    defaults = dict(lr=3e-2, epochs=20, batch_size=256, weight_decay=0.0, optimizer="adamw")  # choice 5
+    ranges = dict(K="[5, inf)",  # analyse() reads each pair's top-5 anchors (Table 4)
+                  tau_p="(0, inf)", tau="(0, inf)", pooling=("cap", "mean", "global"),
+                  fast=(True, False))  # choice 9
+
+    split_loss = True  # its loss reads the batch only through embed_image / embed_text (infra/distributed.py)
+    reads_head_rows = True  # align.py passes head_rows: what the image encoder's head reads (choice 8)
+
+    def contrastive_scale(self):  # 1 / temperature of its contrastive logits (--hard-negatives)
+        return 1 / self.tau
+
+    def __init__(self, d_image, d_text,
+                 K=512,            # PAL §5.1
+                 tau_p=0.03,       # PAL §5.1, Table 7
+                 tau=0.05,         # not in the paper: choice 1
+                 pooling=None,     # "cap" PAL §4.2; "mean" / "global": Table 5 ablation; None: choice 8
+                 head_rows=None,   # set by align.py when aligning on head rows alone: what the head reads (choice 8)
+                 fast=True):       # choice 9: CAP through methods/fast_cap.py (the same p), else the paper form
+        super().__init__()
+        assert head_rows in (None, "pooled", "patches"), head_rows
+        if pooling is None:                                # choice 8: read test images as the head rows were
+            pooling = "global" if head_rows == "pooled" else "cap"
+        assert pooling in ("cap", "mean", "global"), pooling
+        self.A_v = anchors(K, d_image)                     # Eq. (2), (K, D_v)
+        self.A_l = anchors(K, d_text)                      # Eq. (2), (K, D_l)
+        self.K, self.tau_p, self.tau, self.pooling, self.fast = K, tau_p, tau, pooling, fast
+
+    @staticmethod
+    def Z(x, modality):
+        """The tokens CAP reads (choice 2): Z (B, T, D) and its mask (B, T): an image's H*W patches
+        (not its global token), a caption's words."""
+        if modality == "image" and x.grid is not None:
+            H, W = x.grid
+            return with_head_rows(x, x.tokens[:, 1:1 + H * W], x.mask[:, 1:1 + H * W])
+        return x.tokens, x.mask                            # words (the contract); head rows alone: their one vector
+
+    def tokens(self, x, modality):
+        """The token sequence the pooling reads: Z (B, T, D) and its mask (B, T)."""
+        if self.pooling == "global":                       # one vector per sample (choice 3)
+            g = x.pooled                                   # (B, D) what a classifier head reads
+            return g[:, None], torch.ones(len(g), 1, dtype=torch.bool, device=g.device)
+        return self.Z(x, modality)
+
+    def pool(self, x, modality):
+        """p (B, K): the pooled relative representation (before Eq. 7's normalisation)."""
+        Z, mask = self.tokens(x, modality)
+        A = self.A_v if modality == "image" else self.A_l
+        if self.pooling != "cap":
+            return masked_mean(relative(Z, A), mask)       # Eq. (4); "mean"; "global" has T = 1
+        if self.fast:                                      # the same p, in chunks (choice 9)
+            return chunked_cap(Z, A, mask, self.tau_p)[0]  # Eq. (3)-(6), (B, K)
+        else:                                              # the paper form
+            p, alpha = cap(relative(Z, A), mask, self.tau_p)   # Eq. (3)-(6), (B, K), (B, T, K)
+            return p
+
+    def embed_image(self, img):
+        return F.normalize(self.pool(img, "image"), dim=-1)   # Eq. (7), (B, K)
+
+    def embed_text(self, txt):
+        return F.normalize(self.pool(txt, "text"), dim=-1)    # Eq. (7), (B, K)
+
+    def score(self, img_emb, txt_emb):
+        return img_emb @ txt_emb.T                            # (N_img, N_txt) cosine
+
+    def dense_image(self, img):
+        return F.normalize(relative(img.patches(), self.A_v), dim=-1)  # Eq. (4) per patch, (B, H*W, K)
+
+    def loss(self, img, txt):
+        loss = info_nce(self.embed_image(img), self.embed_text(txt), self.tau)  # Eq. (8)
+        return loss, {"nce": loss.detach()}
+
+    @torch.no_grad()
+    def analyse(self, img, txt, images, words, out_dir, n_figures=4, n_anchors=3):
+        """Table 4 anchor overlap on all pairs, and Fig. 3 for the first n_figures pairs:
+        the n_anchors anchors contributing most to the pair's score h_v[k] h_l[k]."""
+        chunks = [torch.arange(len(img))[b:b + 256] for b in range(0, len(img), 256)]  # bound memory
+        p_v = torch.cat([self.pool(img[c], "image") for c in chunks])           # (N, K)
+        p_l = torch.cat([self.pool(txt[c], "text") for c in chunks])            # (N, K)
+        metrics = anchor_overlap(p_v, p_l)
+        if img.grid is None:                                # no patch grid to draw on
+            return metrics
+        H, W = img.grid
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        n = min(n_figures, len(img))
+        # CAP attention over the patches / words (drawn whatever `pooling` is), (n, T, K)
+        Z_v, mask_v = self.Z(img[:n], "image")                                 # (n, 1 + H*W, D): slot 0 off for images
+        alpha_v = cap(relative(Z_v, self.A_v), mask_v, self.tau_p)[1][:, 1:]    # (n, H*W, K)
+        alpha_l = cap(relative(txt.tokens[:n], self.A_l), txt.mask[:n], self.tau_p)[1]
+        contribution = F.normalize(p_v[:n], dim=-1) * F.normalize(p_l[:n], dim=-1)  # (n, K)
+        # the figures are drawn on the host (PIL, next to the pixels): one crossing here
+        alpha_v, alpha_l, contribution = alpha_v.cpu(), alpha_l.cpu(), contribution.cpu()
+        txt_mask = txt.mask[:n].cpu()
+        for i in range(n):
+            ks = contribution[i].topk(n_anchors).indices.tolist()
+            heatmaps, word_lists = [], []
+            for k in ks:
+                a = alpha_v[i, :, k].reshape(H, W)                             # over the patch grid
+                heatmaps.append(a / a.max().clamp_min(1e-12))                  # scaled to its maximum
+                word_lists.append([words[i][t] for t in range(alpha_l.shape[1])
+                                   if txt_mask[i, t] and alpha_l[i, t, k] > 0.5])
+            caption = " ".join(w for w, m in zip(words[i], txt_mask[i].tolist()) if m)
+            draw_anchor_figure(images[i], heatmaps, ks, word_lists, caption,
+                               out_dir / f"pal_anchors_{i}.png")
+        return metrics
 
 
-_said = set()
-
-
-def masked_mean(R, mask):
-    """Uniform pooling over the real tokens (Table 5, '+ full tokens'), (B, K)."""
-    m = mask[..., None].to(R.dtype)                  # (B, T, 1)
-    return (R * m).sum(dim=1) / m.sum(dim=1)
-
-
+# ---------------------------------------------------------------- the anchor analysis: Table 4, Fig. 3
 def anchor_overlap(p_v, p_l, top=5, seed=0):
     """Table 4: overlap of the top-`top` anchors of p_v[i] and p_l[j], (N, K) each.
 
@@ -161,116 +259,3 @@ def draw_anchor_figure(image, heatmaps, anchor_ids, word_lists, caption, path, s
             for line in range(2):                                              # crude wrap, 26 chars
                 draw.text((left, text_h + size + 4 + 14 * line), words[26 * line:26 * (line + 1)], fill="black")
     canvas.save(path)
-
-
-# ---------------------------------------------------------------- the method
-
-
-class PAL(Method):
-    defaults = dict(lr=3e-2, epochs=20, batch_size=256, weight_decay=0.0, optimizer="adamw")  # choice 5
-    ranges = dict(K="[5, inf)",  # analyse() reads each pair's top-5 anchors (Table 4)
-                  tau_p="(0, inf)", tau="(0, inf)", pooling=("cap", "mean", "global"),
-                  fast=(True, False) if HAVE_FAST else (False,))  # choice 9
-
-    split_loss = True  # its loss reads the batch only through embed_image / embed_text (distributed.py)
-    reads_head_rows = True  # align.py passes head_rows: what the image encoder's head reads (choice 8)
-
-    def contrastive_scale(self):  # 1 / temperature of its contrastive logits (--hard-negatives)
-        return 1 / self.tau
-
-    def __init__(self, d_image, d_text,
-                 K=512,            # PAL §5.1
-                 tau_p=0.03,       # PAL §5.1, Table 7
-                 tau=0.05,         # not in the paper: choice 1
-                 pooling=None,     # "cap" PAL §4.2; "mean" / "global": Table 5 ablation; None: choice 8
-                 head_rows=None,   # set by align.py when aligning on head rows alone: what the head reads (choice 8)
-                 fast=HAVE_FAST):  # choice 9: CAP through methods/fast_cap.py (the same p), else the paper form
-        super().__init__()
-        assert head_rows in (None, "pooled", "patches"), head_rows
-        if pooling is None:                                # choice 8: read test images as the head rows were
-            pooling = "global" if head_rows == "pooled" else "cap"
-        assert pooling in ("cap", "mean", "global"), pooling
-        assert HAVE_FAST or not fast, "fast=True needs methods/fast_cap.py"
-        self.A_v = nn.Parameter(torch.randn(K, d_image))   # Eq. (2), (K, D_v), choice 4
-        self.A_l = nn.Parameter(torch.randn(K, d_text))    # Eq. (2), (K, D_l)
-        self.K, self.tau_p, self.tau, self.pooling, self.fast = K, tau_p, tau, pooling, fast
-        if pooling == "cap":
-            say_cap_form("pal", fast)
-
-    @staticmethod
-    def Z(x, modality):
-        """The tokens CAP reads (choice 2): Z (B, T, D) and its mask (B, T): an image's H*W patches
-        (not its global token), a caption's words."""
-        if modality == "image" and x.grid is not None:
-            H, W = x.grid
-            return with_head_rows(x, x.tokens[:, 1:1 + H * W], x.mask[:, 1:1 + H * W])
-        return x.tokens, x.mask                            # words (the contract); head rows alone: their one vector
-
-    def tokens(self, x, modality):
-        """The token sequence the pooling reads: Z (B, T, D) and its mask (B, T)."""
-        if self.pooling == "global":                       # one vector per sample (choice 3)
-            g = x.pooled                                   # (B, D) what a classifier head reads
-            return g[:, None], torch.ones(len(g), 1, dtype=torch.bool, device=g.device)
-        return self.Z(x, modality)
-
-    def pool(self, x, modality):
-        """p (B, K): the pooled relative representation (before Eq. 7's normalisation)."""
-        Z, mask = self.tokens(x, modality)
-        A = self.A_v if modality == "image" else self.A_l
-        if self.pooling != "cap":
-            return masked_mean(relative(Z, A), mask)       # Eq. (4); "mean"; "global" has T = 1
-        if self.fast:                                      # the same p, in chunks (choice 9)
-            return chunked_cap(Z, A, mask, self.tau_p)[0]  # Eq. (3)-(6), (B, K)
-        p, alpha = cap(relative(Z, A), mask, self.tau_p)   # Eq. (3)-(6), (B, K), (B, T, K)
-        return p
-
-    def embed_image(self, img):
-        return F.normalize(self.pool(img, "image"), dim=-1)   # Eq. (7), (B, K)
-
-    def embed_text(self, txt):
-        return F.normalize(self.pool(txt, "text"), dim=-1)    # Eq. (7), (B, K)
-
-    def score(self, img_emb, txt_emb):
-        return img_emb @ txt_emb.T                            # (N_img, N_txt) cosine
-
-    def dense_image(self, img):
-        return F.normalize(relative(img.patches(), self.A_v), dim=-1)  # Eq. (4) per patch, (B, H*W, K)
-
-    def loss(self, img, txt):
-        loss = info_nce(self.embed_image(img), self.embed_text(txt), self.tau)  # Eq. (8)
-        return loss, {"nce": loss.detach()}
-
-    @torch.no_grad()
-    def analyse(self, img, txt, images, words, out_dir, n_figures=4, n_anchors=3):
-        """Table 4 anchor overlap on all pairs, and Fig. 3 for the first n_figures pairs:
-        the n_anchors anchors contributing most to the pair's score h_v[k] h_l[k]."""
-        chunks = [torch.arange(len(img))[b:b + 256] for b in range(0, len(img), 256)]  # bound memory
-        p_v = torch.cat([self.pool(img[c], "image") for c in chunks])           # (N, K)
-        p_l = torch.cat([self.pool(txt[c], "text") for c in chunks])            # (N, K)
-        metrics = anchor_overlap(p_v, p_l)
-        if img.grid is None:                                # no patch grid to draw on
-            return metrics
-        H, W = img.grid
-        out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        n = min(n_figures, len(img))
-        # CAP attention over the patches / words (drawn whatever `pooling` is), (n, T, K)
-        Z_v, mask_v = self.Z(img[:n], "image")                                 # (n, 1 + H*W, D): slot 0 off for images
-        alpha_v = cap(relative(Z_v, self.A_v), mask_v, self.tau_p)[1][:, 1:]    # (n, H*W, K)
-        alpha_l = cap(relative(txt.tokens[:n], self.A_l), txt.mask[:n], self.tau_p)[1]
-        contribution = F.normalize(p_v[:n], dim=-1) * F.normalize(p_l[:n], dim=-1)  # (n, K)
-        # the figures are drawn on the host (PIL, next to the pixels): one crossing here
-        alpha_v, alpha_l, contribution = alpha_v.cpu(), alpha_l.cpu(), contribution.cpu()
-        txt_mask = txt.mask[:n].cpu()
-        for i in range(n):
-            ks = contribution[i].topk(n_anchors).indices.tolist()
-            heatmaps, word_lists = [], []
-            for k in ks:
-                a = alpha_v[i, :, k].reshape(H, W)                             # over the patch grid
-                heatmaps.append(a / a.max().clamp_min(1e-12))                  # scaled to its maximum
-                word_lists.append([words[i][t] for t in range(alpha_l.shape[1])
-                                   if txt_mask[i, t] and alpha_l[i, t, k] > 0.5])
-            caption = " ".join(w for w, m in zip(words[i], txt_mask[i].tolist()) if m)
-            draw_anchor_figure(images[i], heatmaps, ks, word_lists, caption,
-                               out_dir / f"pal_anchors_{i}.png")
-        return metrics

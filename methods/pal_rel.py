@@ -58,11 +58,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import Method
+from .fast_cap import chunked_cap
 from .losses import info_nce
-from .pal import HAVE_FAST, PAL, cap, relative, say_cap_form
-
-if HAVE_FAST:
-    from .fast_cap import chunked_cap
+from .pal import PAL, cap, relative
 
 
 def sincos(x, P=32):
@@ -83,9 +81,9 @@ class PALRel(Method):
     # valid --hp; P: sin + cos halves
     ranges = dict(K="[1, inf)", tau_p="(0, inf)", tau="(0, inf)", P=(2, 4, 8, 16, 32, 64),
                   order=("local", "relation", "index"), W="[0, inf)",
-                  fast=(True, False) if HAVE_FAST else (False,))  # pal.py choice 9
+                  fast=(True, False))  # pal.py choice 9
 
-    split_loss = True  # its loss reads the batch only through embed_image / embed_text (distributed.py)
+    split_loss = True  # its loss reads the batch only through embed_image / embed_text (infra/distributed.py)
     refuses_align_data = {"weights": "its relation term (R1) reads the patch grid's positions, and head rows "
                                      "alone have no grid (weights+pairs reads each head row as its one token)"}
 
@@ -99,7 +97,7 @@ class PALRel(Method):
                  P=32,             # (R2) order="relation" / "index": sin-cos code size, choice 8
                  order="local",    # (R2) how a word's place is coded, choice 8
                  W=8,              # (R2) order="local": words j - W .. j + W around word j, choice 9
-                 fast=HAVE_FAST):  # CAP through methods/fast_cap.py (pal.py choice 9), else the paper form
+                 fast=True):       # CAP through methods/fast_cap.py (pal.py choice 9), else the paper form
         super().__init__()
         if order not in ("local", "relation", "index"):
             raise ValueError(f"order must be 'local', 'relation' or 'index', not {order!r}")
@@ -111,7 +109,6 @@ class PALRel(Method):
         self.u = nn.Parameter(torch.zeros(d_text)) if order != "index" else None  # (R2) rho's weights, (D_l,)
         self.K, self.P, self.W, self.tau_p, self.tau, self.order = K, P, W, tau_p, tau, order
         self.fast = fast
-        say_cap_form("pal_rel", fast)
 
     def embed_image(self, img):
         Z, mask = PAL.Z(img, "image")                                      # [global (masked), patches]: PAL's Z

@@ -69,7 +69,7 @@ class SAIL(Method):
     defaults = dict(lr="0.1 / max(d_image, d_text)", epochs=40, batch_size=256, weight_decay=1e-4, optimizer="adamw")
     ranges = dict(K="[1, inf)", width="[1, inf)", t_init="(0, inf)", b_init="(-inf, inf)")  # valid --hp
 
-    split_loss = True  # its loss reads the batch only through embed_image / embed_text (distributed.py)
+    split_loss = True  # its loss reads the batch only through embed_image / embed_text (infra/distributed.py)
 
     def contrastive_scale(self):  # its logit scale (--hard-negatives): SigLIP's learned t
         return self.log_t.exp()

@@ -42,9 +42,23 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import Method
-from .cov import real_word_mean
 from .losses import info_nce_of_logits, score_in_chunks
-from .pal import cap
+
+
+def attend(s, v_ok, tau_a):
+    """Eq. (1)-(2) on the scores: a_jp = softmax over the real patches p of s_jp / tau_a, and
+    sum_p a_jp s_jp; s (I, N, T*L), 0 at padded patches; v_ok (I, N) -> (I, T*L), a (I, N, T*L)."""
+    a = (s / tau_a).masked_fill(~v_ok[..., None], float("-inf")).softmax(dim=1)   # Eq. (1), (I, N, T*L)
+    return (a * s).sum(dim=1), a
+
+
+def real_word_mean(x, w):
+    """Eq. (3)'s mean: x (I, T, L) over the real words of w (T, L, K), all-zero rows being padding -> (I, T)."""
+    # EXERCISE 6 (the mean over real words): x (I, T, L), w (T, L, K); padded (all-zero) words of w count neither
+    #   in the sum nor in the number divided by -> (I, T)
+    w_ok = w.abs().sum(-1) > 0                                          # (T, L)
+    return (x * w_ok[None]).sum(-1) / w_ok.sum(-1)[None].clamp_min(1)
+    # END EXERCISE 6
 
 
 def text_guided_score_paper(v, w, tau_a):
@@ -53,7 +67,7 @@ def text_guided_score_paper(v, w, tau_a):
     v_ok = v.abs().sum(-1) > 0                                          # (I, N)
     (I, N, K), (T, L, _) = v.shape, w.shape
     s = (v.reshape(I * N, K) @ w.reshape(T * L, K).T).view(I, N, T * L)  # cos(w_j, v_p), (I, N, T*L); 0 at padding
-    _, a = cap(s, v_ok, tau_a)                                          # Eq. (1): a_jp over the real p, (I, N, T*L)
+    _, a = attend(s, v_ok, tau_a)                                       # Eq. (1): a_jp over the real p, (I, N, T*L)
     v_hat = a.transpose(1, 2) @ v                                       # Eq. (2): sum_p a_jp v_p, (I, T*L, K)
     cos = F.cosine_similarity(v_hat.view(I, T, L, K), w[None], dim=-1)  # cos(w_j, v_hat_j), (I, T, L)
     return real_word_mean(cos, w)                                       # Eq. (3), (I, T)
@@ -70,9 +84,8 @@ def text_guided_score(v, w, tau_a):
     (I, N, K), (T, L, _) = v.shape, w.shape
     # every pair at once, laid out (I, N, T*L) so that both products below are plain (batched) matmuls
     s = (v.reshape(I * N, K) @ w.reshape(T * L, K).T).view(I, N, T * L)  # cos(w_j, v_p), (I, N, T*L); 0 at padding
-    # Eq. (1)-(2) are PAL's cross-attention pooling with the words as queries: a softmax over the real patches p,
-    # then the a-weighted sum of s
-    dot, a = cap(s, v_ok, tau_a)                                        # w_j . v_hat_j (I, T*L), a (I, N, T*L)
+    # Eq. (1)-(2): a softmax over the real patches p, then the a-weighted sum of s
+    dot, a = attend(s, v_ok, tau_a)                                       # w_j . v_hat_j (I, T*L), a (I, N, T*L)
     G = v @ v.transpose(1, 2)                                           # (I, N, N) patch Gram matrix
     sq = ((G @ a) * a).sum(1)                                           # ||v_hat_j||^2 = a_j^T G a_j, (I, T*L)
     cos = dot / (sq * w.square().sum(-1).view(1, T * L)).clamp_min(1e-16).sqrt()  # cos(w_j, v_hat_j), eps as
@@ -85,7 +98,7 @@ class TextGuided(Method):
     ranges = dict(K="[1, inf)", tau_a="(0, inf)", tau="(0, inf)", score_chunk="[1, inf)",
                   fast=(True, False))  # valid --hp
 
-    split_loss = True  # its loss reads the batch only through embed_image / embed_text (distributed.py)
+    split_loss = True  # its loss reads the batch only through embed_image / embed_text (infra/distributed.py)
     refuses_align_data = dict.fromkeys(("weights", "weights+pairs"),  # head rows: one vector each
                                         "its image embedding reads only the patch tokens, and a head row is one "
                                         "vector with no patches")

@@ -17,7 +17,6 @@ import sys
 import pytest
 import torch
 
-
 # ----------------------------------------------------------------------------- exercise 2: symmetric InfoNCE
 
 def info_nce_of_logits(logits, logits_t2i=None):

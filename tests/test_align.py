@@ -12,14 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import random_features, train_with
 
 import align
-import cache
-import outfolder
-from conftest import random_features, train_with
-from methods.linear import Linear
-import checks
 import train
+from infra import cache, checks, outfolder
+from methods.linear import Linear
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,7 +97,7 @@ def test_training_loop_waits_on_the_host_per_epoch_not_per_step(tmp_path, capsys
     torch.manual_seed(0)
     with HostSyncs() as syncs:
         train_with(Linear(8, 6, K=4), img, txt, loop_args(epochs=2), tmp_path, "cpu")
-    on_device = [w for w in syncs.where if w.startswith(("align.py", "methods/", "distributed.py"))]
+    on_device = [w for w in syncs.where if w.startswith(("align.py", "methods/", "infra/distributed.py"))]
     assert len(on_device) <= 2 * 4, f"{len(on_device)} host syncs in 64 steps: {on_device[:12]}"
     epochs = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[train] epoch")]
     assert len(epochs) == 2 and all(" nce " in line for line in epochs), epochs   # the logs' epoch means

@@ -3,8 +3,8 @@ import math
 
 import torch
 import torch.nn.functional as F
-
 from conftest import random_features
+
 from features import Features
 from methods.asif import ASIF
 

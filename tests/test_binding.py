@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import random_features
 
 import align
+import negatives
+import shapes
 import shapes_encoders
-from conftest import random_features
 from methods.cov import CoV
 from methods.linear import Linear
 from methods.pal import PAL
 from methods.pal_rel import PALRel, grid_positions, sincos
-import negatives
-import shapes
 
 
 # ---------------------------------------------------------------- the swaps (data.py)

@@ -3,13 +3,12 @@ import argparse
 
 import pytest
 import torch
-
-import cache
-from shards import StoredFeatures
-from features import Features
-from methods.linear import Linear
-import shards
 from conftest import train_with
+
+from features import Features
+from infra import cache, shards
+from infra.shards import StoredFeatures
+from methods.linear import Linear
 
 
 class FakeEncoder:

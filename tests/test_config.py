@@ -10,8 +10,7 @@ import torch
 
 import align
 import encoders
-from methods.pal import HAVE_FAST
-import train
+from infra import settings
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--num-pairs", "300", "--epochs", "1", "--batch-size", "64", "--eval-images", "20", "--no-figures",
@@ -24,7 +23,7 @@ def test_config_of_a_default_run_holds_every_resolved_setting(cache_dir, tmp_pat
     align.main(TINY + ["--cache-dir", str(cache_dir), "--out", str(out)])
     config = json.loads((out / "config.json").read_text())
     assert config["hp"] == {"K": 512, "tau_p": 0.03, "tau": 0.05, "pooling": "cap", "head_rows": None,
-                            "fast": HAVE_FAST}                    # pooling None resolved by PAL's __init__
+                            "fast": True}                    # pooling None resolved by PAL's __init__
     image_enc, text_enc = encoders.load_encoders("shapes-cnn", "shapes-text", cache_dir)
     assert config["image_weights"] == image_enc.fingerprint and len(image_enc.fingerprint) == 16
     assert config["text_weights"] == text_enc.fingerprint and len(text_enc.fingerprint) == 16
@@ -45,9 +44,9 @@ def test_config_of_a_default_run_holds_every_resolved_setting(cache_dir, tmp_pat
 
 
 def test_software_names_this_checkout_or_none(tmp_path, monkeypatch):
-    s = train.software()
+    s = settings.software()
     assert s["torch"] == torch.__version__ and s["transformers"] == importlib.metadata.version("transformers")
     assert s["commit"] is None or (len(s["commit"]) == 40 and int(s["commit"], 16) >= 0)
-    monkeypatch.setattr(train, "__file__", str(tmp_path / "train.py"))     # a copy outside any checkout
+    monkeypatch.setattr(settings, "__file__", str(tmp_path / "settings.py"))     # a copy outside any checkout
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
-    assert train.software()["commit"] is None
+    assert settings.software()["commit"] is None

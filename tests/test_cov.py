@@ -11,7 +11,6 @@ from methods.cov import CoV, DeformableAttention, deformable_sample, max_sum, th
 from methods.filip import FILIP
 from methods.text_guided import TextGuided
 
-
 # ----------------------------------------------------------------------------- naive references
 
 def bilinear_naive(v, x, y):

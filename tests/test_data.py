@@ -3,9 +3,9 @@ import numpy as np
 import torch
 
 import data
+import shapes
 from features import Features
 from shapes_encoders import WordTokenizer
-import shapes
 
 SMALL = dict(n_train=12, n_test=4, n_cls=6, n_seg=3, n_bind=4)
 

@@ -8,8 +8,8 @@ the features raises, and a meta tensor in an output is caught by the asserts.
 """
 import pytest
 import torch
-
 from conftest import random_features
+
 from methods import METHODS
 
 D_IMG, D_TXT, B = 16, 12, 6

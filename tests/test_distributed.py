@@ -1,4 +1,4 @@
-"""torchrun and distributed.py on the CPU: 2 gloo ranks of 1 thread each against one process.
+"""torchrun and infra/distributed.py on the CPU: 2 gloo ranks of 1 thread each against one process.
 
 The reference is always the single-process code path on the same inputs: its loss and
 gradients (the gather-with-grad step), its trained parameters and metrics (align.py), its
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import distributed
-import encoders
 from conftest import random_features
+
+import encoders
+from infra import distributed
 from methods import METHODS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,7 +171,8 @@ import os, signal, sys
 sys.path.insert(0, sys.argv[1])
 import torch
 torch.set_num_threads(1)
-import cache, distributed, encoders, shapes, shards
+import encoders, shapes
+from infra import cache, distributed, shards
 distributed.setup("cpu")
 kill_after = int(os.environ.get("KILL_RANK1_AFTER", "0"))            # rank 1 dies after writing this many shards
 if kill_after and distributed.rank() == 1:

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import encoders
-import shapes_encoders
-import model_files
 import layers
 import shapes
+import shapes_encoders
+from infra import model_files
 
 cnn_encoders = pytest.importorskip("cnn_encoders")
 EfficientNet = pytest.importorskip("efficientnet_lite_pytorch").EfficientNet

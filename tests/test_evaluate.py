@@ -5,11 +5,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from conftest import assert_same, random_features
-from features import Features
-import evaluate as ev
 
+import evaluate as ev
+from features import Features
 
 # ----------------------------------------------------------------------------- stand-in methods
 

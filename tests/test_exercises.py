@@ -5,8 +5,8 @@ fails, while the rest of the project still imports, no exercise's answer stands 
 it, and align.py refuses a run that needs a blank exercise in one line; one classic mistake
 per exercise, patched into a copy, fails with the hint naming it; a cap that forgets the
 padding mask fails its grade and changes PAL's retrieval; the reference regions pasted back
-grade as passed and align.py gives the reference's metrics there (its paper form, since a copy
-has no methods/fast_cap.py). This file plants the answers, so it is not in a student copy."""
+grade as passed and align.py gives the reference's metrics there (its paper form: a copy's
+methods/fast_cap.py is exercises/paper_cap.py). This file plants the answers, so it is not in a student copy."""
 import builtins
 import io
 import json
@@ -40,7 +40,7 @@ MISTAKES = {
         "align_corners=True"),
     5: ("methods/cov.py", "l_c = self.spread(attn, img.grid).mean()",
         "l_c = self.spread(threshold_mask(attn, self.eps), img.grid).mean()", "L_conc on the masked attention"),
-    6: ("methods/cov.py", "t2i = (best_region * w_ok[None]).sum(-1) / w_ok.sum(-1)[None].clamp_min(1)",
+    6: ("methods/filip.py", "t2i = (best_region * w_ok[None]).sum(-1) / w_ok.sum(-1)[None].clamp_min(1)",
         "t2i = best_region.mean(-1)", "padded words counted in the mean"),
     7: ("methods/csa.py", "x = X[i:i + chunk].double() - mu_x",
         "x = X[i:i + chunk].double() - X[i:i + chunk].double().mean(1, keepdim=True)", "centring with the wrong mean"),
@@ -98,7 +98,7 @@ def test_markers_and_table_agree():
     marked = {}
     for rel in msc.project_files(ROOT):
         if rel.suffix == ".py" and "# EXERCISE" in (text := (ROOT / rel).read_text()):
-            for n, start, end, indent, words in msc.find_regions(text.split("\n"), str(rel)):
+            for n, start, end, _indent, words in msc.find_regions(text.split("\n"), str(rel)):
                 assert end > start and words, f"{rel}: exercise {n} region is empty or has no text"
                 marked.setdefault(n, set()).add(str(rel))
     assert set(marked) == set(EXERCISES)
@@ -167,7 +167,7 @@ def test_reference_passes_every_graded_test_and_grades_all_passed():
 def test_every_graded_test_fails_on_the_blank_copy(student_copy):
     """A test that passes with an exercise still blank checks nothing of the student's code."""
     for n, tests in graded_results(student_copy).items():
-        for node, outcome, msg in tests:
+        for node, outcome, _msg in tests:
             assert outcome == "failed", f"exercise {n}: {node} passes with every exercise blank"
 
 
@@ -176,9 +176,9 @@ def test_student_copy_fails_every_exercise_and_the_rest_still_imports(student_co
     ref_files = msc.project_files(ROOT)
     assert msc.project_files(student_copy) == ref_files
     for left_out in ("exercises/answers.md", "exercises/answers_template.md", "exercises/answers_figures.json",
-                     "exercises/make_answers.py", "tests/test_answers.py", "methods/fast_cap.py",
-                     "tests/test_exercises.py"):
+                     "exercises/make_answers.py", "tests/test_answers.py", "tests/test_exercises.py"):
         assert (ROOT / left_out).exists() and not (student_copy / left_out).exists(), left_out
+    assert (student_copy / "methods" / "fast_cap.py").read_bytes() == (ROOT / msc.PAPER_CAP).read_bytes()
     assert not any((student_copy / d).exists() for d in (".git", ".cache", "results"))
     for rel in ref_files:                                         # verbatim outside the regions
         ref, got = (ROOT / rel).read_bytes(), (student_copy / rel).read_bytes()
@@ -295,8 +295,8 @@ def run_align(root, out, cache_dir, *extra):
 
 @pytest.mark.slow
 def test_pasted_back_copy_passes_and_trains_the_paper_form_to_the_last_digit(student_copy, tmp_path, cache_dir):
-    """The copy (no fast_cap.py) trains PAL through relative + cap: the reference's metrics with --hp fast=False;
-    a cap that forgets the padding mask fails its grade there and changes the retrieval."""
+    """The copy (its fast_cap.py the paper form) trains PAL through relative + cap: the reference's metrics with
+    --hp fast=False; a cap that forgets the padding mask fails its grade there and changes the retrieval."""
     copy, no_mask = tmp_path / "solved", tmp_path / "no-mask"
     shutil.copytree(student_copy, copy)
     msc.paste_back(copy, ROOT)
@@ -326,8 +326,8 @@ def test_pasted_back_copy_passes_and_trains_the_paper_form_to_the_last_digit(stu
     finally:
         for finish in runs:
             finish.process.kill()
-    assert "[pal] CAP trains in the paper form, cap(relative(Z, A), mask, tau_p) (methods/fast_cap.py is not in " \
-           "this copy)" in log.splitlines()
+    assert "[fast_cap] CAP trains in the paper form, cap(relative(Z, A), mask, tau_p) (methods/fast_cap.py is not " \
+           "in this copy)" in log.splitlines()
     assert got == want
     assert wrong_run["retrieval"]["rsum"] != want["retrieval"]["rsum"], (wrong_run["retrieval"], want["retrieval"])
 
@@ -426,7 +426,7 @@ def test_no_function_outside_a_region_answers_an_exercise(student_copy):
     r = subprocess.run([sys.executable, "-c", CALLABLE_PROBE], cwd=student_copy, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split("\n")[:3] == ["mutual_knn_table 9", "FILIP.loss 2", "text_guided_score 3"], r.stdout
+    assert r.stdout.split("\n")[:3] == ["mutual_knn_table 9", "FILIP.loss 2", "text_guided_score 6"], r.stdout
 
 
 def planted_commented_raise(copy):
@@ -559,6 +559,7 @@ def reference_cases():
     """(exercise, name, the project's function, its reference, inputs as a function) for every reference."""
     import course_references as cr
     from conftest import random_features
+
     from methods.cov import CoV
     g = torch.Generator().manual_seed(1)
     rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True)
@@ -569,8 +570,8 @@ def reference_cases():
     r[0, 4] = 0                                                               # a padded region
     cov = CoV(8, 6, dim=16, n_regions=4, eps=0.5, n_heads=2, n_points=2).double()
     img = random_features(3, 9 + 1, 8, grid=(3, 3)).to("cpu", torch.float64)
-    import methods.cov as mc
     import evaluate
+    import methods.cov as mc
     import methods.losses as ml
     import methods.pal as mp
 
@@ -609,11 +610,11 @@ def test_each_reference_is_the_reference_code_in_values_and_gradients():
         got, want = ref(*args), ours(*args)
         got, want = (got if isinstance(got, tuple) else (got,)), (want if isinstance(want, tuple) else (want,))
         for a, b in zip(got, want):
-            torch.testing.assert_close(a, b, msg=lambda m: f"exercise {n}'s {name}: {m}")
+            torch.testing.assert_close(a, b, msg=lambda m, n=n, name=name: f"exercise {n}'s {name}: {m}")
         leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
         if leaves and got[0].requires_grad:
             for a, b in zip(torch.autograd.grad(got[0].sum(), leaves), torch.autograd.grad(want[0].sum(), leaves)):
-                torch.testing.assert_close(a, b, msg=lambda m: f"exercise {n}'s {name}, gradient: {m}")
+                torch.testing.assert_close(a, b, msg=lambda m, n=n, name=name: f"exercise {n}'s {name}, gradient: {m}")
 
 
 WRONG_CAP = ("methods/pal.py", "alpha = logits.softmax(dim=1)", "alpha = logits.softmax(dim=2)")
@@ -645,18 +646,17 @@ def test_a_wrong_dependency_is_graded_as_its_own_exercise(tmp_path):
 def test_config_records_the_method_code_and_a_run_of_other_code_is_refused_in_its_out(tmp_path):
     """config.json's methods_sha256 (sha256 over methods/*.py, sorted) changes with any byte of a method file,
     and outfolder compares it as a setting: a rerun after changing one's code never replaces the old results."""
-    import importlib
-    import train
-    home = lambda name: importlib.import_module(name if (ROOT / f"{name}.py").is_file() else f"infra.{name}")
-    outfolder, RunError = home("outfolder"), home("errors").RunError
+    from infra import outfolder
+    from infra.errors import RunError
+    from infra.settings import methods_sha256
     shutil.copytree(ROOT / "methods", tmp_path / "methods", ignore=shutil.ignore_patterns("__pycache__"))
-    assert train.methods_sha256(tmp_path / "methods") == train.methods_sha256()
+    assert methods_sha256(tmp_path / "methods") == methods_sha256()
     csa = tmp_path / "methods" / "csa.py"
     csa.write_text(csa.read_text() + "\n")
-    changed = train.methods_sha256(tmp_path / "methods")
-    assert changed != train.methods_sha256() and len(changed) == 64
-    assert "methods_sha256=train.methods_sha256()" in (ROOT / "align.py").read_text()   # what config.json holds
-    old = {"data": "shapes", "method": "csa", "methods_sha256": train.methods_sha256()}
+    changed = methods_sha256(tmp_path / "methods")
+    assert changed != methods_sha256() and len(changed) == 64
+    assert "methods_sha256=methods_sha256()" in (ROOT / "infra" / "settings.py").read_text()  # config.json's
+    old = {"data": "shapes", "method": "csa", "methods_sha256": methods_sha256()}
     out = tmp_path / "results"
     out.mkdir()
     (out / "config.json").write_text(json.dumps(old))

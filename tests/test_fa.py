@@ -2,8 +2,8 @@
 PAL's parameter count, and a planted training run."""
 import torch
 import torch.nn.functional as F
-
 from conftest import random_features
+
 from features import Features
 from methods.fa import FA, masked_mean
 
@@ -131,7 +131,7 @@ def test_planted_training_learns_the_map():
     m = FA(D_v, D_l, K=16)
     opt = torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.02)
     losses = []
-    for step in range(150):
+    for _step in range(150):
         idx = torch.randperm(N)[:64]
         loss, _ = m.loss(img[idx], txt[idx])
         opt.zero_grad()

@@ -19,19 +19,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import interrupted, random_features, train_with
 
 import align
-import cache
+import cnn_encoders
 import encoders
-import outfolder
+import shapes
 import shapes_encoders
-from conftest import interrupted, random_features, train_with
+from infra import cache, checks, fingerprints, outfolder, storage
 from methods.linear import Linear
 from methods.mlp import MLP
-import cnn_encoders
-import storage
-import shapes
-import checks
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ("--method", "linear", "--epochs", "3")          # every full run: 3 short epochs, 20 test images
@@ -146,7 +143,7 @@ def test_a_model_folder_rewritten_in_place_gets_new_features(tmp_path, monkeypat
     commit = "0123456789abcdef0123456789abcdef01234567"
     snap = tmp_path / "models--org--m" / "snapshots" / commit
     snap.mkdir(parents=True)
-    assert cache.folder_fingerprint(snap) == f"commit {commit}"
+    assert fingerprints.folder_fingerprint(snap) == f"commit {commit}"
     import torchvision
     calls = []
 

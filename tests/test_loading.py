@@ -11,14 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import cache
 from conftest import interrupted, random_features, train_with
-from methods import budget
-from methods.linear import Linear
-import loader
-import shards
+
 import shapes
+from infra import budget, cache, loader, shards
+from methods.linear import Linear
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -185,7 +182,8 @@ def test_render_with_grids_made_once_matches_the_per_call_grids():
 KEEP_FREED_PROBE = """
 import resource, sys, torch
 sys.path.insert(0, {root!r})
-from methods import budget
+import methods                                           # loaded before any step, as in a run: the heap it leaves
+from infra import budget
 
 def faults(n=20, shape=(256, 64, 512)):                 # a training step's S (methods/fast_cap.py), made and freed
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

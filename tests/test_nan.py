@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import random_features, train_with
 
 import evaluate
-import outfolder
-import storage
 import train
-from conftest import random_features, train_with
-from errors import RunError
+from infra import outfolder, storage
+from infra.errors import RunError
 from methods.linear import Linear
 
 ROOT = Path(__file__).resolve().parents[1]

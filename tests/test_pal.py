@@ -226,7 +226,7 @@ def test_tiny_training_run_on_planted_pairs():
     m = PAL(24, 32, K=64)
     opt = torch.optim.AdamW(m.parameters(), lr=PAL.defaults["lr"], weight_decay=PAL.defaults["weight_decay"])
     losses = []
-    for step in range(100):                                        # full batch of 256 pairs
+    for _step in range(100):                                        # full batch of 256 pairs
         loss, _ = m.loss(img, txt)
         opt.zero_grad()
         loss.backward()

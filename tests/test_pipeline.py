@@ -9,14 +9,11 @@ import pytest
 import torch
 
 import encoders
+import layers
+import shapes
 import shapes_encoders as se
 import similarity
-import loader
-import cache
-import model_files
-import layers
-import shards
-import shapes
+from infra import cache, loader, model_files, shards
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -148,8 +145,9 @@ class RaggedEncoder:
 
 @pytest.mark.parametrize("ragged", [False, True])
 def test_shard_reader_equals_a_row_by_row_read_in_the_order_asked(ragged, tmp_path, monkeypatch):
-    import cache
     import numpy as np
+
+    from infra import cache
     monkeypatch.setattr(shards, "MEMMAP_BYTES", 0)
     monkeypatch.setattr(shards, "SHARD_BYTES", 1)                 # one batch (8 rows) per shard
     f = cache.extract(RaggedEncoder("r", 5, 4, ragged), list(range(30)), tmp_path, batch_size=8, dataset="t",
@@ -198,8 +196,9 @@ def random_dinov2(layer=-1):
 @pytest.mark.parametrize("layer", [-1, 1])
 def test_extraction_pipeline_equals_the_serial_encode(layer, tmp_path):
     """uint8 pixels prepared a batch ahead, normalised on the device: the features of encode(), to the last digit."""
-    import cache
     from PIL import Image
+
+    from infra import cache
     g = torch.Generator().manual_seed(0)
     imgs = [Image.fromarray((torch.rand(40 + 3 * i, 50, 3, generator=g) * 255).byte().numpy()) for i in range(7)]
     enc = random_dinov2(layer)

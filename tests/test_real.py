@@ -15,16 +15,15 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-import cache
+import cnn_encoders
 import data
 import encoders
-import shapes_encoders
-import similarity
-import cnn_encoders
-import model_files
+import eval_sets
 import layers
 import shapes
-import eval_sets
+import shapes_encoders
+import similarity
+from infra import cache, model_files
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = "a an the dog cat man red blue on of in photo sits rides is".split()
@@ -190,9 +189,18 @@ def models(tmp_path_factory):
 
 def write_models(root):
     """dinov2, dinov2reg, beit (a classifier), bert, roberta and clip (both towers) folders under root."""
-    from transformers import (AutoModel, BeitConfig, BeitForImageClassification, BertConfig, BertTokenizer,
-                              BitImageProcessor, Dinov2Config, Dinov2WithRegistersConfig, RobertaConfig,
-                              RobertaTokenizer)
+    from transformers import (
+        AutoModel,
+        BeitConfig,
+        BeitForImageClassification,
+        BertConfig,
+        BertTokenizer,
+        BitImageProcessor,
+        Dinov2Config,
+        Dinov2WithRegistersConfig,
+        RobertaConfig,
+        RobertaTokenizer,
+    )
     torch.manual_seed(0)
     processor = BitImageProcessor(size={"shortest_edge": 36}, crop_size={"height": 32, "width": 32},
                                   image_mean=list(model_files.IMAGENET_MEAN), image_std=list(model_files.IMAGENET_STD))

@@ -6,14 +6,15 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import random_features, train_with
+from test_real import models  # noqa: F401  (the tiny Hugging Face models fixture)
 
+import align
+import eval_sets
 import recycling as R
 import similarity as S
 from features import Features
-from conftest import random_features, train_with
-from test_real import models  # noqa: F401  (the tiny Hugging Face models fixture)
-import align
-import eval_sets
+from infra.errors import RunError
 
 
 def orthogonal(D, seed=0):
@@ -355,9 +356,11 @@ def test_weights_plus_pairs_on_a_memory_mapped_training_set(tmp_path, monkeypatc
     """D_aug = pairs ∪ head rows when the pairs are StoredFeatures (sharded, memory-mapped):
     rows equal the in-memory union, batches read only their own rows, the training loop runs on it."""
     import argparse
-    from shards import StoredFeatures
-    from methods.linear import Linear
+
     from test_cache import FakeEncoder, extract, shard_rows
+
+    from infra.shards import StoredFeatures
+    from methods.linear import Linear
     n = 30
     shard_rows(monkeypatch, 12, image=True)
     img = extract(FakeEncoder(image=True), n, tmp_path / "a")
@@ -391,11 +394,12 @@ def test_analyses_run_on_real_data_with_a_head_and_a_torchvision_set(tmp_path, m
     """--analyses on --data coco with a BEiT checkpoint's head (cat / dog / car) and
     a torchvision set (EuroSAT's ImageFolder layout, classes cat, dog, car, forest). Table 1 is
     checked against the checkpoint's own logits; Table 2 uses "A photo of a {class}"."""
-    import align
-    import cache
-    import encoders
-    from transformers import BeitConfig, BeitForImageClassification
     from test_real import VISION, write_image, write_karpathy
+    from transformers import BeitConfig, BeitForImageClassification
+
+    import align
+    import encoders
+    from infra import cache
     root = tmp_path / "data"
     write_karpathy(root / "coco", n_train=8, n_test=3)
     for c, cls in enumerate(["cat", "dog", "car", "Forest"]):
@@ -434,7 +438,7 @@ def test_analyses_say_in_one_line_what_is_skipped(capsys):
 
     class NoHead:
         def head(self):
-            raise SystemExit("error: tiny-dinov2 has no linear classification head. Use ...")
+            raise RunError("tiny-dinov2 has no linear classification head. Use ...")
 
     class Head:
         def head(self):
@@ -477,8 +481,9 @@ def test_few_shot_fine_tuning_uses_one_pair_per_class_the_normalised_mean_of_its
 def test_analysis_features_read_what_the_head_reads():
     """A masked set gives the object patches to a patch head ("patches", the Shapes head) and one
     pooled vector an image to a real head ("pooled"), even images the train half in both."""
-    import data
     from types import SimpleNamespace
+
+    import data
     img = random_features(4, 1 + 4, 3, grid=(2, 2), seed=7)
     masks = torch.full((4, 4, 4), data.IGNORE)
     masks[:, :2, :2] = 0                                                     # the object covers patch 0 of each image

@@ -18,19 +18,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import random_features
+from test_real import models, write_karpathy  # noqa: F401  (the tiny Hugging Face models fixture)
 
 import align
-import outfolder
 import recycling
-from conftest import random_features
+import shapes
 from features import Features
+from infra import checks, outfolder, settings, storage
+from infra.settings import Settings
 from methods import METHODS
 from methods.mlp import MLP
-from test_real import models, write_karpathy  # noqa: F401  (the tiny Hugging Face models fixture)
-import storage
-import shapes
-import checks
-import train
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ("--eval-images", "20", "--no-figures", "--threads", "1")
@@ -85,7 +83,8 @@ def test_config_holds_the_resolved_loop_settings_of_a_run_without_epochs(cache_d
     assert ckpt["epoch"] == 19 and ckpt["settings"]["epochs"] == 20 and ckpt["settings"]["batch_size"] == 256
     # MLP declares 400 steps at batch 512: on 300 pairs, batch 300, 1 step an epoch, 400 epochs
     args = align.parse_args(["--method", "mlp"])
-    assert train.loop_plan(train.loop_settings(args, MLP.defaults), MLP(8, 6), 300) == dict(
+    mlp = MLP(8, 6)
+    assert settings.plan_loop(Settings(args, MLP, {}, "cpu", None).loop_given(mlp.defaults), mlp, 300) == dict(
         epochs=400, batch_size=300, lr=5e-3, weight_decay=0.0, seed=0)
 
 

@@ -8,8 +8,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import select_defaults as sd  # noqa: E402
 
-import cache  # noqa: E402
 import shapes  # noqa: E402
+from infra import cache  # noqa: E402
 
 
 def test_split_by_image_holds_out_whole_images():

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import shapes_encoders as se
 import shapes
+import shapes_encoders as se
 
 MB = 2**20
 

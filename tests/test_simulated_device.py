@@ -5,13 +5,12 @@ import json
 
 import pytest
 import torch
-
-import outfolder
-from simulated_device import simulated_cuda
-import features
-import shards
-import shapes
 from conftest import train_with
+from simulated_device import simulated_cuda
+
+import features
+import shapes
+from infra import outfolder, shards
 
 TINY = ["--device", "cuda", "--threads", "1", "--epochs", "1", "--eval-images", "24"]
 
@@ -80,6 +79,7 @@ def test_resume_restores_the_cuda_generator(tmp_path, monkeypatch):
     from argparse import Namespace
 
     from conftest import random_features
+
     from methods.mlp import MLP
     args = Namespace(epochs=1, batch_size=16, lr=None, weight_decay=None, seed=0, resume=False)
     img, txt = random_features(32, 1, 8, seed=1), random_features(32, 1, 6, seed=2)
@@ -108,7 +108,7 @@ def test_cached_features_are_keyed_by_the_precision_they_were_computed_in(monkey
     """fp32 features from a CPU, bf16- and fp16-autocast features from GPUs: three cache keys."""
     from types import SimpleNamespace
 
-    import cache
+    from infra import cache
     enc = SimpleNamespace(name="shapes-text", fingerprint="abc", layer=-1, preprocess="words")
     parts = dict(dataset="shapes", split="test", modality="text")
     keys = {"cpu": cache.feature_key(enc, ["a red circle"], "cpu", **parts)}
@@ -138,9 +138,10 @@ def test_extraction_on_the_device_gives_the_host_features_of_the_cpu(sharded, tm
     """cache.extract with device="cuda" through Hugging Face encoders (tiny random DINOv2 and BERT):
     pinned host batches, the decode thread a batch ahead, autocast, features back on the host (one
     file, or memory-mapped shards), equal to the CPU's."""
-    import cache
-    import encoders
     from test_real import images, write_models
+
+    import encoders
+    from infra import cache
     models = write_models(tmp_path / "models")
     image_enc, text_enc = encoders.load_encoders(str(models / "dinov2"), str(models / "bert"), tmp_path / "c")
     inputs = ((image_enc, images(20), "image"), (text_enc, [f"a red dog {i} on the cat" for i in range(20)], "text"))

@@ -2,9 +2,9 @@
 import math
 
 import torch
-
 from conftest import random_features
-from methods.structure import LinearRS, MLPRS, js_divergence, structure_reg
+
+from methods.structure import MLPRS, LinearRS, js_divergence, structure_reg
 
 
 def naive_rs(X, Z, tau):

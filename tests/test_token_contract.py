@@ -14,11 +14,11 @@ import pytest
 import torch
 from PIL import Image
 
+import cnn_encoders
 import encoders
 import shapes_encoders
 from features import Features, word_positions, word_tokens
-import cnn_encoders
-import model_files
+from infra import model_files
 
 VISION = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32,
               patch_size=8)
@@ -294,7 +294,7 @@ def test_token_level_methods_score_the_words_of_real_encoder_features(tmp_path):
     for name in ("cov", "filip", "text_guided", "pal", "fa"):
         torch.manual_seed(0)
         method = METHODS[name](8, 32).eval()
-        for b, t in enumerate(texts):
+        for b, _t in enumerate(texts):
             ids = batch["input_ids"][b]
             keep = [i for i in range(len(ids))
                     if int(ids[i]) not in (tok.cls_token_id, tok.sep_token_id, tok.pad_token_id)]
@@ -307,8 +307,9 @@ def test_token_level_methods_score_the_words_of_real_encoder_features(tmp_path):
 def test_the_contract_lives_beside_features_and_the_tiny_encoders_do_not_import_encoders():
     """No import circle: encoders.py loads shapes_encoders.py, which takes the rule from features.py."""
     import ast
-    import features
     from pathlib import Path
+
+    import features
     root = Path(__file__).resolve().parent.parent
     tree = ast.parse((root / "shapes_encoders.py").read_text())
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}

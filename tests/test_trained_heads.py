@@ -5,12 +5,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import random_features
+
 from features import Features
 from methods.mlp import MLP
 from methods.sail import SAIL, siglip_loss
-from methods.structure import LinearRS, MLPRS
+from methods.structure import MLPRS, LinearRS
 from methods.t2c import T2C
 
 D_V, D_L = 12, 16

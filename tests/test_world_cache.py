@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import cache
 import data
 import shapes
+from infra import cache
 
 SMALL = dict(n_train=12, n_test=4, n_cls=4, n_seg=4, n_bind=4)
 

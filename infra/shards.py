@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from errors import RunError, first_line
 from features import Features
-from loader import Progress, read_ahead
-from storage import atomic_save, atomic_target, file_crc, load_plain, safe_load
+from infra.errors import RunError, first_line
+from infra.loader import Progress, read_ahead
+from infra.storage import atomic_save, atomic_target, file_crc, load_plain, safe_load
 
 # A set larger than MEMMAP_BYTES is written as shards of SHARD_BYTES, read back through a
 #   memory map as StoredFeatures. Tokens are stored RAGGED: row after row, no

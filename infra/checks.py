@@ -8,46 +8,46 @@ import argparse
 import ast
 import inspect
 import os
+from pathlib import Path
 
 import torch
 
 import data
-import model_files
-import outfolder
-import storage
-from errors import RunError
+from infra import model_files, outfolder, storage
+from infra.errors import RunError
+from infra.settings import LOOP_RANGES, Settings, aligned_on, describe, flags, hp_names, in_range, refuse_batch
 
 # ---------------------------------------------------------------------------
 # Checks that run before anything else
 # ---------------------------------------------------------------------------
-# Valid ranges: an interval string ("[1, inf)", "(0, 1]") or a tuple of choices. The training
-# loop's settings are checked here; a method declares its hyperparameters' ranges ONCE, next to
-# its defaults, as the class attribute `ranges` (methods/__init__.py), and may override these.
-LOOP_RANGES = dict(epochs="[0, inf)", lr="(0, 3.4028234663852886e+38]", weight_decay="[0, inf)",  # lr: float32's max
-                   batch_size="[2, inf)")  # contrastive: another pair in the batch is the negative
-
-
 FLAGS = dict(epochs="--epochs", batch_size="--batch-size", lr="--lr", weight_decay="--weight-decay")
 
 
 MIN_SELECT_PAIRS = 10  # mutual kNN takes k = ceil(2 n^(1/3)) neighbours: 10 pairs, k = 5 of 9
 
 
-def in_range(value, spec):
-    """value within spec: a tuple of choices, or an interval string such as "[1, inf)"."""
-    if isinstance(spec, (tuple, list)):
-        return value in spec
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    lo, hi = (float(v) for v in spec[1:-1].split(","))
-    above = lo <= value if spec[0] == "[" else lo < value
-    return above and (value <= hi if spec[-1] == "]" else value < hi)
+def before_any_work(args, method_cls, out):
+    """Every refusal that needs no work, in one call: --hp, a student copy's blank exercises, the
+    flags against their ranges and the method's interface, the device, the paths and --out.
+    Returns the run's Settings (infra/settings.py), as given."""
+    hp = parse_hp(method_cls, args.hp)
+    refuse_blank_exercises(args)
+    check_flags(args, method_cls)
+    return Settings(args, method_cls, hp, check_places(args, out), Path(out))
 
 
-def describe(spec):
-    if isinstance(spec, (tuple, list)):
-        return f"one of {', '.join(map(repr, spec))}"
-    return f"in {spec}"
+def refuse_blank_exercises(args):
+    """In a student copy (exercises/this_copy.json, written by exercises/make_student_copy.py), a run
+    that needs an exercise still blank stops here; the course's table decides. The reference
+    checkout loads nothing of the course."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "exercises" / "this_copy.json").is_file():
+        return
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("course_table", root / "exercises" / "table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    table.refuse_blank_exercises(args.method, args.analyses, args.select_layers, root=root)
 
 
 def checked_value(what, value, default):
@@ -63,11 +63,6 @@ def checked_value(what, value, default):
             raise RunError(f"{what}: {words} is expected (the default is {default!r}), "
                            f"not {value!r}")
     return value  # a None default (e.g. ASIF's n_anchors): the declared range decides
-
-
-def hp_names(method_cls):
-    params = inspect.signature(method_cls.__init__).parameters
-    return [n for n in params if n not in ("self", "d_image", "d_text")]
 
 
 def parse_hp(method_cls, items):
@@ -105,7 +100,7 @@ def check_flags(args, method_cls):
         raise RunError(f"--num-pairs {args.num_pairs}: a count of pairs cannot be negative")
     if args.threads < 0:
         raise RunError(f"--threads {args.threads}: give a positive count (0 = the rule of "
-                       f"methods/budget.py)")
+                       f"infra/budget.py)")
     if not 0 <= args.seed < 2**32:
         raise RunError(f"--seed {args.seed}: give a seed in [0, 2^32) (numpy's seeds)")
     if args.select_pairs < MIN_SELECT_PAIRS:
@@ -138,11 +133,6 @@ def check_flags(args, method_cls):
                            f"{describe(ranges[name])}{why}")
 
 
-def aligned_on(args):
-    """What the run aligns on: --align-data, but "weights" for weights+pairs with --num-pairs 0."""
-    return "weights" if args.align_data == "weights+pairs" and args.num_pairs == 0 else args.align_data
-
-
 def check_pair_count(args, method_cls):
     """--num-pairs that leaves no pairs, or fewer than the smallest batch the method trains on:
     refused before any features are extracted (head rows may add more: weights+pairs is let be)."""
@@ -150,10 +140,8 @@ def check_pair_count(args, method_cls):
         return
     if args.num_pairs == 0:
         raise RunError("--num-pairs 0 leaves no alignment data; add the head rows with --align-data weights")
-    low = method_cls.ranges.get("batch_size", LOOP_RANGES["batch_size"])
-    if method_cls.loss is not None and not in_range(args.num_pairs, low):
-        raise RunError(f"--num-pairs {args.num_pairs}: a batch of {args.num_pairs} pair(s) ({args.num_pairs} "
-                       f"alignment pairs): {method_cls.__name__} takes batch_size {describe(low)}; use more pairs")
+    if method_cls.loss is not None:
+        refuse_batch(method_cls, args.num_pairs, args.num_pairs, f"--num-pairs {args.num_pairs}: ")
 
 
 def check_places(args, out):
@@ -170,21 +158,11 @@ def check_places(args, out):
     return device
 
 
-def given_settings(args):
-    """The flags as given, but those that only say where and how the run writes (outfolder.OUTPUT_ONLY);
-    the data root by the real path of the data it holds (data.data_folder), not by its spelling."""
-    given = {k: v for k, v in vars(args).items() if k not in outfolder.OUTPUT_ONLY}
-    if "data_root" in given:
-        given["data_root"] = data.data_folder(args.data, args.data_root)
-    return given
-
-
 def check_out_data(args, out):
     """--out holds no finished run of other settings (outfolder's rule), checked on the flags as given,
     before any work."""
-    given = given_settings(args)
-    flags_of = lambda config: given_settings(argparse.Namespace(**{k: config.get(k) for k in vars(args)}))
-    outfolder.check_out(out, given, flags_of)
+    flags_of = lambda config: flags(argparse.Namespace(**{k: config.get(k) for k in vars(args)}))
+    outfolder.check_out(out, flags(args), flags_of)
 
 
 def memory_bytes(device):

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from errors import first_line
+from infra.errors import RunError, first_line
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -97,7 +97,7 @@ def hf_preprocess(source, config, flag="--image-encoder"):
         p = AutoImageProcessor.from_pretrained(source, **HF_SAFE)
     except (OSError, ValueError) as e:
         if file.is_file():
-            raise SystemExit(f"error: {flag} {source}: its preprocessor_config.json cannot be read "
+            raise RunError(f"{flag} {source}: its preprocessor_config.json cannot be read "
                              f"({type(e).__name__}: {first_line(e)}); "
                              f"copy it again from the model's download") from None
         return ImagePreprocess(round(size * 256 / 224), size)  # a hub model without one: the ViT default
@@ -112,12 +112,12 @@ def hf_preprocess(source, config, flag="--image-encoder"):
     # so (x * f - mean) / std = (x / 255 - m') / s' with m' = mean / (255 f), s' = std / (255 f)
     f = float(getattr(p, "rescale_factor", 1 / 255)) if getattr(p, "do_rescale", True) is not False else 1.0
     if f <= 0:
-        raise SystemExit(f"error: {flag} {source}: its preprocessor_config.json gives rescale_factor {f}; "
+        raise RunError(f"{flag} {source}: its preprocessor_config.json gives rescale_factor {f}; "
                          f"give a positive factor (1/255 for pixels in [0, 1])")
     if abs(f * 255 - 1) > 1e-6:
         mean, std = tuple(v / (255 * f) for v in mean), tuple(v / (255 * f) for v in std)
     if len(mean) != 3 or len(std) != 3:
-        raise SystemExit(f"error: {flag} {source}: its preprocessor_config.json gives {len(mean)} image_mean and "
+        raise RunError(f"{flag} {source}: its preprocessor_config.json gives {len(mean)} image_mean and "
                          f"{len(std)} image_std values, but images are read as RGB (3 channels): give 3 of each, "
                          f"or one number for all")
     return ImagePreprocess(resize, crop, mean, std, int(getattr(p, "resample", 3) or 3))
@@ -128,7 +128,7 @@ def read_json(file, flag, folder):
     try:
         return json.loads(Path(file).read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
-        raise SystemExit(f"error: {flag} {folder}: {Path(file).name} is truncated or not JSON ({e}); "
+        raise RunError(f"{flag} {folder}: {Path(file).name} is truncated or not JSON ({e}); "
                          f"copy it again from the model's download") from None
 
 
@@ -150,21 +150,21 @@ def check_folder(folder, flag, text=False):
     folder = Path(folder)
     again = "download the whole folder again (hf download <name> --local-dir <folder>)"
     if not (folder / "config.json").is_file():
-        raise SystemExit(f"error: {flag} {folder}: no config.json, so not a Hugging Face model folder; {again}")
+        raise RunError(f"{flag} {folder}: no config.json, so not a Hugging Face model folder; {again}")
     config = read_json(folder / "config.json", flag, folder)
     if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
-        raise SystemExit(f"error: {flag} {folder}: config.json has no model_type, so it is not a Hugging Face "
+        raise RunError(f"{flag} {folder}: config.json has no model_type, so it is not a Hugging Face "
                          f"model's config; {again}")
     if "auto_map" in config:
         raise remote_code_refused(folder, flag, ValueError("trust_remote_code"))
     families = TEXT_FAMILIES if text else IMAGE_FAMILIES            # before transformers meets an unknown type
     if config["model_type"] not in families:
-        raise SystemExit(f"error: {flag} {folder} is a {config['model_type']!r} model; "
+        raise RunError(f"{flag} {folder} is a {config['model_type']!r} model; "
                          f"{'text' if text else 'image'} encoders: {sorted(families)}")
     if not any((folder / f).is_file() for f in WEIGHT_FILES):
-        raise SystemExit(f"error: {flag} {folder}: no weights file ({' / '.join(WEIGHT_FILES[::2])}); {again}")
+        raise RunError(f"{flag} {folder}: no weights file ({' / '.join(WEIGHT_FILES[::2])}); {again}")
     if text and not any((folder / f).is_file() for f in TOKENIZER_FILES):
-        raise SystemExit(f"error: {flag} {folder}: no tokenizer files (one of {', '.join(TOKENIZER_FILES)}), so every "
+        raise RunError(f"{flag} {folder}: no tokenizer files (one of {', '.join(TOKENIZER_FILES)}), so every "
                          f"word would be unknown; copy them from the model's download")
     for f in JSON_FILES:                 # a truncated one: transformers' bare JSONDecodeError names no file
         if (folder / f).is_file():
@@ -174,14 +174,14 @@ def check_folder(folder, flag, text=False):
 def load_failed(source, flag, e):
     """A model folder that fails to load, as one line: truncated weights, a pickle that needs code, ..."""
     if isinstance(e, pickle.UnpicklingError):
-        return SystemExit(f"error: refusing to load the weights of {flag} {source}: pytorch_model.bin holds pickled "
+        return RunError(f"refusing to load the weights of {flag} {source}: pytorch_model.bin holds pickled "
                           f"Python objects besides tensors, and unpickling them could run code. Use the model's "
                           f"model.safetensors instead (hf download <name> model.safetensors).")
     if "ignore_mismatched_sizes" in str(e):                      # transformers' size-mismatch report
-        return SystemExit(f"error: {flag} {source}: its config.json does not describe its weights: tensors of other "
+        return RunError(f"{flag} {source}: its config.json does not describe its weights: tensors of other "
                           f"shapes ({first_line(e)}); config.json belongs to another model (hidden_size?): copy it "
                           f"again from the model's download")
-    return SystemExit(f"error: {flag} {source}: its weights cannot be read ({type(e).__name__}: {first_line(e)}); "
+    return RunError(f"{flag} {source}: its weights cannot be read ({type(e).__name__}: {first_line(e)}); "
                       f"truncated or corrupt? download the folder again")
 
 
@@ -191,10 +191,10 @@ def not_available(name, flag):
         import difflib
         near = difflib.get_close_matches(Path(name).name, [p.name for p in parent.iterdir() if p.is_dir()], n=1)
         hint = f"did you mean {parent / near[0]}?" if near else f"no such folder in {parent}"
-        return SystemExit(f"error: {flag} {name} is neither a folder nor a downloaded hub model ({hint})")
+        return RunError(f"{flag} {name} is neither a folder nor a downloaded hub model ({hint})")
     local = f"models/{Path(name).name}"
-    return SystemExit(
-        f"error: encoder {name!r} is not available offline: it is neither a local directory nor in the Hugging Face "
+    return RunError(
+        f"encoder {name!r} is not available offline: it is neither a local directory nor in the Hugging Face "
         f"cache. On a machine with network run\n    hf download {name} --local-dir {local}\n"
         f"(huggingface_hub < 1.0: huggingface-cli download ...), copy {local} here and pass {flag} {local}.")
 
@@ -231,7 +231,7 @@ def hub_unreachable(timeout=3.0):
 def check_path(name, flag):
     """A name written as a path must be an existing directory: say so at once, before any long work."""
     if looks_like_path(name) and not Path(name).expanduser().is_dir():
-        raise SystemExit(f"error: {flag} {name}: no such directory")
+        raise RunError(f"{flag} {name}: no such directory")
 
 
 def hf_source(name, flag):
@@ -292,7 +292,7 @@ def load_weights(cls, source, flag, reads_pooler=False):
         hint = "id2label / num_labels?" if k.startswith("classifier") else \
             "image_size / patch_size?" if "patch_embeddings" in k or "position_embeddings" in k and "image" in flag \
             else "hidden_size?"
-        raise SystemExit(f"error: {flag} {source}: its config.json does not describe its weights: tensors of other "
+        raise RunError(f"{flag} {source}: its config.json does not describe its weights: tensors of other "
                          f"shapes ({len(other)}; e.g. {k} is {there} in the file, {here} by config.json); config.json "
                          f"belongs to another model ({hint}): copy it again from the model's download")
     missing = sorted(k for k in info["missing_keys"] if reads_pooler or not k.startswith("pooler."))
@@ -300,7 +300,7 @@ def load_weights(cls, source, flag, reads_pooler=False):
     wrapped = next((u[:-len(missing[0])] for u in info["unexpected_keys"] if missing and u.endswith("." + missing[0])),
                    None)
     if wrapped:                                          # saved from a wrapper's state_dict: every key prefixed
-        raise SystemExit(f"error: {flag} {source}: its weights file names every weight with the prefix {wrapped!r} "
+        raise RunError(f"{flag} {source}: its weights file names every weight with the prefix {wrapped!r} "
                          f"({wrapped}{missing[0]} for {missing[0]}): it was saved from a wrapper's state_dict, not "
                          f"with save_pretrained; save the model itself with save_pretrained, or strip {wrapped!r} "
                          f"from the keys")
@@ -308,10 +308,10 @@ def load_weights(cls, source, flag, reads_pooler=False):
         what = f"{len(missing)} of its weights are not in the file (e.g. {missing[0]}; they would be random)" \
             if missing else f"the file holds {len(extra)} weights it has no place for (e.g. {extra[0]})"
         if any(re.search(r"\.layers?\.\d+\.", k) for k in missing + extra):     # whole blocks: the depth differs
-            raise SystemExit(f"error: {flag} {source}: its config.json does not describe its weights: {what}; "
+            raise RunError(f"{flag} {source}: its config.json does not describe its weights: {what}; "
                              f"config.json belongs to another model (num_hidden_layers?): copy it again from the "
                              f"model's download (to read an earlier block, keep the config and pass the layer flag)")
-        raise SystemExit(f"error: {flag} {source}: its config.json does not describe its weights: {what}; the "
+        raise RunError(f"{flag} {source}: its config.json does not describe its weights: {what}; the "
                          f"weights file is incomplete or belongs to another model: copy the folder again from the "
                          f"model's download")
     return model
@@ -321,7 +321,7 @@ def remote_code_refused(name, flag, e):
     """transformers' ValueError for a checkpoint that ships its own code (auto_map), as one line."""
     if "custom code" not in str(e) and "trust_remote_code" not in str(e):
         return e
-    return SystemExit(f"error: {flag} {name}: this checkpoint needs its own Python code to load (auto_map in its "
+    return RunError(f"{flag} {name}: this checkpoint needs its own Python code to load (auto_map in its "
                       f"config.json); this project never runs a model folder's code (trust_remote_code=False)")
 
 

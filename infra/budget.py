@@ -5,7 +5,8 @@ A method declares the paper's training settings once (`defaults`, methods/__init
 a GPU, and whenever --epochs is given, they stand. On a CPU with no --epochs, cpu_default
 keeps a run within CPU_BUDGET_TFLOP of training matrix products, counted from the shapes
 (forward_gflop), so the choice is the same on every machine; cpu_threads picks the training
-threads from the same count. train.resolve_loop prints what either rule chose; config.json holds it.
+threads from the same count. Settings.resolve_loop (infra/settings.py) prints what either rule
+chose; config.json holds it.
 """
 import copy
 import ctypes

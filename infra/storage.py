@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from errors import RunError, first_line
+from infra.errors import RunError, first_line
 
 # ---------------------------------------------------------------------------
 # Writing and reading cache files: atomic, locked, and never unpickling code
@@ -74,7 +74,7 @@ def file_crc(path, chunk=2**24):
 
 
 def no_space(folder):
-    return SystemExit(f"error: no space left in {folder}: free some space there, or point "
+    return RunError(f"no space left in {folder}: free some space there, or point "
                       f"--cache-dir / --out at a disk with room, then rerun (finished work is kept)")
 
 
@@ -94,7 +94,7 @@ def write_failure(e, path):
     if isinstance(e, RuntimeError) and ("inline_container" in str(e) or "PytorchStreamWriter" in str(e)):
         if free_bytes(folder) < 2**20:
             return no_space(folder)
-        return SystemExit(f"error: writing {path} failed ({first_line(e)}): a full disk or quota? free some space "
+        return RunError(f"writing {path} failed ({first_line(e)}): a full disk or quota? free some space "
                           f"there, or point --cache-dir / --out at another disk, then rerun")
     return None
 
@@ -137,7 +137,7 @@ def load_plain(path):
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
-        raise SystemExit(f"error: refusing to load {path}: it holds pickled Python objects besides tensors and "
+        raise RunError(f"refusing to load {path}: it holds pickled Python objects besides tensors and "
                          f"plain values, and unpickling them could run code. This project never writes such "
                          f"files; delete it (a cache file is rebuilt) and find out where it came from.") from None
     if isinstance(obj, dict) and "checksum" in obj and obj["checksum"] != checksum(obj):
@@ -245,7 +245,7 @@ def check_writable(folder, flag, create=True):
     folder = Path(folder)
     taken = next((p for p in [folder, *folder.parents] if p.exists()), None)  # the nearest part that exists
     if taken is not None and not taken.is_dir():
-        raise SystemExit(f"error: {flag} {folder}: {taken} is a file, not a folder; pass {flag} a folder "
+        raise RunError(f"{flag} {folder}: {taken} is a file, not a folder; pass {flag} a folder "
                          f"(or move the file away)")
     try:
         if create:
@@ -256,7 +256,7 @@ def check_writable(folder, flag, create=True):
             os.fsync(f.fileno())
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise SystemExit(f"error: {flag} {folder} is full (no space left on its disk); free some space "
+            raise RunError(f"{flag} {folder} is full (no space left on its disk); free some space "
                              f"or pass {flag} on another disk") from None
         why = "is on a read-only file system" if e.errno == errno.EROFS else f"cannot be written ({e.strerror})"
-        raise SystemExit(f"error: {flag} {folder} {why}; pass {flag} a folder you can write to") from None
+        raise RunError(f"{flag} {folder} {why}; pass {flag} a folder you can write to") from None

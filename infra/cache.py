@@ -2,26 +2,24 @@
 
 extract() runs an encoder over a set and caches its outputs (features.Features), as one
 fp16 torch file or, for COCO-scale sets, memory-mapped shards read back as
-StoredFeatures (shards.py). Every file is written atomically under a per-key lock, read with
+StoredFeatures (infra/shards.py). Every file is written atomically under a per-key lock, read with
 torch.load(weights_only=True), and keyed by every setting plus the encoder's weights
 fingerprint, so a changed setting or new weights never read stale features.
 """
 import contextlib
 import hashlib
 import os
-import re
 import time
 from pathlib import Path
 
 import torch
 
 import data
-import distributed
-import shards
-from features import Features, precision
-from loader import Progress
-from storage import atomic_save, file_lock, safe_load
 import shapes
+from features import Features, precision
+from infra import distributed, shards
+from infra.loader import Progress
+from infra.storage import atomic_save, file_lock, safe_load
 
 # ---------------------------------------------------------------------------
 # Feature extraction, run once and cached
@@ -33,7 +31,7 @@ def cache_key(**parts):
     extract() puts in it what the features are computed from: data.identity() of the inputs (image
     files by path, size and modification time; texts and in-memory images by content), so two
     data folders sharing a cache never read each other's features, and the encoder's weights
-    fingerprint (see "Weights fingerprints" below: the tiny encoders'
+    fingerprint (infra/fingerprints.py: the tiny encoders'
     content hash, a Hugging Face snapshot's commit or its files' hashes, torchvision's weights
     enum), so new weights under the same name never read the old weights' features."""
     text = repr(sorted(parts.items()))
@@ -169,55 +167,6 @@ def shapes_world(cache_dir, seed=0, **sizes):
 
 
 _WORLDS = {}  # built or read once per process (tests run align.main many times); read-only
-
-# ---------------------------------------------------------------------------
-# Weights fingerprints: what the feature cache is keyed by, besides the name
-# ---------------------------------------------------------------------------
-# The same name can hold other weights (a re-pretrained tiny encoder, another
-# revision downloaded into the same folder), so features are keyed by the weights:
-# - the tiny encoders: a hash of their state_dict (and vocabulary), exact;
-# - a Hugging Face snapshot folder (hub cache) or a model loaded by hub name: its
-#   commit hash, as the Hugging Face cache itself keys files by revision;
-# - any other model folder: every file's name and size, plus its content hash
-#   (files up to 16 MB: config, tokenizer, small weights) or, for larger weight
-#   files, its modification time and a hash of its first and last MB: reading a
-#   1.2 GB checkpoint in full on every run would cost seconds, while another
-#   revision written into the folder changes the mtime (and nearly always the size
-#   or the first tensors);
-# - torchvision: the weights enum and its URL (whose name carries the file's hash).
-FULL_HASH_BYTES = 16 * 2**20
-
-
-def state_fingerprint(state, *extra):
-    """sha1 of a state_dict's names, dtypes, shapes and values (plus extra plain values), exact."""
-    h = hashlib.sha1()
-    for name, t in sorted(state.items()):
-        t = t.detach().cpu().contiguous()
-        h.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())       # the raw bytes, any dtype
-    for e in extra:
-        h.update(repr(e).encode())
-    return h.hexdigest()[:16]
-
-
-def folder_fingerprint(folder):
-    """The weights fingerprint of a model folder (module comment above)."""
-    folder = Path(folder).absolute()
-    if folder.parent.name == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", folder.name):
-        return f"commit {folder.name}"                                    # a Hugging Face cache snapshot
-    h = hashlib.sha1()
-    for f in sorted(p for p in folder.iterdir() if p.is_file()):
-        st = f.stat()
-        h.update(f"{f.name} {st.st_size}".encode())
-        with open(f, "rb") as fh:
-            if st.st_size <= FULL_HASH_BYTES:
-                h.update(fh.read())
-            else:
-                h.update(f" {st.st_mtime_ns}".encode() + fh.read(2**20))
-                fh.seek(-2**20, os.SEEK_END)
-                h.update(fh.read())
-    return "files " + h.hexdigest()[:16]
-
 
 def extract_sets(jobs, extract, concurrent=False):
     """{key: extract(encoder, inputs, split, modality)} for jobs {key: (encoder, inputs, split, modality)}.

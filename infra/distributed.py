@@ -62,7 +62,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from errors import RunError
+from infra.errors import RunError
 
 TIMEOUT = timedelta(minutes=30)   # the longest a collective waits (choice 5)
 _print = builtins.print

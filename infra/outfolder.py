@@ -14,15 +14,16 @@ there (or a finished run's own checkpoint.pt). The settings compared are config.
 field (the flags as given, the data folder by its real path) before any work, then, before anything
 is written, every resolved field (data_hash, the layers used, the loop's settings).
 """
+import contextlib
 import json
 import os
 import shutil
 from pathlib import Path
 
-from errors import RunError
+from infra import distributed, storage
+from infra.errors import RunError
+from infra.settings import compared
 
-OUTPUT_ONLY = ("out", "resume", "threads", "cache_dir", "figures", "encode_threads", "train_threads",
-               "given", "software", "files")   # where and how a run writes, what ran it: not what it computes
 OUT_FILES = ("config.json", "metrics.json", "method.pt", "checkpoint.pt")   # what a run writes into --out
 
 
@@ -39,11 +40,6 @@ def old_config(folder):
     except (OSError, ValueError):
         return None
     return old if isinstance(old, dict) and "data" in old else None
-
-
-def settings_of(config):
-    """What a run's results depend on: config.json without its output-only fields."""
-    return {k: v for k, v in config.items() if k not in OUTPUT_ONLY}
 
 
 def differences(old, new):
@@ -63,7 +59,7 @@ def free_name(out):
 def refuse_other(out, old, new):
     """Stop when the run in out (its settings `old`) is not a rerun of `new`: one line naming what
     differs (the data and the method in words) and a free --out."""
-    diff = differences(settings_of(old), settings_of(new))
+    diff = differences(compared(old), compared(new))
     if not diff:
         return
     where = lambda s: s.get("data") if s.get("data") == "shapes" else f"{s.get('data')} in {s.get('data_root')}"
@@ -107,6 +103,27 @@ def begin(out, config, resume):
         shutil.copy2(Path(out) / "checkpoint.pt", work / ".checkpoint.pt.copy")   # a finished run's, continued
         os.replace(work / ".checkpoint.pt.copy", work / "checkpoint.pt")            # whole or not at all
     return work
+
+
+def held(out):
+    """--out held for this run (storage.hold_folder) by rank 0: a second run on it stops at once."""
+    return storage.hold_folder(out, "--out") if distributed.rank() == 0 else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def run_folder(out, config):
+    """The folder the run writes into, partial(out), with config.json first (begin: a finished run of
+    other settings is refused here); when the block ends without an exception, its files move into
+    --out (finish). Under torchrun only rank 0 writes; the others wait until config.json is there."""
+    lead = distributed.rank() == 0               # asked now: the group may have ended by the block's end
+    work = partial(out)
+    if lead:
+        begin(out, json.loads(json.dumps(config, default=str)), config["resume"])
+        storage.atomic_write_text(json.dumps(config, indent=2, default=str), work / "config.json")
+    distributed.barrier()                       # no rank reads the checkpoint before it is there
+    yield work
+    if lead:
+        finish(out)                             # the previous results stay until here
 
 
 def checkpoint(out):
