@@ -35,7 +35,7 @@ from infra.errors import RunError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER_CAP = Path("exercises/paper_cap.py")        # the copy's methods/fast_cap.py: the paper form runs
-SKIP_DIRS = {".git", ".cache", "results", "__pycache__", ".pytest_cache"}
+SKIP_DIRS = {".git", ".cache", "results", "__pycache__", ".pytest_cache", ".ruff_cache"}
 SKIP_FILES = {Path("exercises/answers.md"),     # the experiments' answers, for instructors
               Path("exercises/answers_template.md"), Path("exercises/answers_figures.json"),  # ... their source
               Path("exercises/make_answers.py"), Path("tests/test_answers.py"),              # ... and their check

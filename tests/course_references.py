@@ -143,7 +143,7 @@ REFERENCES = {
     4: [("methods.cov", "deformable_sample", deformable_sample)],
     5: [("methods.cov", "threshold_mask", threshold_mask), ("methods.cov", "CoV.regions", regions),
         ("methods.cov", "CoV.spread", staticmethod(spread))],
-    6: [("methods.cov", "max_mean", max_mean), ("methods.cov", "real_word_mean", real_word_mean)],
+    6: [("methods.filip", "token_max", max_mean), ("methods.text_guided", "real_word_mean", real_word_mean)],
     13: [("evaluate", "template_average", template_average), ("evaluate", "class_logits", class_logits)],
 }
 
