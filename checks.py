@@ -164,6 +164,7 @@ def check_places(args, out):
     check_shapes_encoders(args)
     storage.check_writable(args.cache_dir, "--cache-dir")
     storage.check_writable(out, "--out", create=False)   # nothing in --out yet
+    check_apart(out, args.cache_dir)
     check_out_data(args, out)
     return device
 
@@ -187,13 +188,45 @@ def check_shapes_encoders(args):
                            f"{args.data_root}; pass {flag} a real encoder, e.g. {flag} {use}")
 
 
+def check_apart(out, cache_dir):
+    """--out neither the feature cache nor a folder above or inside it: a refusal's "delete <out> to
+    replace them" would delete the cache, and a run's files would mix with cache files."""
+    o, c = os.path.realpath(out), os.path.realpath(cache_dir)
+    inside = lambda a, b: a == b or a.startswith(b.rstrip(os.sep) + os.sep)
+    if inside(o, c) or inside(c, o):
+        how = "is" if o == c else "is inside" if inside(o, c) else "holds"
+        raise RunError(f"--out {out} {how} --cache-dir {cache_dir}: results and the feature cache share "
+                       f"files there (deleting the results would delete the cache); pass an --out apart "
+                       f"from --cache-dir")
+
+
 def given_settings(args):
     """The flags as given, but those that only say where and how the run writes (outfolder.OUTPUT_ONLY);
     the data root by the real path of the data it holds (data.data_folder), not by its spelling."""
     given = {k: v for k, v in vars(args).items() if k not in outfolder.OUTPUT_ONLY}
     if "data_root" in given:
         given["data_root"] = data.data_folder(args.data, args.data_root)
+    if "hp" in given:
+        given["hp"] = given_hp(args.method, args.hp)
     return given
+
+
+def given_hp(method, hp):
+    """--hp as the hyperparameters it resolves to (every one, defaults included; the last of a name
+    given twice wins): --hp K=64 --hp K=128 and --hp K=128 are the same run. hp: the flags (a list),
+    or a config.json's resolved dict; unchanged when it does not parse (the run stops on it anyway)."""
+    import json
+    from methods import METHODS
+    cls = METHODS.get(method)
+    if cls is None or not isinstance(hp, (list, dict)):
+        return hp
+    try:
+        values = parse_hp(cls, hp) if isinstance(hp, list) else dict(hp)
+    except SystemExit:
+        return hp
+    params = inspect.signature(cls.__init__).parameters
+    full = {n: values.get(n, params[n].default) for n in hp_names(cls)}
+    return json.loads(json.dumps(full, default=str))           # as config.json holds it
 
 
 def check_out_data(args, out):

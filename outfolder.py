@@ -62,7 +62,13 @@ def settings_of(config):
 
 
 def differences(old, new):
-    """['name X there, Y now', ...] over the keys of either."""
+    """['name X there, Y now', ...] over the keys of either; a dict in both by its keys ('hp.K 512 there, 64 now')."""
+    nested = {k for k in old if isinstance(old[k], dict) and isinstance(new.get(k), dict)}
+
+    def flat(d):
+        return {f"{k}.{j}" if k in nested else k: w for k, v in d.items()
+                for j, w in (v.items() if k in nested else [(None, v)])}
+    old, new = flat(old), flat(new)
     return [f"{k} {old.get(k)!r} there, {new.get(k)!r} now" for k in sorted(set(old) | set(new))
             if old.get(k) != new.get(k)]
 
@@ -95,7 +101,8 @@ def refuse_other(out, old, new):
 def check_out(out, given, given_of):
     """Before any work: a folder where a result file goes, or a finished run of other settings
     (compared on `given`, the flags as given) in --out are refused. given_of(config): the flags of
-    a config.json written without its "given" field."""
+    a config.json (its "given" field, or the config itself when written without one), resolved as
+    `given` is."""
     out = Path(out)
     for name in OUT_FILES:              # a folder of that name: the final rename would fail
         if (out / name).is_dir():
@@ -109,7 +116,7 @@ def check_out(out, given, given_of):
     old = old_config(out)
     if old is None:
         return
-    then = old["given"] if isinstance(old.get("given"), dict) else given_of(old)
+    then = given_of(old["given"] if isinstance(old.get("given"), dict) else old)   # resolved as `given` is
     refuse_other(out, then, given)
 
 

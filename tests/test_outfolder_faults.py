@@ -99,3 +99,38 @@ def test_a_killed_checkpoint_writes_temporary_file_never_reaches_out(tmp_path):
     outfolder.finish(out)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "metrics.json"]
     assert json.loads((out / "config.json").read_text())["files"] == ["config.json", "metrics.json"]
+
+
+# ----------------------------------------------------------------------------- case 12: --out and --cache-dir apart
+@pytest.mark.parametrize("out, cache", [("c", "c"), ("p", "p/cache"), ("c/results", "c")])
+def test_an_out_equal_to_above_or_below_the_cache_is_refused(tmp_path, out, cache):
+    """--out equal to --cache-dir (or a folder above it, or inside it): a later refusal's "delete <out>"
+    would delete the feature cache. Refused before any work, naming both."""
+    with pytest.raises(SystemExit) as e:
+        align.main(["--cache-dir", str(tmp_path / cache), "--out", str(tmp_path / out), *QUICK])
+    msg = str(e.value)
+    assert msg.startswith("error: --out ") and "--cache-dir" in msg and "\n" not in msg, msg
+    assert "pass an --out apart from --cache-dir" in msg, msg
+
+
+# ----------------------------------------------------------------------------- case 14: the resolved hp
+def test_the_same_hp_given_twice_or_at_its_default_is_the_same_run(tmp_path):
+    """--hp K=128 into the --out of --hp K=64 --hp K=128 computes the same run (the last wins), as does
+    --hp K=512 (PAL's default) into a run without --hp: compared on the resolved hyperparameters, not
+    the flags as typed, also for a config.json written without "given"; K=64 is another run."""
+    import checks
+
+    def finished(*flags, given=True):
+        out = tmp_path / f"r{len(list(tmp_path.iterdir()))}"
+        args = align.parse_args(["--out", str(out), *flags])
+        config = dict(vars(args), files=["config.json"], **({"given": checks.given_settings(args)} if given else {}))
+        out.mkdir()
+        (out / "config.json").write_text(json.dumps(config))
+        return out
+
+    for given in (True, False):
+        for first, rerun in ((["--hp", "K=64", "--hp", "K=128"], ["--hp", "K=128"]), ([], ["--hp", "K=512"])):
+            out = finished(*first, given=given)
+            checks.check_out_data(align.parse_args(["--out", str(out), *rerun]), out)
+            with pytest.raises(SystemExit, match="holds the results of a run with other settings"):
+                checks.check_out_data(align.parse_args(["--out", str(out), "--hp", "K=64"]), out)
