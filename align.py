@@ -172,6 +172,7 @@ def load_inputs(args, device):
             checks.check_texts(s.captions, f"{args.data}/{split}")
     image_enc, text_enc = encoders.load_encoders(args.image_encoder, args.text_encoder,  # a wrong name
                                                  args.cache_dir, args.image_layer, args.text_layer)
+    checks.check_caption_tokens(text_enc, sets, args.data)  # a caption its tokenizer reads no word in
     run = Run(image_enc, text_enc, sets)
     if args.align_data != "pairs":
         run.head = image_enc.head()             # a model without a head fails here, before any features

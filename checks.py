@@ -275,6 +275,26 @@ def check_texts(texts, where):
                        f"{bad[0][0]}, {bad[0][1]}); give them text or remove them from the annotation file")
 
 
+def check_caption_tokens(text_enc, sets, name, chunk=4096):
+    """A caption whose tokenizer reads no word in it ("\\ufffd\\ufffd" with BERT, "..." with shapes-text)
+    would train on [CLS] / [SEP] alone: refused as an empty caption is, naming the first few, once the
+    text encoder has loaded and before any feature is extracted."""
+    if not hasattr(text_enc, "word_counts"):
+        return
+    for split, s in sets.items():
+        if not isinstance(s, (data.PairSet, data.BindingSet)):
+            continue
+        caps = list(s.captions)
+        counts = torch.cat([text_enc.word_counts(caps[i:i + chunk]) for i in range(0, len(caps), chunk)] or
+                           [torch.zeros(0, dtype=torch.long)])
+        bad = (counts == 0).nonzero().flatten().tolist()
+        if bad:
+            first = ", ".join(f"index {i}: {ascii(caps[i])}" for i in bad[:3])
+            raise RunError(f"{len(bad)} caption(s) in {name}/{split} tokenize to no word with {text_enc.name}'s "
+                           f"tokenizer ({first}{', ...' if len(bad) > 3 else ''}); give them words, or remove "
+                           f"them from the annotation file")
+
+
 def check_features_vary(args, run):
     """Refuse training features whose pooled vectors are the same for every input (a ViT's CLS token
     at --image-layer 0 has seen no patch yet): every method would run at chance, CSA's Cholesky
