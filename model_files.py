@@ -289,7 +289,8 @@ def load_weights(cls, source, flag, reads_pooler=False):
     logging.set_verbosity_error()       # its load report (a table of every missing key) is said below, in one line
     logging.disable_progress_bar()
     try:
-        model, info = cls.from_pretrained(source, output_loading_info=True, ignore_mismatched_sizes=True, **HF_SAFE)
+        model, info = cls.from_pretrained(source, output_loading_info=True, ignore_mismatched_sizes=True,
+                                          dtype=torch.float32, **HF_SAFE)   # fp32, as the cache key says
     finally:
         logging.set_verbosity(level)
         if bars:
