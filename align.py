@@ -320,7 +320,7 @@ def main(argv=None):
         # data -> frozen features
         run = load_inputs(args, device)             # data, encoders, head rows, --select-layers
         hp = head_row_hp(args, method_cls, hp, run.image_encoder)
-        probe = checks.check_memory(args, method_cls, hp, input_dims(run, device), device)
+        probe = checks.check_memory(args, method_cls, hp, input_dims(run, device), device, run)
         settings = train.run_settings(args, method_cls, hp, run.image_encoder, run.text_encoder, run.sets)
         ckpt = outfolder.checkpoint(out)
         if args.resume and ckpt.exists():                     # a wrong one stops before the features
