@@ -214,7 +214,8 @@ def extract_features(args, run, device):
         if isinstance(s, data.BindingSet):
             for kind, caps in s.distractors.items():
                 jobs[split, kind] = (text_enc, caps, split, kind)
-    run.features = cache.extract_sets(jobs, ext, concurrent=device == "cpu" and distributed.world() == 1)
+    run.features = cache.extract_sets(jobs, ext, concurrent=cache.CONCURRENT and device == "cpu" and
+                                      distributed.world() == 1)
     if args.hard_negatives:
         flat, index = run.negative_captions
         run.features["train", "negatives"] = ext(text_enc, flat, "train", "negatives"), index
@@ -312,8 +313,6 @@ def main(argv=None):
     checks.check_flags(args, method_cls)
     device = checks.check_places(args, out)
     cores = encode_threads(args, device)            # before any encoder runs
-    if device == "cpu":
-        budget.keep_freed_memory()                  # freed memory reused, not faulted in again each step
     distributed.setup(device)                       # under torchrun: join the other ranks
     distributed.same_everywhere("arguments", vars(args))
     with storage.hold_folder(out, "--out") if distributed.rank() == 0 else contextlib.nullcontext():
@@ -328,6 +327,8 @@ def main(argv=None):
             train.load_checkpoint(ckpt, {**settings, **{k: given[k] for k in ("lr", "weight_decay", "seed")}})
         extract_features(args, run, device)
         checks.check_features_vary(args, run)       # a layer whose pooled vector ignores its input
+        if device == "cpu":                         # training's freed memory reused, not faulted in again each step;
+            budget.keep_freed_memory()              # not before: the extraction's would stay held (fragmented)
         # -> the method and its loop's settings, resolved once
         img, txt, negs = alignment_data(args, run, device)
         seed_everything(args.seed)
