@@ -399,13 +399,15 @@ def check_caption_tokens(text_enc, sets, name, chunk=4096):
     """A caption whose tokenizer reads no word in it ("\\ufffd\\ufffd" with BERT, "..." with shapes-text)
     would train on [CLS] / [SEP] alone: refused as an empty caption is, naming the first few, once the
     text encoder has loaded and before any feature is extracted."""
-    if not hasattr(text_enc, "word_counts"):
+    if not hasattr(text_enc, "word_counts") and not hasattr(text_enc, "tokenizer"):
         return
+    # a Hugging Face encoder counts its words; shapes-text's tokenizer gives [CLS] + the words
+    counted = getattr(text_enc, "word_counts", None) or (lambda t: text_enc.tokenizer(t)[1].sum(1) - 1)
     for split, s in sets.items():
         if not isinstance(s, (data.PairSet, data.BindingSet)):
             continue
         caps = list(s.captions)
-        counts = torch.cat([text_enc.word_counts(caps[i:i + chunk]) for i in range(0, len(caps), chunk)] or
+        counts = torch.cat([counted(caps[i:i + chunk]) for i in range(0, len(caps), chunk)] or
                            [torch.zeros(0, dtype=torch.long)])
         bad = (counts == 0).nonzero().flatten().tolist()
         if bad:

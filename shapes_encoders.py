@@ -30,8 +30,8 @@ PAD, CLS, MASK, UNK = range(4)
 class WordTokenizer:
     """Whitespace word tokenizer over a fixed vocabulary; [CLS] first, padded to the batch maximum."""
 
-    def __init__(self, vocab):
-        self.vocab = list(vocab)
+    def __init__(self, vocab, max_len=48):  # max_len: TinyTextEncoder's position table, [CLS] + 47 words
+        self.vocab, self.max_len, self.cut = list(vocab), max_len, False
         self.index = {w: i for i, w in enumerate(self.vocab)}
 
     @staticmethod
@@ -44,6 +44,10 @@ class WordTokenizer:
 
     def __call__(self, texts):
         ids = [[CLS] + [self.index.get(w, UNK) for w in self.split(t)] for t in texts]
+        if not self.cut and max(map(len, ids)) > self.max_len:     # cut as a Hugging Face tokenizer truncates
+            self.cut = print(f"[text] captions longer than {self.max_len - 1} words are cut to their first "
+                             f"{self.max_len - 1} (shapes-text's length, as a tokenizer truncates)") or True
+        ids = [i[:self.max_len] for i in ids]
         L = max(len(i) for i in ids)
         out = torch.full((len(ids), L), PAD, dtype=torch.long)
         for b, i in enumerate(ids):
@@ -280,44 +284,26 @@ class ShapesTextEncoder:
         self.dim = model.embed.embedding_dim
         self.preprocess = f"lowercase words; {TOKEN_RULE}; float64 forward"
         self.fingerprint = state_fingerprint(model.state_dict(), tokenizer.vocab)
-        self.max_len, self.said_cut = model.pos.shape[0], False     # [CLS] + 47 words
-
-    def tokenize(self, texts):
-        """(B, L) ids and mask, cut to the position table's max_len ([CLS] + the first max_len - 1 words),
-        as a Hugging Face tokenizer truncates to its model's length; said once."""
-        ids, real = self.tokenizer(texts)
-        if ids.shape[1] > self.max_len:
-            if not self.said_cut:
-                print(f"[text] captions longer than {self.max_len - 1} words are cut to their first "
-                      f"{self.max_len - 1} words (shapes-text's length, as a tokenizer truncates)")
-                self.said_cut = True
-            ids, real = ids[:, :self.max_len], real[:, :self.max_len]
-        return ids, real
 
     @torch.no_grad()
     def encode(self, texts, device="cpu"):
-        ids, real = self.tokenize(texts)
+        ids, real = self.tokenizer(texts)
         h = self.model64.to(device)(ids.to(device), real.to(device), self.layer).cpu() * real[..., None]  # (B, L, D)
         pooled = (h.sum(1) / real.sum(1, keepdim=True)).float()      # over [CLS] + words
         h = h.float()
         tokens, mask = word_tokens(h, real, ids == CLS)              # the words (token contract)
         return Features(tokens=tokens, mask=mask, pooled=pooled)
 
-    def word_counts(self, texts):
-        """(B,) how many word tokens each text has ([CLS] not counted; 0: "..." reads as no word)."""
-        ids, real = self.tokenize(texts)
-        return (real & (ids != CLS)).sum(1)
-
     def words(self, texts):
         """Word strings, position-aligned with encode()'s tokens."""
-        ids, real = self.tokenize(texts)
+        ids, real = self.tokenizer(texts)
         idx, mask = word_positions(real, ids == CLS)
         return [[self.tokenizer.words(t)[j] for j in idx[b][mask[b]].tolist()] for b, t in enumerate(texts)]
 
     @torch.no_grad()
     def pooled_layers(self, texts, device="cpu"):
         """{layer: (B, D) masked mean after block l} for l = 1..n_layers (the last normalised)."""
-        ids, mask = self.tokenize(texts)
+        ids, mask = self.tokenizer(texts)
         model, ids, mask = self.model.to(device), ids.to(device), mask.to(device)
         m = mask[..., None].float()
         x, out = model.embed(ids) + model.pos[:ids.shape[1]], {}

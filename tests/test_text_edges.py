@@ -34,7 +34,7 @@ def test_a_caption_longer_than_the_shapes_text_position_table_is_truncated_and_s
     assert (f.tokens - g.tokens).abs().max() < 1e-6 and (f.pooled - g.pooled).abs().max() < 1e-6
     assert [len(w) for w in enc.words(["a red circle", long])] == [3, 47]
     said = capsys.readouterr().out
-    assert said.count("cut to their first 47 words") == 1, said
+    assert said.count("cut to their first 47") == 1, said
 
 
 # ----------------------------------------------------------------------------- case 10: no token at all
