@@ -1,7 +1,8 @@
 """The one entry point: data -> frozen features -> method -> evaluation -> results.
 
     python align.py                          # PAL on the built-in Shapes world (CPU, no network)
-    python align.py --method cov --data coco --data-root /data/coco --device cuda
+    python align.py --method cov --data coco --data-root /data/coco --device cuda \
+        --image-encoder efficientnet-lite1 --text-encoder minilm
 
 Writes <out>/config.json (every setting as resolved), <out>/metrics.json, <out>/method.pt
 (the method's state_dict), <out>/checkpoint.pt (each epoch, for --resume) and figures
@@ -109,8 +110,8 @@ def parse_args(argv=None):
 
 def start(args, device):
     """Before any encoder runs: the CPU threads of the encoders and extraction (--threads, else 1 on a
-    CPU: the rule of infra/budget.py), the allocator's reuse of freed memory, and under torchrun the
-    other ranks. Returns torch's default thread count, all cores, for the training rule."""
+    CPU: the rule of infra/budget.py), and under torchrun the other ranks. Returns torch's default
+    thread count, all cores, for the training rule."""
     cores = torch.get_num_threads()
     if args.threads or device == "cpu":
         torch.set_num_threads(args.threads or 1)
@@ -119,7 +120,6 @@ def start(args, device):
               f"[threads] 1 for the encoders and feature extraction; training on all {cores} cores "
               f"when a step's forward has >= {budget.BIG_STEP_GFLOP:g} GFLOP of matrix products, "
               f"else on 1 (--threads N: N throughout)")
-        budget.keep_freed_memory()                  # freed memory reused, not faulted in again each step
     distributed.setup(device)                       # under torchrun: join the other ranks
     distributed.same_everywhere("arguments", vars(args))
     return cores
@@ -167,6 +167,7 @@ def load_inputs(args, device):
             checks.check_texts(s.captions, f"{args.data}/{split}")
     image_enc, text_enc = encoders.load_encoders(args.image_encoder, args.text_encoder,  # a wrong name
                                                  args.cache_dir, args.image_layer, args.text_layer)
+    checks.check_caption_tokens(text_enc, sets, args.data)  # a caption its tokenizer reads no word in
     run = Run(image_enc, text_enc, sets)
     if args.align_data != "pairs":
         run.head = image_enc.head()             # a model without a head fails here, before any features
@@ -208,7 +209,8 @@ def extract_features(args, run, device):
         if isinstance(s, data.BindingSet):
             for kind, caps in s.distractors.items():
                 jobs[split, kind] = (text_enc, caps, split, kind)
-    run.features = cache.extract_sets(jobs, ext, concurrent=device == "cpu" and distributed.world() == 1)
+    run.features = cache.extract_sets(jobs, ext, concurrent=cache.CONCURRENT and device == "cpu" and
+                                      distributed.world() == 1)
     if args.hard_negatives:
         flat, index = run.negative_captions
         run.features["train", "negatives"] = ext(text_enc, flat, "train", "negatives"), index
@@ -295,10 +297,12 @@ def main(argv=None):
         # data -> frozen features
         run = load_inputs(args, device)             # data, encoders, head rows, --select-layers
         settings.read_inputs(run.image_encoder, run.text_encoder, run.sets)   # layers, weights, data
-        probe = checks.check_memory(args, method_cls, settings.hp, input_dims(run, device), device)
+        probe = checks.check_memory(args, method_cls, settings.hp, input_dims(run, device), device, run)
         resume = train.resume_state(settings, probe.defaults)   # a wrong checkpoint stops here
         extract_features(args, run, device)
         checks.check_features_vary(args, run)       # a layer whose pooled vector ignores its input
+        if device == "cpu":                         # training's freed memory reused, not faulted in again each step;
+            budget.keep_freed_memory()              # not before: the extraction's would stay held (fragmented)
         # -> the method and its loop's settings, resolved once
         img, txt, negs = alignment_data(args, run, device)
         method = make_method(args, method_cls, settings.hp, img, txt, device)

@@ -110,10 +110,14 @@ class BindingSet:
 #    would read 19 GB on every run), texts and in-memory images by content.
 
 
-def rgb(img):
-    """A PIL image as 8-bit RGB; 16- and 32-bit grey images scaled from 0..65535 to 0..255, not clipped,
-    float grey images in [0, 1] scaled by 255."""
-    from PIL import Image
+def rgb(img, upright=True):
+    """A PIL image as 8-bit RGB, as transformers' load_image and convert_to_rgb read it: turned upright by
+    its EXIF orientation (not upright=False: a segmentation mask holds the stored pixels), transparent
+    pixels composited onto white; 16- and 32-bit grey images scaled from 0..65535 to 0..255, not
+    clipped, float grey images in [0, 1] scaled by 255."""
+    from PIL import Image, ImageOps
+    if upright:
+        img = ImageOps.exif_transpose(img)
     if img.mode.startswith("I;16") or img.mode == "I":
         grey = np.clip(np.round(np.asarray(img, dtype=np.float64) / 257), 0, 255).astype(np.uint8)
         img = Image.fromarray(grey)                                     # mode L
@@ -121,6 +125,9 @@ def rgb(img):
         a = np.asarray(img, dtype=np.float64)
         scale = 255 if np.nanmax(a, initial=0) <= 1 else 1             # floats in [0, 1], else already 0..255
         img = Image.fromarray(np.clip(np.round(np.nan_to_num(a) * scale), 0, 255).astype(np.uint8))
+    if img.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in img.info:    # onto white
+        rgba = img.convert("RGBA")
+        img = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255)), rgba)
     return img.convert("RGB")
 
 
@@ -170,7 +177,7 @@ class LazyImages:
         key = self.keys[i]
         try:
             # also forces the decode: a broken file fails here
-            img = rgb(self.load(key) if self.load else Image.open(key))
+            img = rgb(self.load(key) if self.load else Image.open(key), upright=not self.square)
         except Exception as e:
             bomb = isinstance(e, Image.DecompressionBombError)
             fix = (("if the image is genuine, downscale it" if bomb
@@ -296,6 +303,11 @@ def read_split_file(path):
         if not isinstance(e.get("filepath", ""), str):
             raise RunError(f"{where}: its 'filepath' is not a folder name (str); fix or remove that entry, "
                              f"or {again}")
+        for field_ in ("filepath", "filename"):       # read from <root> only: never ../ or an absolute path
+            value = e.get(field_, "")
+            if os.path.isabs(value) or ".." in Path(value).parts:
+                raise SystemExit(f"error: {where}: its {field_} {value!r} points outside the data folder (an "
+                                 f"absolute path or ../); give the image's name inside it, or remove that entry")
         for k, s in enumerate(e["sentences"]):
             if not isinstance(s, dict) or not isinstance(s.get("raw"), str):
                 raise RunError(f"{where}: sentences[{k}] has no 'raw' text; fix or remove that sentence, "

@@ -241,6 +241,12 @@ class HFTextEncoder:
                 else h.sum(1) / real.sum(1, keepdim=True)
         return pooled
 
+    def word_counts(self, texts):
+        """(B,) how many word tokens each text has, special tokens not counted (BERT drops U+FFFD: 0)."""
+        marks = self.tokenizer(list(texts), truncation=True, max_length=self.max_length,
+                               return_special_tokens_mask=True)["special_tokens_mask"]
+        return torch.tensor([len(m) - sum(m) for m in marks])
+
     def words(self, texts):
         """Word-token strings, position-aligned with encode()'s tokens (special tokens dropped the same way)."""
         batch = self.tokenize(texts)

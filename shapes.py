@@ -224,7 +224,7 @@ def binding_sets(seed, n, train, bind, bind_images, taken):
             if a["colour"] != b["colour"] and a["shape"] != b["shape"] and not ({true, *dis.values()} & taken):
                 scenes.append(s)
                 rows.append((true, dis))
-        return render_all(scenes)[0], rows
+        return render_all(scenes, masks=False)[0], rows
 
     def novel_pair():
         p, q = novel[rng.integers(len(novel))]
@@ -276,11 +276,18 @@ def text_corpus(n, seed):
     return out
 
 
-def render_all(scenes):
-    images, shape_masks, object_masks = zip(*(render(s) for s in scenes))
-    # (N, 3, S, S)
-    images = torch.from_numpy(np.stack([i.permute(1, 2, 0).numpy() for i in images])).permute(0, 3, 1, 2)
-    return images.contiguous(), torch.stack(shape_masks), torch.stack(object_masks)  # one copy, not N strided ones
+def render_all(scenes, masks=True):
+    """(images (N, 3, S, S) uint8, shape masks (N, S, S), colour-shape masks (N, S, S)), each scene written
+    in place (no list of N renders and no stacked copy: 6,000 renders' int64 masks alone were 0.8 GB);
+    masks=False: (images, None, None)."""
+    images = torch.empty(len(scenes), 3, SIZE, SIZE, dtype=torch.uint8)
+    shape_masks, object_masks = (torch.empty(len(scenes), SIZE, SIZE, dtype=torch.int64) if masks else None
+                                 for _ in range(2))
+    for i, scene in enumerate(scenes):
+        images[i], shape_mask, object_mask = render(scene)
+        if masks:
+            shape_masks[i], object_masks[i] = shape_mask, object_mask
+    return images, shape_masks, object_masks
 
 
 @functools.lru_cache(maxsize=2)  # built once per process (tests run align.main many times); read-only
@@ -307,11 +314,11 @@ def shapes_world(seed=0, n_train=6000, n_test=500, n_cls=480, n_seg=300, n_bind=
         s = sample_scene(rng, 2)
         if s["objects"][0]["colour"] != s["objects"][1]["colour"]:
             bind.append(s)
-    train_images = render_all(train)[0]
-    test_images = render_all(test)[0]
+    train_images = render_all(train, masks=False)[0]
+    test_images = render_all(test, masks=False)[0]
     cls_images, _, cls_masks = render_all(cls)
     seg_images, seg_masks, _ = render_all(seg)
-    bind_images = render_all(bind)[0]
+    bind_images = render_all(bind, masks=False)[0]
     dis = [binding_distractors(s) for s in bind]
     styles = [int(rng.integers(5)) for _ in train]   # the paraphrase style of each training caption
     # decontamination: no binding caption (true or distractor) is ever a training hard negative

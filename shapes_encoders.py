@@ -30,8 +30,8 @@ PAD, CLS, MASK, UNK = range(4)
 class WordTokenizer:
     """Whitespace word tokenizer over a fixed vocabulary; [CLS] first, padded to the batch maximum."""
 
-    def __init__(self, vocab):
-        self.vocab = list(vocab)
+    def __init__(self, vocab, max_len=48):  # max_len: TinyTextEncoder's position table, [CLS] + 47 words
+        self.vocab, self.max_len, self.cut = list(vocab), max_len, False
         self.index = {w: i for i, w in enumerate(self.vocab)}
 
     @staticmethod
@@ -44,6 +44,10 @@ class WordTokenizer:
 
     def __call__(self, texts):
         ids = [[CLS] + [self.index.get(w, UNK) for w in self.split(t)] for t in texts]
+        if not self.cut and max(map(len, ids)) > self.max_len:     # cut as a Hugging Face tokenizer truncates
+            self.cut = print(f"[text] captions longer than {self.max_len - 1} words are cut to their first "
+                             f"{self.max_len - 1} (shapes-text's length, as a tokenizer truncates)") or True
+        ids = [i[:self.max_len] for i in ids]
         L = max(len(i) for i in ids)
         out = torch.full((len(ids), L), PAD, dtype=torch.long)
         for b, i in enumerate(ids):

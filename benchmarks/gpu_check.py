@@ -1,6 +1,6 @@
 """The one prepared check for a GPU: the runs a CUDA machine must get through, in one table.
 
-    python benchmarks/gpu_check.py                       # one GPU, at most ~8 minutes
+    python benchmarks/gpu_check.py                       # one GPU, at most ~10 minutes
     python benchmarks/gpu_check.py --device cpu --tiny   # the same steps at tiny sizes (tests/test_gpu_check.py)
 
 Steps, each a subprocess of align.py (or a benchmark) with its own exit status and seconds:
@@ -13,7 +13,12 @@ Steps, each a subprocess of align.py (or a benchmark) with its own exit status a
 4. resume     step 2 again with --resume: the finished run's checkpoint read back onto the device;
 5. torchrun   2 processes (nccl on a GPU, gloo on a CPU): skipped, with its reason, on fewer than two
               GPUs (NCCL refuses two ranks on one GPU);
-6. pipeline   benchmarks/bench_pipeline.py --device <device> (its --tiny on a CPU).
+6. shards     step 2's PAL with a small ALIGN_MEMMAP_GB (SHARDED: 0.25 GB, 64 MB shards; the train tokens
+              are 0.54 GB), so the features go through COCO's real path: the shard writer on the device,
+              training from memory-mapped shards through the reader threads and the side-stream copy;
+              its own cache, and at least one shard on disk after it;
+7. pipeline   benchmarks/bench_pipeline.py --device <device> --coco-size (COCO token counts; its --tiny
+              on a CPU).
 
 Random weights: the metrics mean nothing; what counts is that every step ends with exit status 0
 and writes metrics.json. Prints one table; exits 1 when any step failed.
@@ -81,6 +86,10 @@ def write_models(root, tiny):
     return root
 
 
+SHARDED = {False: dict(ALIGN_MEMMAP_GB="0.25", ALIGN_SHARD_MB="64"),     # COCO-shaped: train goes to shards
+           True: dict(ALIGN_MEMMAP_GB="1e-9", ALIGN_SHARD_MB="1e-4")}     # tiny: every set, one batch a shard
+
+
 def steps(args, work, world, models):
     """(name, command, what must exist afterwards, skip reason) for each step."""
     cache = args.cache_dir or str(work / "cache")
@@ -94,7 +103,10 @@ def steps(args, work, world, models):
     gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     why = None if args.device == "cpu" or gpus >= 2 else f"{gpus} GPU(s): NCCL takes one GPU per rank"
     bench = [sys.executable, str(ROOT / "benchmarks" / "bench_pipeline.py"), "--device", args.device,
-             *(["--tiny"] if args.tiny else ["--repeats", "1"])]
+             *(["--tiny"] if args.tiny else ["--coco-size", "--repeats", "1"])]
+    sharded = ["env", *(f"{k}={v}" for k, v in SHARDED[bool(args.tiny)].items()), *py[:-1],
+               str(work / "cache-shards"), *coco, *dino, "--method", "pal", "--no-figures", *epochs, *quick[2:],
+               *out("shards")]
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(ROOT / "align.py"), "--device", args.device, "--cache-dir", cache, *coco, *dino,
            "--method", "pal", "--no-figures", *epochs, *quick[2:], *out("torchrun")]
@@ -106,6 +118,7 @@ def steps(args, work, world, models):
             ("resume", [*py, *coco, *dino, "--method", "cov", *epochs, *quick[2:], "--resume", *out("cov")],
              work / "cov" / "metrics.json", None),
             ("torchrun", run, work / "torchrun" / "metrics.json", why),
+            ("shards", sharded, work / "shards" / "metrics.json", None),
             ("pipeline", bench, None, None)]
 
 
@@ -115,7 +128,7 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true", help="tiny models and data (a CPU check of the steps)")
     p.add_argument("--work", default=None, help="scratch folder (default: a temporary one)")
     p.add_argument("--cache-dir", default=None, help="align.py's --cache-dir (default: one under --work)")
-    p.add_argument("--timeout", type=float, default=480, help="seconds for all steps together")
+    p.add_argument("--timeout", type=float, default=600, help="seconds for all steps together")
     p.add_argument("--only", default=None, help="comma-separated step names to run (default: all)")
     args = p.parse_args(argv)
     work = Path(args.work or tempfile.mkdtemp(prefix="gpu_check-"))
@@ -140,8 +153,11 @@ def main(argv=None):
         try:
             r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=left)
             ok = r.returncode == 0 and (expect is None or expect.exists())
+            written = len(list((work / "cache-shards").rglob("*.tokens.npy"))) if name == "shards" else None
+            ok = ok and written != 0                                    # the shards step: through shards
             tail = (r.stderr.strip() or r.stdout.strip()).splitlines()[-1:] if not ok else []
             note = tail[0][:90] if tail else (metrics_note(expect) if expect else last_line(r.stdout))
+            note = note if written is None else f"{note}; {written} shards" if written else "no shard written"
             if not ok:
                 (work / f"{name}.log").write_text(r.stdout + "\n" + r.stderr)
                 note = f"rc {r.returncode}: {note} ({work / name}.log)"

@@ -86,8 +86,9 @@ def keep_freed_memory():
     size: methods/fast_cap.py's S) come back as new pages the kernel must zero: ~9,000 page faults a
     step, 12% of a warm default run's training (11.6 against 12.8 steps/s; `/usr/bin/time` counts the
     faults, docs/pipeline.md). Here large allocations come from the heap (M_MMAP_MAX 0) and up to
-    KEEP_FREED_BYTES of its free top stays mapped (M_TRIM_THRESHOLD); the peak resident memory of the
-    default run grows by 0.17 GB. The arithmetic is untouched: the same figures to the last bit.
+    KEEP_FREED_BYTES of its free top stays mapped (M_TRIM_THRESHOLD). align.py sets it for the training,
+    after the extraction (whose freed activations the heap would hold). The arithmetic is untouched:
+    the same figures to the last bit.
     Returns True when set; elsewhere (macOS, Windows, musl) nothing changes and it returns False."""
     try:
         if not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"):

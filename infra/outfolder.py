@@ -17,6 +17,7 @@ is written, every resolved field (data_hash, the layers used, the loop's setting
 import contextlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from infra.errors import RunError
 from infra.settings import compared
 
 OUT_FILES = ("config.json", "metrics.json", "method.pt", "checkpoint.pt")   # what a run writes into --out
+HALF = re.compile(r".*\.tmp\d+$|\.checkpoint\.pt\.copy$|\.config\.json\.files$")   # a killed write
 
 
 def partial(out):
@@ -39,11 +41,30 @@ def old_config(folder):
         old = json.loads((Path(folder) / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    return old if isinstance(old, dict) and "data" in old else None
+    return old if isinstance(old, dict) and "data" in old and "method" in old else None
+
+
+def foreign_files(folder):
+    """The result files (OUT_FILES) in folder that no run of this program wrote: all of them when its
+    config.json is not one of ours (a user's, a Hugging Face model's), else those its list of files
+    ("files") does not name. A run would replace them, so --out holding one is refused."""
+    folder = Path(folder)
+    present = [n for n in OUT_FILES if (folder / n).is_file() or (folder / n).is_symlink()]
+    old = old_config(folder) if present else None
+    if old is None:
+        return present
+    listed = old.get("files")
+    return [n for n in present if n not in listed] if isinstance(listed, list) else []
 
 
 def differences(old, new):
-    """['name X there, Y now', ...] over the keys of either."""
+    """['name X there, Y now', ...] over the keys of either; a dict in both by its keys ('hp.K 512 there, 64 now')."""
+    nested = {k for k in old if isinstance(old[k], dict) and isinstance(new.get(k), dict)}
+
+    def flat(d):
+        return {f"{k}.{j}" if k in nested else k: w for k, v in d.items()
+                for j, w in (v.items() if k in nested else [(None, v)])}
+    old, new = flat(old), flat(new)
     return [f"{k} {old.get(k)!r} there, {new.get(k)!r} now" for k in sorted(set(old) | set(new))
             if old.get(k) != new.get(k)]
 
@@ -76,16 +97,22 @@ def refuse_other(out, old, new):
 def check_out(out, given, given_of):
     """Before any work: a folder where a result file goes, or a finished run of other settings
     (compared on `given`, the flags as given) in --out are refused. given_of(config): the flags of
-    a config.json written without its "given" field."""
+    a config.json (its "given" field, or the config itself when written without one), resolved as
+    `given` is."""
     out = Path(out)
     for name in OUT_FILES:              # a folder of that name: the final rename would fail
         if (out / name).is_dir():
             raise RunError(f"--out {out} holds a folder {name}, where this run writes a file; move it away, or "
                            f"pass another --out")
+    foreign = foreign_files(out)
+    if foreign:
+        raise RunError(f"--out {out} holds a {foreign[0]} that this program did not write (a file of your own, "
+                       f"or a model folder's), which this run would replace; pass another --out (e.g. --out "
+                       f"{free_name(out)}), or move {out / foreign[0]} away")
     old = old_config(out)
     if old is None:
         return
-    then = old["given"] if isinstance(old.get("given"), dict) else given_of(old)
+    then = given_of(old["given"] if isinstance(old.get("given"), dict) else old)   # resolved as `given` is
     refuse_other(out, then, given)
 
 
@@ -99,6 +126,9 @@ def begin(out, config, resume):
     if work.exists() and not resume:
         shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)
+    for entry in work.iterdir():                # a write killed before its rename: never a result
+        if HALF.match(entry.name):
+            remove(entry)
     if resume and not (work / "checkpoint.pt").exists() and (Path(out) / "checkpoint.pt").is_file():
         shutil.copy2(Path(out) / "checkpoint.pt", work / ".checkpoint.pt.copy")   # a finished run's, continued
         os.replace(work / ".checkpoint.pt.copy", work / "checkpoint.pt")            # whole or not at all
@@ -139,6 +169,9 @@ def finish(out):
     files that this run did not write (those its config.json lists; a user's own files stay) and the
     emptied partial folder. The run's config.json gets its list of files first ("files")."""
     out, work = Path(out), partial(out)
+    for entry in work.iterdir():                # a write killed before its rename: never moved, never listed
+        if HALF.match(entry.name):
+            remove(entry)
     names = sorted(entry.name for entry in work.iterdir())
     config = json.loads((work / "config.json").read_text())
     (work / ".config.json.files").write_text(json.dumps(dict(config, files=names), indent=2))

@@ -221,6 +221,12 @@ def check_fp16(f, encoder):
     for name in ("tokens", "pooled"):
         x = getattr(f, name)
         x = x[f.mask] if name == "tokens" and f.mask is not None else x
+        nan = torch.isnan(x)
+        if nan.any():       # not a range: the model computes NaN (NaN weights: a broken or half-copied file)
+            who = f"{getattr(encoder, 'name', type(encoder).__name__)} (layer {getattr(encoder, 'layer', '?')})"
+            raise RunError(f"{who} gives {int(nan.sum())} {name} value(s) that are NaN: the model's outputs are NaN, "
+                           f"so its weights are (a broken or half-copied file?); copy the model folder again "
+                           f"from its download")
         big = ~torch.isfinite(x) | (x.abs() > FP16_MAX) if x.dtype != torch.float16 else ~torch.isfinite(x)
         if big.any():
             raise RunError(f"{getattr(encoder, 'name', type(encoder).__name__)} "

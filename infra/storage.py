@@ -11,6 +11,7 @@ import errno
 import os
 import pickle
 import shutil
+import stat
 import sys
 import tempfile
 import time
@@ -107,6 +108,8 @@ def atomic_target(path):
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    if tmp.is_symlink() or tmp.is_file():   # a copied leftover (a link is never written through)
+        tmp.unlink()
     try:
         yield tmp
         os.replace(tmp, path)
@@ -194,7 +197,7 @@ def file_lock(path, log=print):
         return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
+    with open_lock(path) as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -204,6 +207,25 @@ def file_lock(path, log=print):
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def open_lock(path):
+    """A lock file opened for reading and writing, created when missing, never through a link (a
+    results folder copied with tar or rsync -a keeps one, and the lock's text would overwrite its
+    target): a link, or anything but a regular file, is refused with one line."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            raise
+        fd = None
+    if fd is not None and stat.S_ISREG(os.fstat(fd).st_mode):
+        return os.fdopen(fd, "r+")
+    if fd is not None:
+        os.close(fd)
+    what = "a link" if Path(path).is_symlink() else "not a regular file"
+    raise RunError(f"{path} is {what} where this run keeps its lock file (a folder copied with tar or "
+                   f"rsync -a keeps links); remove it (rm {path}), then rerun")
 
 
 @contextlib.contextmanager
@@ -220,7 +242,7 @@ def hold_folder(folder, flag):
         return
     folder, real = Path(folder), Path(folder).resolve()
     real.parent.mkdir(parents=True, exist_ok=True)
-    with open(real.parent / f".{real.name}.lock", "a+") as f:
+    with open_lock(real.parent / f".{real.name}.lock") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -105,6 +105,15 @@ class ChunkedCAP(torch.autograd.Function):
         return dZ, dA, None, None, dV, None, None, None
 
 
+META_AS = "cpu"     # the device a shape probe on the meta device stands for (checks.step_bytes sets it)
+
+
+def chunk_device(x):
+    """The device type a chunked kernel sizes its chunks for: x's, or for a shape probe on the meta
+    device (checks.step_bytes) the one it stands for."""
+    return META_AS if x.is_meta else x.device.type
+
+
 CHUNK_ELEMENTS = {"cpu": 2 ** 18,   # 1 MB of float32: a core's L2 cache here
                   "gpu": 2 ** 26}   # 256 MiB: a COCO batch (256 x 256 patches x K 512 = 2^25) in one chunk
 
@@ -118,7 +127,7 @@ def chunked_cap(Z, A, mask, tau_p, V=None, chunk_elements=None):
     T = Z.shape[1]
     real = mask.any(dim=0)                                            # (T,) a token some row has
     padded = (~mask & real).any(dim=1)                                # (B,) a row with padding among those
-    flags = torch.cat([real, padded]).tolist()                        # the one copy to the host
+    flags = torch.cat([real, padded]).tolist() if not Z.is_meta else [True] * T + [False] * len(Z)  # one host copy
     real, padded = flags[:T], tuple(flags[T:])
     if not all(real):
         t = [j for j, r in enumerate(real) if r]
@@ -126,7 +135,7 @@ def chunked_cap(Z, A, mask, tau_p, V=None, chunk_elements=None):
         t = slice(t[0], t[-1] + 1) if t[-1] - t[0] + 1 == len(t) else torch.tensor(t, device=Z.device)
         Z, mask, V = Z[:, t], mask[:, t], V if V is None else V[:, t]
     if chunk_elements is None:
-        chunk_elements = CHUNK_ELEMENTS["cpu" if Z.device.type == "cpu" else "gpu"]
+        chunk_elements = CHUNK_ELEMENTS["cpu" if chunk_device(Z) == "cpu" else "gpu"]
     chunk = max(1, chunk_elements // (Z.shape[1] * A.shape[0]))
     keep = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (Z, A, V))
     Z = F.normalize(Z, dim=-1)                                        # unit rows

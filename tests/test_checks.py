@@ -47,7 +47,8 @@ def test_a_missing_image_is_said_before_the_built_in_encoders_load_or_pretrain(t
     monkeypatch.setattr(align.encoders, "load_encoders", lambda *a, **k: pytest.fail("encoders loaded"))
     with pytest.raises(SystemExit) as e:
         align.main(["--data", "coco", "--data-root", str(tmp_path / "coco"), "--cache-dir",
-                    str(tmp_path / "cache"), "--out", str(tmp_path / "out"), "--threads", "1"])
+                    str(tmp_path / "cache"), "--out", str(tmp_path / "out"), "--threads", "1",
+                    "--image-encoder", "efficientnet-lite1", "--text-encoder", "minilm"])   # not the Shapes ones
     assert "1 of 3 COCO test images are missing" in str(e.value) and "test_1.jpg" in str(e.value)
 
 

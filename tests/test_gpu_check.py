@@ -16,7 +16,7 @@ def test_gpu_check_runs_every_step_on_the_cpu(cache_dir, tmp_path):
     table = r.stdout[r.stdout.index("gpu_check on"):]
     assert r.returncode == 0, table + r.stderr[-2000:]
     rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in table.splitlines()[3:]}
-    assert rows == dict(default="ok", cov="ok", analyses="ok", resume="ok", torchrun="ok", pipeline="ok")
+    assert rows == dict(default="ok", cov="ok", analyses="ok", resume="ok", torchrun="ok", shards="ok", pipeline="ok")
 
 
 def test_gpu_check_skips_torchrun_on_one_gpu_with_its_reason(tmp_path, monkeypatch):
@@ -28,5 +28,49 @@ def test_gpu_check_skips_torchrun_on_one_gpu_with_its_reason(tmp_path, monkeypat
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     args = argparse.Namespace(device="cuda", tiny=False, cache_dir=None)
     got = {name: skip for name, _, _, skip in gpu_check.steps(args, tmp_path, tmp_path, tmp_path)}
-    assert got == dict(default=None, cov=None, analyses=None, resume=None, pipeline=None,
+    assert got == dict(default=None, cov=None, analyses=None, resume=None, pipeline=None, shards=None,
                        torchrun="1 GPU(s): NCCL takes one GPU per rank")
+
+
+def gpu_check_steps(tmp_path, tiny, world=None, models=None):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import argparse
+
+    import gpu_check
+    args = argparse.Namespace(device="cuda", tiny=tiny, cache_dir=None)
+    return {name: cmd for name, cmd, _, _ in gpu_check.steps(args, tmp_path, world or tmp_path, models or tmp_path)}
+
+
+def test_gpu_check_trains_one_step_through_shards_and_benchmarks_the_pipeline_at_coco_sizes(tmp_path):
+    """Its fixture stayed under ALIGN_MEMMAP_GB (2 GB), so the shard writer on the GPU, training from
+    memory-mapped shards through the reader threads and the side-stream copy (COCO's real path) never
+    ran in it. The shards step sets a small ALIGN_MEMMAP_GB (0.25 GB under its 0.54 GB of train
+    tokens), with its own cache; bench_pipeline runs at COCO token counts."""
+    cmds = gpu_check_steps(tmp_path, tiny=False)
+    shards_step = cmds["shards"]
+    assert shards_step[:3] == ["env", "ALIGN_MEMMAP_GB=0.25", "ALIGN_SHARD_MB=64"]
+    assert shards_step[shards_step.index("--cache-dir") + 1] == str(tmp_path / "cache-shards")
+    assert "--coco-size" in cmds["pipeline"]
+
+
+@pytest.mark.slow
+def test_the_shards_step_trains_from_memory_mapped_shards_on_the_simulated_device(tmp_path, monkeypatch):
+    """The shards step's own command (tiny sizes) on the simulated CUDA device: the features are written as
+    shards, training reads them through the side-stream copy, and metrics.json is written."""
+    from simulated_device import simulated_cuda
+
+    import align
+    from infra import shards
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check
+    world = gpu_check.write_world(tmp_path / "data", True)
+    models = gpu_check.write_models(tmp_path / "models", True)
+    cmd = gpu_check_steps(tmp_path, True, world, models)["shards"]
+    env = dict(a.split("=", 1) for a in cmd[1:cmd.index(sys.executable)])
+    monkeypatch.setattr(shards, "MEMMAP_BYTES", int(float(env["ALIGN_MEMMAP_GB"]) * 2**30))
+    monkeypatch.setattr(shards, "SHARD_BYTES", int(float(env["ALIGN_SHARD_MB"]) * 2**20))
+    with simulated_cuda(monkeypatch) as counts:
+        align.main(cmd[cmd.index(str(ROOT / "align.py")) + 1:])
+    assert (tmp_path / "shards" / "metrics.json").exists()
+    assert list((tmp_path / "cache-shards").rglob("*.tokens.npy"))
+    assert counts["stream"] >= 1 and counts["pin_memory"] >= 1

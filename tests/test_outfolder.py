@@ -50,6 +50,6 @@ def test_a_run_of_another_method_never_overwrites_the_results_in_its_out(tmp_pat
         assert f"--out {out} holds the results of a pal run (this run: linear); pass another --out" in one_line(e)
     with pytest.raises(SystemExit) as e:
         checks.check_out_data(align.parse_args(["--hp", "K=64"]), out)
-    assert "holds the results of a run with other settings (hp [] there, ['K=64'] now); pass another --out " \
+    assert "holds the results of a run with other settings (hp.K 512 there, 64 now); pass another --out " \
            f"(e.g. --out {out}-2)" in one_line(e)
     checks.check_out_data(align.parse_args(["--threads", "1", "--no-figures", "--out", "x"]), out)   # a rerun

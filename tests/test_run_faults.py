@@ -255,17 +255,17 @@ def test_a_failed_check_leaves_no_out_folder(models, coco, tmp_path):
 
 @pytest.mark.slow
 def test_a_second_run_on_the_same_out_refuses_naming_the_running_one(cache_dir, tmp_path, capsys):
-    (tmp_path / "config.json").write_text("the running run's")
+    (tmp_path / "notes.txt").write_text("the running run's")
     with storage.hold_folder(tmp_path, "--out"):                       # the first run, still going
         text = refused(capsys, cache_dir, tmp_path, "--method", "linear", "--epochs", "1")
     assert f"--out {tmp_path} is in use by a run still going (pid {os.getpid()}, started " in text
-    assert (tmp_path / "config.json").read_text() == "the running run's"
+    assert (tmp_path / "notes.txt").read_text() == "the running run's"
     run(cache_dir, tmp_path, "--method", "linear", "--epochs", "1", "--num-pairs", "300")   # free again
 
 
 @pytest.mark.slow
 def test_a_refused_run_writes_nothing_into_a_finished_runs_folder(cache_dir, tmp_path, capsys):
-    files = {"config.json": "{}", "metrics.json": "{}", "method.pt": "x"}
+    files = {"notes.json": "{}", "mine.json": "{}", "model.pt": "x"}   # a config.json of theirs: refused at once
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     refused(capsys, cache_dir, tmp_path, "--method", "csa", "--hard-negatives")

@@ -1,0 +1,54 @@
+"""A researcher's own data folders with the flags they would try first: the Shapes encoders on folder
+data, and split-file entries that point outside --data-root. Each is one `error:` line before any
+encoder loads."""
+import json
+from pathlib import Path
+
+import pytest
+from test_real import write_karpathy
+
+import align
+
+QUICK = ("--eval-images", "20", "--no-figures", "--threads", "1")
+
+
+@pytest.fixture
+def coco(tmp_path):
+    write_karpathy(tmp_path / "data" / "coco")
+    return tmp_path / "data"
+
+
+def refused(tmp_path, *flags):
+    with pytest.raises(SystemExit) as e:
+        align.main(["--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "out"), *QUICK, *flags])
+    text = str(e.value)
+    assert text.startswith("error: ") and "\n" not in text, text
+    assert not (tmp_path / "cache" / "shapes-encoders").exists()      # nothing pretrained or extracted
+    return text
+
+
+# ------------------------------------------------ case 4: the Shapes encoders on folder data
+def test_the_shapes_encoders_on_folder_data_are_refused_naming_an_encoder_to_use(tmp_path, coco):
+    """`python align.py --data coco --data-root D` with the default encoders (the Shapes world's tiny
+    ones): one line naming an encoder to use, before anything loads (was: 'Could not infer dtype of
+    Image' after the data and encoders had loaded)."""
+    msg = refused(tmp_path, "--data", "coco", "--data-root", str(coco))
+    assert "--image-encoder shapes-cnn" in msg and "efficientnet-lite1" in msg, msg
+    msg = refused(tmp_path, "--data", "coco", "--data-root", str(coco), "--image-encoder", "efficientnet-lite1")
+    assert "--text-encoder shapes-text" in msg and "minilm" in msg, msg
+
+
+# ----------------------------------------------------------------------------- case 11: entries outside --data-root
+@pytest.mark.parametrize("field, value", [("filename", "../../secret.jpg"), ("filename", "/etc/secret.jpg"),
+                                          ("filepath", "../elsewhere")])
+def test_a_split_file_entry_outside_the_data_root_is_refused_naming_it(tmp_path, coco, field, value):
+    """A Karpathy entry whose filename (or filepath) climbs out with ../ or is absolute was read from
+    outside --data-root without a word: refused naming the entry."""
+    split = coco / "coco" / "dataset_coco.json"
+    entries = json.loads(split.read_text())
+    entries["images"][2][field] = value
+    split.write_text(json.dumps(entries))
+    msg = refused(tmp_path, "--data", "coco", "--data-root", str(coco), "--image-encoder", "efficientnet-lite1",
+                  "--text-encoder", "minilm")
+    assert f"{split}: images[2]" in msg and f"{field} {value!r} points outside" in msg, msg
+    assert not Path(tmp_path / "out").exists()
