@@ -35,8 +35,9 @@ def test_nan_weights_in_a_model_folder_are_said_as_nan_not_beyond_fp16(tmp_path,
     """A model folder with NaN weights was reported as '960 tokens value(s) beyond 65504 ... pick another
     layer' (check_fp16 counted NaN as beyond the range): the outputs are NaN, and the folder needs
     another copy. Said so, when the features go into the cache."""
-    import cache
     from transformers import AutoModel
+
+    from infra import cache
     broken = tmp_path / "bert-nan"
     shutil.copytree(models / "bert", broken)
     model = AutoModel.from_pretrained(models / "bert")
