@@ -68,10 +68,12 @@ EXERCISES = {
                "tests/test_cov.py::test_regions_match_naive_loop",
                "tests/test_cov.py::test_cov_conc_loss_is_the_attention_weighted_spread",
                "tests/test_cov.py::test_conc_loss_reads_the_full_softmax_attention",
-               "tests/test_cov.py::test_threshold_mask_keeps_the_top_patch_of_a_constant_row"],
-        hint="softmax over the queries instead of over the patches; min-max over the wrong axis; two different "
+               "tests/test_cov.py::test_threshold_mask_keeps_the_top_patch_of_a_constant_row",
+               "tests/test_cov.py::test_threshold_mask_normalises_the_scores_not_the_softmax"],
+        hint="softmax over the queries instead of over the patches; min-max of the softmax output instead of the "
+             "scores before it (eps then depends on tau); min-max over the wrong axis; two different "
              "W for queries and patches (the consistent assign attention shares ONE W); forgetting to "
-             "renormalise the kept weights; L_conc on the masked attention attn_bar instead of the full softmax "
+             "renormalise the softmax over the kept patches; L_conc on the masked attention attn_bar instead of the full softmax "
              "attn; patch centres at j/W instead of (j+.5)/W; a constant row (max = min) masking every patch"),
     6: dict(
         title="FILIP's token-wise max-sum with padding (CoV's score too); TextGuided's mean over real words",
