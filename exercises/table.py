@@ -73,7 +73,8 @@ EXERCISES = {
         hint="softmax over the queries instead of over the patches; min-max of the softmax output instead of the "
              "scores before it (eps then depends on tau); min-max over the wrong axis; two different "
              "W for queries and patches (the consistent assign attention shares ONE W); forgetting to "
-             "renormalise the softmax over the kept patches; L_conc on the masked attention attn_bar instead of the full softmax "
+             "renormalise the softmax over the kept patches; L_conc on the masked attention attn_bar instead of the "
+             "full softmax "
              "attn; patch centres at j/W instead of (j+.5)/W; a constant row (max = min) masking every patch"),
     6: dict(
         title="FILIP's token-wise max-sum with padding (CoV's score too); TextGuided's mean over real words",
