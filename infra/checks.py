@@ -222,7 +222,7 @@ def check_out_data(args, out):
     """--out holds no finished run of other settings (outfolder's rule), checked on the flags as given,
     before any work."""
     flags_of = lambda config: given_settings(argparse.Namespace(**{k: config.get(k) for k in vars(args)}))
-    outfolder.check_out(out, given_settings(args), flags_of)
+    outfolder.check_out(out, given_settings(args), flags_of, getattr(args, "resume", False))
 
 
 def memory_bytes(device):
@@ -291,9 +291,9 @@ def step_bytes(probe, batch, img_shape, txt_shape, device="cpu", block=EVAL_BLOC
     """(peak bytes, (bytes, shape) of the largest tensor) of the larger of the method's training step (loss +
     backward) at batch pairs and its evaluation block (block x block), each measured on the meta device
     from the method's own shapes: what it keeps, e.g. FILIP's (B, B, N, L). device: what the probe stands
-    for (a chunked kernel sizes its chunks for it: methods/fast_cap.py)."""
-    from methods import fast_cap
-    fast_cap.META_AS, before = device, fast_cap.META_AS
+    for (a chunked kernel sizes its chunks for it: methods/losses.py chunk_device)."""
+    from methods import losses
+    losses.META_AS, before = device, losses.META_AS
     try:
         with LiveBytes() as train:
             if probe.loss is not None and batch:
@@ -303,7 +303,7 @@ def step_bytes(probe, batch, img_shape, txt_shape, device="cpu", block=EVAL_BLOC
                 probe.score(probe.embed_image(probe_features(block, img_shape)),
                             probe.embed_text(probe_features(block, txt_shape)))
     finally:
-        fast_cap.META_AS = before
+        losses.META_AS = before
     worst = max(train, evaluation, key=lambda m: m.peak)
     return worst.peak, worst.largest
 

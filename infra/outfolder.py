@@ -94,17 +94,18 @@ def refuse_other(out, old, new):
                    f"{free_name(out)}), or delete {out} to replace them")
 
 
-def check_out(out, given, given_of):
-    """Before any work: a folder where a result file goes, or a finished run of other settings
-    (compared on `given`, the flags as given) in --out are refused. given_of(config): the flags of
-    a config.json (its "given" field, or the config itself when written without one), resolved as
-    `given` is."""
+def check_out(out, given, given_of, resume=False):
+    """Before any work: a folder where a result file goes, a result file this program did not write, or a
+    finished run of other settings (compared on `given`, the flags as given) in --out are refused.
+    given_of(config): the flags of a config.json (its "given" field, or the config itself when written
+    without one), resolved as `given` is. resume: --resume asks for out's checkpoint.pt, which the resume
+    check then reads with its own refusals (other settings, truncated, code in it)."""
     out = Path(out)
     for name in OUT_FILES:              # a folder of that name: the final rename would fail
         if (out / name).is_dir():
             raise RunError(f"--out {out} holds a folder {name}, where this run writes a file; move it away, or "
                            f"pass another --out")
-    foreign = foreign_files(out)
+    foreign = [n for n in foreign_files(out) if not (resume and n == "checkpoint.pt")]
     if foreign:
         raise RunError(f"--out {out} holds a {foreign[0]} that this program did not write (a file of your own, "
                        f"or a model folder's), which this run would replace; pass another --out (e.g. --out "

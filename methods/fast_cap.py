@@ -15,6 +15,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .losses import chunk_device
+
 
 class ChunkedCAP(torch.autograd.Function):
     """Eqs. (3)-(6) one chunk of the batch at a time, with the derivative written out.
@@ -103,15 +105,6 @@ class ChunkedCAP(torch.autograd.Function):
             if dZ is not None:
                 dZ[i:i + chunk] = dR @ A
         return dZ, dA, None, None, dV, None, None, None
-
-
-META_AS = "cpu"     # the device a shape probe on the meta device stands for (checks.step_bytes sets it)
-
-
-def chunk_device(x):
-    """The device type a chunked kernel sizes its chunks for: x's, or for a shape probe on the meta
-    device (checks.step_bytes) the one it stands for."""
-    return META_AS if x.is_meta else x.device.type
 
 
 CHUNK_ELEMENTS = {"cpu": 2 ** 18,   # 1 MB of float32: a core's L2 cache here

@@ -42,8 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import Method
-from .fast_cap import chunk_device
-from .losses import info_nce_of_logits, score_in_chunks
+from .losses import chunk_device, info_nce_of_logits, score_in_chunks
 
 
 def attend(s, v_ok, tau_a):

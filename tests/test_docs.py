@@ -265,7 +265,7 @@ PACKAGES = ("infra", "methods")
 BELOW_INFRA = {"data", "features", "shapes"}   # what infra/ may read of the top level: the data it keeps
 # the one reach up: checks resolves a config.json's --hp against the method's signature (the registry) and
 # probes a step's memory on the meta device, telling the chunked kernel which device the probe stands for
-CHECKS_READS = {("infra.checks", "methods"), ("infra.checks", "methods.fast_cap")}
+CHECKS_READS = {("infra.checks", "methods"), ("infra.checks", "methods.losses")}
 
 
 def project_modules():

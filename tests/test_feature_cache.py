@@ -91,7 +91,7 @@ def test_align_over_two_folders_differing_only_in_captions_gives_each_its_own_nu
     rewrite(tmp_path / "d_edit", split)
     ok = run_align(tmp_path, tmp_path / "d_ok", tmp_path / "shared", "ok", models)
     edit = run_align(tmp_path, tmp_path / "d_edit", tmp_path / "shared", "edit", models)
-    fresh = run_align(tmp_path, tmp_path / "d_edit", tmp_path / "fresh", "fresh", models)
+    fresh = run_align(tmp_path, tmp_path / "d_edit", tmp_path / "fresh_cache", "fresh", models)
     assert edit["retrieval"] == fresh["retrieval"]
     assert edit["retrieval"] != ok["retrieval"]
 

@@ -383,8 +383,8 @@ def test_a_global_batch_smaller_than_the_ranks_is_refused_on_every_rank(models, 
     """MLP's per-pair loss trains on a batch of one, split across 2 ranks (no dropout) it cannot."""
     extra = [*coco_run(models, coco, tmp_path), "--method", "mlp", "--hp", "dropout=0.0", "--batch-size", "1",
              "--epochs", "1"]
-    codes, errs = ranks(tmp_path / "cache", tmp_path, [extra] * 2)
+    codes, errs = ranks(tmp_path / "cache", tmp_path / "out", [extra] * 2)
     assert codes == [1, 1], errs
     for err in errs:
         assert "error: a global batch of 1 pair(s) on 2 ranks" in err and "Traceback" not in err
-    assert not (tmp_path / "config.json").exists()
+    assert not (tmp_path / "out" / "config.json").exists()
