@@ -23,7 +23,6 @@ The one protocol for every default this project chooses from data:
 Every sweep prints the split it scores.
 """
 import argparse
-import re
 import statistics
 import sys
 import tempfile
@@ -34,6 +33,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from novel_classes import classes_of  # noqa: E402  (the captions' colour-shape classes, one regex)
+
 import align  # noqa: E402
 import encoders  # noqa: E402
 import evaluate  # noqa: E402
@@ -43,7 +44,6 @@ from features import Features  # noqa: E402
 from infra import cache  # noqa: E402
 from methods import METHODS  # noqa: E402
 
-PHRASE = re.compile(r"\b(" + "|".join(shapes.COLOUR_NAMES) + r") (" + "|".join(shapes.SHAPES) + r")\b")
 TASKS = ("retrieval", "classification", "segmentation")
 
 # what each sweep tries, and the setting it trains at (the results table's, docs/results.md)
@@ -57,11 +57,6 @@ SWEEPS = {
 
 
 # ----------------------------------------------------------------------------- the validation split
-
-def classes_of(caption):
-    """The colour-shape classes (indices into shapes.CLASS_NAMES) a caption names."""
-    return {shapes.CLASS_NAMES.index(f"{c} {s}") for c, s in PHRASE.findall(caption)}
-
 
 def split_by_image(txt_to_img, seed, held_out=0.2):
     """(fit, val) pair indices: a seeded `held_out` share of the images with all their captions held out."""
