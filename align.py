@@ -4,25 +4,18 @@
     python align.py --method cov --data coco --data-root /data/coco --device cuda \
         --image-encoder efficientnet-lite1 --text-encoder minilm
 
-Writes <out>/config.json (every setting as resolved), <out>/metrics.json, <out>/method.pt
-(the method's state_dict), <out>/checkpoint.pt (each epoch, for --resume) and figures
-(PNG) of methods that draw them. Every check runs before any long work; the run writes into
-.<name>.partial beside <out> and moves its files into <out> only when it has finished
-(infra/outfolder.py). align.py knows a method only through the interface in methods/__init__.py.
+Writes into <out>: config.json (every setting as resolved, and the run's identity), checkpoint.pt
+(each epoch, for --resume), method.pt (the method's state_dict), figures, and metrics.json last: a
+folder with metrics.json holds a finished run, which no later run replaces (infra/run.py). Every
+refusal comes before any long work. align.py knows a method only through methods/__init__.py.
 """
 import argparse
 import json
 import os
 import random
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-
-LOADING = "interrupted: nothing had started yet (align.py was loading torch); rerun the command"
-if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    signal.signal(signal.SIGINT, lambda *_: os._exit(print("\n" + LOADING, file=sys.stderr) or 130))  # until cli()
 
 import numpy as np
 import torch
@@ -34,9 +27,11 @@ import evaluate
 import layers
 import negatives
 import recycling
+import shapes
 import train
-from infra import budget, cache, checks, distributed, outfolder, storage
-from infra.errors import RunError
+from infra import budget, cache, distributed, storage
+from infra import run as runs
+from infra.errors import RunError, guard
 from methods import METHODS
 
 
@@ -52,13 +47,9 @@ def parse_args(argv=None):
     arg("--cache-dir", type=path, default=".cache",
         help="where pretrained tiny encoders and features are cached")
     arg("--out", type=path, default=None,
-        help="output folder (default: results/<method>-<data>-seed<seed>). A finished --out is replaced "
-             "only by a rerun of the same settings (all of config.json but out, resume, threads, "
-             "cache_dir, figures); any other run is refused before any work, naming what differs and "
-             "an --out to use; nothing is written into --out until the run has finished (it writes "
-             "into .<name>.partial beside it), so a run that fails leaves the previous results as "
-             "they were; a finished rerun's files replace all of the previous run's (config.json lists "
-             "them; files of your own stay)")
+        help="output folder, new or empty (default: results/<method>-<data>-seed<seed>, or -2, -3, ... "
+             "when that holds a finished run). A finished run is never replaced; an unfinished one "
+             "(its checkpoint.pt) is continued by --resume and refused otherwise")
     arg("--device", default="auto", choices=["auto", "cpu", "cuda"],
         help="auto = cuda when available")
     arg("--threads", type=int, default=0,
@@ -103,8 +94,8 @@ def parse_args(argv=None):
     arg("--figures", action=argparse.BooleanOptionalAction, default=True,
         help="draw the method's figures")
     arg("--resume", action="store_true",
-        help="continue the checkpoint of an unfinished run of the same settings (.<name>.partial/"
-             "checkpoint.pt beside --out, else <out>/checkpoint.pt)")
+        help="continue the unfinished run in --out from its checkpoint.pt (refused when its identity "
+             "differs: settings, code, encoders, data)")
     return p.parse_args(argv)
 
 
@@ -123,11 +114,6 @@ def start(args, device):
     distributed.setup(device)                       # under torchrun: join the other ranks
     distributed.same_everywhere("arguments", vars(args))
     return cores
-
-
-def out_folder(args):
-    """--out, else results/<method>-<data>-seed<seed>."""
-    return Path(args.out or f"results/{args.method}-{args.data}-seed{args.seed}")
 
 
 def seed_everything(seed):
@@ -152,23 +138,29 @@ class Run:
     head: tuple | None = None
     negative_captions: tuple | None = None
     features: dict = field(default_factory=dict)
+    dims: tuple = ()
 
 
 def load_inputs(args, device):
-    """The data sets and their checks, the encoders, the head rows when the run aligns on them,
-    and the layers of --select-layers: everything before the features are extracted. The data
-    come first: a fault in a data folder stops the run before an encoder loads or pretrains."""
+    """The data sets, the encoders, the head rows when the run aligns on them, and the layers of
+    --select-layers: everything before the features. Each input is read whole here, under one guard
+    (infra/errors.py): any fault in a data folder, an evaluation set or a model folder is one line."""
     if args.data == "shapes":
-        sets = cache.shapes_world(args.cache_dir)
+        sets = shapes.cached_world(args.cache_dir)
     else:       # the image-text sets, then every evaluation set found under --data-root
-        sets = data.DATASETS[args.data](root=args.data_root) | eval_sets.evaluation_sets(args.data_root)
+        with guard(f"--data {args.data} in {args.data_root}", "fix the file it names, or unpack the data again"):
+            sets = data.DATASETS[args.data](root=args.data_root)
+        sets |= eval_sets.evaluation_sets(args.data_root)
     for split, s in sets.items():
         if isinstance(s, (data.PairSet, data.BindingSet)):
-            checks.check_texts(s.captions, f"{args.data}/{split}")
-    image_enc, text_enc = encoders.load_encoders(args.image_encoder, args.text_encoder,  # a wrong name
-                                                 args.cache_dir, args.image_layer, args.text_layer)
-    checks.check_caption_tokens(text_enc, sets, args.data)  # a caption its tokenizer reads no word in
+            data.check_texts(s.captions, f"{args.data}/{split}")
+    with guard("loading the encoders", "check the model folders (config.json, weights, tokenizer), or "
+                                       "download them again"):
+        image_enc, text_enc = encoders.load_encoders(args.image_encoder, args.text_encoder,
+                                                     args.cache_dir, args.image_layer, args.text_layer)
+    encoders.check_caption_tokens(text_enc, sets, args.data)  # a caption its tokenizer reads no word in
     run = Run(image_enc, text_enc, sets)
+    run.dims = first_examples(run, device)      # every set's first input through its encoder
     if args.align_data != "pairs":
         run.head = image_enc.head()             # a model without a head fails here, before any features
     why = args.analyses and recycling.cannot_analyse(run, args)
@@ -177,16 +169,29 @@ def load_inputs(args, device):
     if args.hard_negatives:
         run.negative_captions = negatives.hard_negative_captions(sets["train"])
     if args.select_layers:
+        n = min(args.select_pairs, args.num_pairs or args.select_pairs)   # never more pairs than the run aligns on
         layers.select_layers(image_enc, text_enc, sets["train"], args.select_layers,
-                             n=args.select_pairs, device=device, cache_dir=args.cache_dir)
+                             n=n, device=device, cache_dir=args.cache_dir)
     return run
 
 
-def input_dims(run, device):
-    """(d_image, d_text) of the method's inputs, from one training example (none extracted yet)."""
-    pairs = run.sets["train"]
-    dim = lambda enc, x: enc.encode(x, device).pooled.shape[-1]
-    return dim(run.image_encoder, pairs.images[:1]), dim(run.text_encoder, pairs.captions[:1])
+def first_examples(run, device):
+    """The first image and text of every set through its encoder, under one guard: a preprocessor or a
+    model that cannot read this data (a crop below the patch, a zero std, a config transformers
+    rejects at its first forward) stops here, before any set is extracted. Returns the (image, text)
+    feature dims."""
+    dims = {}
+    for split, s in run.sets.items():
+        texts = list(s.captions[:1]) if isinstance(s, (data.PairSet, data.BindingSet)) else \
+            [s.templates[0].format(s.class_names[0])]
+        for kind, enc, x in (("image", run.image_encoder, s.images[:1]), ("text", run.text_encoder, texts)):
+            with guard(f"{enc.name} on the first {kind} of {split}", "check the model folder's preprocessor "
+                       "and config.json, or use another encoder"):
+                f = enc.encode(x, device)
+                if not torch.isfinite(f.tokens.float()).all():
+                    raise ValueError("its features hold NaN or inf (image_std 0? a broken weight?)")
+            dims.setdefault(kind, f.pooled.shape[-1])
+    return dims["image"], dims["text"]
 
 
 def extract_features(args, run, device):
@@ -209,8 +214,7 @@ def extract_features(args, run, device):
         if isinstance(s, data.BindingSet):
             for kind, caps in s.distractors.items():
                 jobs[split, kind] = (text_enc, caps, split, kind)
-    run.features = cache.extract_sets(jobs, ext, concurrent=cache.CONCURRENT and device == "cpu" and
-                                      distributed.world() == 1)
+    run.features = {key: ext(*job) for key, job in jobs.items()}
     if args.hard_negatives:
         flat, index = run.negative_captions
         run.features["train", "negatives"] = ext(text_enc, flat, "train", "negatives"), index
@@ -290,35 +294,34 @@ def evaluate_all(method, run, args, out, device):
 # ---------------------------------------------------------------------------
 def main(argv=None):
     args = argv if isinstance(argv, argparse.Namespace) else parse_args(argv)
-    out, method_cls = out_folder(args), METHODS[args.method]
-    settings = checks.before_any_work(args, method_cls, out)   # every refusal that needs no work
-    device, cores = settings.device, start(args, settings.device)   # threads, allocator, torchrun
-    with outfolder.held(out):                       # one run at a time in --out
+    method_cls = METHODS[args.method]
+    settings = runs.before_any_work(args, method_cls)   # every refusal that needs no work; --out chosen
+    device, out, cores = settings.device, settings.out, start(args, settings.device)
+    with runs.held(out):                                # one run at a time in --out
         # data -> frozen features
-        run = load_inputs(args, device)             # data, encoders, head rows, --select-layers
-        settings.read_inputs(run.image_encoder, run.text_encoder, run.sets)   # layers, weights, data
-        probe = checks.check_memory(args, method_cls, settings.hp, input_dims(run, device), device, run)
-        resume = train.resume_state(settings, probe.defaults)   # a wrong checkpoint stops here
+        run = load_inputs(args, device)                 # every input read whole, under one guard each
+        settings.read_inputs(run.image_encoder, run.text_encoder, run.sets)   # the run's identity
+        resume = train.resume_state(settings)           # a checkpoint of another identity stops here
+        runs.begin(settings)                            # config.json: --out is this run's
         extract_features(args, run, device)
-        checks.check_features_vary(args, run)       # a layer whose pooled vector ignores its input
-        if device == "cpu":                         # training's freed memory reused, not faulted in again each step;
-            budget.keep_freed_memory()              # not before: the extraction's would stay held (fragmented)
+        layers.check_features_vary(args, run)           # a layer whose pooled vector ignores its input
         # -> the method and its loop's settings, resolved once
         img, txt, negs = alignment_data(args, run, device)
         method = make_method(args, method_cls, settings.hp, img, txt, device)
-        settings.resolve_loop(method, img, txt, cores)           # epochs, batch, lr, threads
+        settings.resolve_loop(method, img, txt, cores)  # epochs, batch, lr, threads
         config = settings.config(method, alignment_pairs=len(img))
         print("[config] " + json.dumps(config, default=str))
-        with outfolder.run_folder(out, config) as work:    # moved into --out when the block is done
-            # -> training
-            metrics = {"train": train.fit_or_train(method, img, txt, settings.loop, out, device, resume,
-                                                   settings.depends_on(), negs)}
-            if not distributed.finish():            # torchrun: the group ends; rank 0 goes on alone
-                return {}
-            storage.atomic_save(method.state_dict(), work / "method.pt")
-            # -> evaluation -> results
-            metrics |= evaluate_all(method, run, args, work, device)
-            write_metrics(metrics, config, run, args, work, device)
+        if distributed.rank() == 0:
+            storage.atomic_write_text(json.dumps(config, indent=2, default=str), out / "config.json")
+        # -> training
+        metrics = {"train": train.fit_or_train(method, img, txt, settings.loop, out, device, resume,
+                                               settings.identity, negs)}
+        if not distributed.finish():                    # torchrun: the group ends; rank 0 goes on alone
+            return {}
+        storage.atomic_save(method.state_dict(), out / "method.pt")
+        # -> evaluation -> results (metrics.json last: it marks the run finished)
+        metrics |= evaluate_all(method, run, args, out, device)
+        write_metrics(metrics, config, run, args, out, device)
     print(f"[done] results in {out}/")
     return metrics
 
@@ -334,22 +337,19 @@ def make_method(args, method_cls, hp, img, txt, device):
 
 
 def write_metrics(metrics, config, run, args, work, device):
-    """metrics.json with the layers used, written before all else, and the results table; then
-    --analyses' figures."""
+    """--analyses' figures, then metrics.json with the layers used (last: it marks the run finished),
+    and the results table."""
     metrics["layers"] = {"image": config["image_layer"], "text": config["text_layer"]}
-    storage.atomic_write_text(json.dumps(metrics, indent=2), work / "metrics.json")
-    print(evaluate.results_table(metrics))
     if args.analyses:
         metrics["recycling"] = recycling.recycling_analyses(run, args, device)
-        storage.atomic_write_text(json.dumps(metrics, indent=2), work / "metrics.json")
+    storage.atomic_write_text(json.dumps(metrics, indent=2), work / "metrics.json")
+    print(evaluate.results_table({k: v for k, v in metrics.items() if k != "recycling"}))
 
 
 def cli():
     """python align.py: main(); a fault of the input ends in its one `error:` line (RunError, a
-    SystemExit), a Ctrl-C in one line saying how to go on (a Ctrl-C while torch loads: LOADING),
-    and any other exception (a bug) keeps its traceback."""
-    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-        signal.signal(signal.SIGINT, signal.default_int_handler)   # loaded: a Ctrl-C is a KeyboardInterrupt again
+    SystemExit), a Ctrl-C in one line saying what was kept, and any other exception (a bug) keeps its
+    traceback."""
     args = parse_args()
     try:
         main(args)
@@ -358,10 +358,8 @@ def cli():
             distributed.leave(stop)
         raise
     except KeyboardInterrupt:
-        out = out_folder(args)
-        print(f"\ninterrupted: finished work is kept (cached features, and {outfolder.partial(out)}/checkpoint.pt "
-              f"after each finished epoch; {out} is as it was); rerun the same command with --resume to go on "
-              f"from there", file=sys.stderr)
+        print("\ninterrupted: finished work is kept (cached features, and the run folder's checkpoint.pt after "
+              "each finished epoch); rerun the same command with --resume to go on from there", file=sys.stderr)
         sys.exit(130)
 
 

@@ -10,7 +10,7 @@ built-in tiny Shapes encoders in shapes_encoders.py; layer choice and --select-l
 layers.py; the token-layout contract every encoder keeps (one table for every family, and the
 special-token rule) in features.py; the feature cache in infra/cache.py.
 Every encoder has .name, .layer, .dim, .preprocess (a string in the cache key),
-.fingerprint (its weights', also in the cache key: infra/fingerprints.py),
+.fingerprint (its weights') and .code (its code's hash), both in the cache key (infra/fingerprints.py),
 .encode(batch, device) -> Features, .pooled_layers(batch, device) -> {layer: (B, D)};
 text encoders .words(texts); image encoders .head().
 """
@@ -18,17 +18,20 @@ text encoders .words(texts); image encoders .head().
 import inspect
 import math
 import re
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
 import cnn_encoders
+import features
 import layers
+from data import BindingSet, PairSet
 from features import TOKEN_RULE, Features, autocast, host_batch, word_positions, word_tokens
 from infra import model_files
 from infra.errors import RunError, first_line
-from infra.fingerprints import folder_fingerprint
+from infra.fingerprints import code_hash, folder_fingerprint
 from shapes_encoders import ShapesImageEncoder, TinyTextEncoder, load_shapes_encoders
 
 # The token-layout contract (what every encoder hands on, one table for every family) and its
@@ -410,4 +413,29 @@ def load_encoders(image_name, text_name, cache_dir, image_layer=-1, text_layer=-
         shapes_image, shapes_text = load_shapes_encoders(cache_dir, 0, image_layer, text_layer,
                                                          image_pos=image_name == "shapes-cnn-pos")
         image_enc, text_enc = image_enc or shapes_image, text_enc or shapes_text
+    for enc in (image_enc, text_enc):   # the code that computes its features: part of the cache key and identity
+        enc.code = code_hash(__file__, features.__file__, model_files.__file__,
+                             sys.modules[type(enc).__module__].__file__)
     return image_enc, text_enc
+
+
+def check_caption_tokens(text_enc, sets, name, chunk=4096):
+    """A caption whose tokenizer reads no word in it ("\\ufffd\\ufffd" with BERT, "..." with shapes-text)
+    would train on [CLS] / [SEP] alone: refused as an empty caption is, naming the first few, once the
+    text encoder has loaded and before any feature is extracted."""
+    if not hasattr(text_enc, "word_counts") and not hasattr(text_enc, "tokenizer"):
+        return
+    # a Hugging Face encoder counts its words; shapes-text's tokenizer gives [CLS] + the words
+    counted = getattr(text_enc, "word_counts", None) or (lambda t: text_enc.tokenizer(t)[1].sum(1) - 1)
+    for split, s in sets.items():
+        if not isinstance(s, (PairSet, BindingSet)):
+            continue
+        caps = list(s.captions)
+        counts = torch.cat([counted(caps[i:i + chunk]) for i in range(0, len(caps), chunk)] or
+                           [torch.zeros(0, dtype=torch.long)])
+        bad = (counts == 0).nonzero().flatten().tolist()
+        if bad:
+            first = ", ".join(f"index {i}: {ascii(caps[i])}" for i in bad[:3])
+            raise RunError(f"{len(bad)} caption(s) in {name}/{split} tokenize to no word with {text_enc.name}'s "
+                           f"tokenizer ({first}{', ...' if len(bad) > 3 else ''}); give them words, or remove "
+                           f"them from the annotation file")

@@ -2,8 +2,8 @@
 and semantic segmentation sets (VOC20, Pascal Context 59, ADE20K 150; mIoU over foreground).
 
 evaluation_sets(root) returns every one found under --data-root, keyed by name; a set that is
-absent is one printed line and the run goes on without it; a set that is present but broken is
-one `error:` line naming the file (data.py's choices 2-5 say how each is read).
+absent (no folder) is one printed line and the run goes on without it; a set that is present is
+read whole before any work, and any fault in it is one `error:` line naming it.
 """
 import collections
 import re
@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from data import IGNORE, LabelSet, LazyImages, MaskSet, centre_square, tree_identity
-from infra.errors import RunError
+from infra.errors import RunError, guard
 
 SEG_SIZE = 224  # side of the stored segmentation masks (the usual ViT input side)
 
@@ -42,12 +42,20 @@ def torchvision_set(name, root):
     """LabelSet of one torchvision classification set's test split, or None (one printed line) when absent."""
     import torchvision.datasets as tvd
     cls, kwargs, label_attr, names_attr = TORCHVISION_SETS[name]
-    try:
-        ds = getattr(tvd, cls)(str(Path(root) / name), download=False, **kwargs)
-    except (RuntimeError, FileNotFoundError, OSError) as e:
+    if not (Path(root) / name).is_dir():
         print(f"[data] {name}: not found under {Path(root) / name} (optional; put torchvision's {cls}(root=..., "
-              f"download=True) layout there) - skipped [{type(e).__name__}]")
+              f"download=True) layout there) - skipped")
         return None
+    with guard(f"{name} in {Path(root) / name}", f"download it again (torchvision's {cls}(root=..., "
+                                                  f"download=True)), or move the folder away to run without it"):
+        ds = getattr(tvd, cls)(str(Path(root) / name), download=False, **kwargs)
+        listed = next((getattr(ds, a) for a in ("_image_files", "_images", "samples", "imgs") if hasattr(ds, a)), [])
+        for item in listed:                     # every image file it lists, before any is read
+            path = item[0] if isinstance(item, tuple) else item
+            if isinstance(path, (str, Path)) and not Path(path).is_file():
+                raise FileNotFoundError(f"{path} is missing")
+        if len(ds) == 0:
+            raise ValueError("no images")
     labels = torch.as_tensor(np.asarray(getattr(ds, label_attr)), dtype=torch.long)
     names = [pretty(c) for c in getattr(ds, names_attr)]
     images = LazyImages(range(len(ds)), load=lambda i: ds[i][0], source=lambda: tree_identity(Path(root) / name))

@@ -5,9 +5,11 @@ with captions that bind attributes and relations ("a small red circle to the lef
 blue square"), five paraphrases per test image like COCO's Karpathy test, zero-shot
 classification and segmentation sets over its 24 colour-shape classes, and minimal-pair
 distractors for a binding test (with held-out wordings and object pairs, docs/binding.md).
-shapes_world() returns the sets in data.py's containers; cache.shapes_world keeps them on disk.
+shapes_world() returns the sets in data.py's containers; cached_world keeps them on disk.
 """
 import functools
+import hashlib
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -349,3 +351,38 @@ def pretrain_images(n, seed):
     rng = np.random.default_rng(seed)
     images, _, object_masks = render_all([sample_scene(rng, int(rng.integers(1, 4))) for _ in range(n)])
     return images, object_masks
+
+
+# ---------------------------------------------------------------------------
+# The world, cached on disk
+# ---------------------------------------------------------------------------
+# shapes_world renders 8,480 images (about 5 s of one core); the first run writes its sets to
+# <cache-dir>/world/, keyed by the sizes, the seed and the bytes of this file and data.py (the code
+# that draws and holds it), so an edit to the world never reads a stale one.
+_WORLDS = {}  # built or read once per process (tests run align.main many times); read-only
+
+
+def world_key(seed, sizes):
+    """The world's cache key: the seed, the set sizes and the bytes of this file and data.py."""
+    import data
+    source = hashlib.sha1(b"".join(Path(f).read_bytes() for f in (__file__, data.__file__))).hexdigest()[:12]
+    return "shapes-world-" + hashlib.sha1(repr((seed, source, sorted(sizes.items()))).encode()).hexdigest()[:12]
+
+
+def cached_world(cache_dir, seed=0, **sizes):
+    """shapes_world(seed, **sizes), read from cache_dir/world when built before (same sets, same
+    tensors), else built and written there (atomic, checksummed)."""
+    from infra.storage import atomic_save, safe_load
+    key = world_key(seed, sizes)
+    path = Path(cache_dir) / "world" / f"{key}.pt"
+    if path in _WORLDS:
+        return _WORLDS[path]
+    saved = safe_load(path, expect_key=key)
+    if saved is None:
+        sets = shapes_world(seed, **sizes)
+        atomic_save({"key": key, "sets": {name: (type(s).__name__, vars(s)) for name, s in sets.items()}}, path)
+    else:
+        kinds = {k.__name__: k for k in (PairSet, LabelSet, MaskSet, BindingSet)}
+        sets = {name: kinds[kind](**fields) for name, (kind, fields) in saved["sets"].items()}
+    _WORLDS[path] = sets
+    return sets

@@ -318,8 +318,7 @@ class ShapesTextEncoder:
         return len(self.model.layers)
 
 
-# ALIGN_PRETRAIN_PROCESSES=1: pretrain the two tiny encoders one after the other in this process
-PRETRAIN_PROCESSES = int(os.environ.get("ALIGN_PRETRAIN_PROCESSES", "2"))
+PRETRAIN_PROCESSES = 2   # a cold start pretrains the two tiny encoders at once, one process each
 
 SHAPES_CNN_VERSION = "shapes-cnn-pos1"  # the position-aware tiny CNN: its checkpoint and feature keys
 
@@ -365,7 +364,7 @@ def pretrain_both(seed, pos, folder, log=print):
         failed = [w for w, p in procs.items() if p.wait() != 0]
         if failed:
             raise RunError(f"pretraining the tiny {' and '.join(failed)} encoder failed (its error is "
-                             f"above); set ALIGN_PRETRAIN_PROCESSES=1 to pretrain in this process")
+                             f"above); rerun, or remove the cache's encoders/ folder")
         return {w: load_plain(out) for w, out in outs.items()}
     finally:
         for w, p in procs.items():

@@ -2,28 +2,27 @@
 
 fit_or_train runs a method's closed-form fit or train, the mini-batch loop with the method's
 optimiser, a cosine schedule, a checkpoint each epoch, --resume, and a clear stop on a non-finite
-loss. The loop's settings (epochs, batch, lr, ...) come resolved from infra/settings.py.
+loss. The loop's settings (epochs, batch, lr, ...) come resolved from infra/run.py.
 """
 import time
+from pathlib import Path
 
 import torch
 
 from features import Features
-from infra import distributed, loader, outfolder, storage
+from infra import distributed, loader, storage
 from infra.errors import RunError
 from negatives import contrastive_scale, hard_negative_loss
 
 
-def resume_state(settings, defaults):
-    """The checkpoint --resume continues, loaded here once and compared on what is known before the
-    features (what the run depends on, and the loop's lr, weight decay and seed; train compares the
-    rest: epochs, batch, the weights' shapes); else False, or True for --resume before a first
-    checkpoint. settings: infra/settings.py's Settings; defaults: the method's."""
-    ckpt = outfolder.checkpoint(settings.out)
+def resume_state(settings):
+    """The checkpoint --resume continues, loaded here once, before the features, and compared on the
+    run's identity (settings.identity: settings, code, encoders, data; train compares the rest: epochs,
+    batch, the weights' shapes); else False, or True for --resume before a first checkpoint."""
+    ckpt = settings.out / "checkpoint.pt"
     if not (settings.args.resume and ckpt.exists()):
         return settings.args.resume
-    given = settings.loop_given(defaults)                # epochs, batch: known after the features
-    return load_checkpoint(ckpt, settings.depends_on({k: given[k] for k in ("lr", "weight_decay", "seed")}))
+    return load_checkpoint(ckpt, settings.identity)
 
 
 def load_checkpoint(ckpt, settings):
@@ -73,6 +72,10 @@ def fit_or_train(method, img, txt, loop, out, device, resume=False, settings=Non
             result = train(method, img, txt, loop, out, device, resume, settings, negatives)
         except FloatingPointError as e:
             raise RunError(str(e)) from None
+        except torch.OutOfMemoryError:      # the device's memory is the boundary: said once, the checkpoint kept
+            raise RunError(f"out of memory on {device} in a step of {loop['batch_size']} pairs; pass --batch-size "
+                           f"{max(2, loop['batch_size'] // 2)} (or smaller --hp values), then rerun with --resume "
+                           f"(the cached features and every finished epoch are kept)") from None
     return result
 
 
@@ -116,7 +119,7 @@ def train(method, img, txt, loop, out, device, resume=False, settings=None, nega
     a checkpoint each epoch, --resume, and a clear stop on a non-finite loss.
 
     loop: the loop's settings as they run (epochs, batch_size, lr, weight_decay, seed: the
-    Settings' loop, infra/settings.py); resume: go on from out's checkpoint when there is one
+    Settings' loop, infra/run.py); resume: go on from out's checkpoint when there is one
     (--resume): True, or the checkpoint resume_state has loaded.
     settings: what the run depends on besides the loop's own settings (method, hp, data,
     encoders' weights, ...); stored in the checkpoint, and a --resume under other settings
@@ -132,11 +135,11 @@ def train(method, img, txt, loop, out, device, resume=False, settings=None, nega
     params = [p for p in method.parameters() if p.requires_grad]
     opt = opt_cls(params, lr=lr, weight_decay=wd, betas=d.get("betas", (0.9, 0.999)))
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, epochs * steps_per_epoch))
-    start, ckpt, last = 0, outfolder.partial(out) / "checkpoint.pt", None   # written each epoch
-    if resume is True and outfolder.checkpoint(out).exists():
-        resume = load_checkpoint(outfolder.checkpoint(out), settings)
+    start, ckpt, last = 0, Path(out) / "checkpoint.pt", None   # written each epoch
+    if resume is True and ckpt.exists():
+        resume = load_checkpoint(ckpt, settings)
     if isinstance(resume, dict):
-        state = same_settings(outfolder.checkpoint(out), resume, settings)
+        state = same_settings(ckpt, resume, settings)
         method.load_state_dict(state["method"])
         opt.load_state_dict(state["opt"])
         sched.load_state_dict(state["sched"])
@@ -144,7 +147,7 @@ def train(method, img, txt, loop, out, device, resume=False, settings=None, nega
         if str(device).startswith("cuda") and state.get("cuda_rng") is not None:
             torch.cuda.set_rng_state(state["cuda_rng"])  # dropout of the method's device tensors draws here
         start, last = state["epoch"] + 1, state.get("loss")
-        print(f"[train] resumed from {outfolder.checkpoint(out)} after epoch {start}")
+        print(f"[train] resumed from {ckpt} after epoch {start}")
     elif resume:
         print(f"[train] --resume: no checkpoint at {ckpt} yet; starting at epoch 1")
     dd = distributed.Training(method, batch_size, negatives is not None)  # torchrun: rows, the loss
@@ -192,7 +195,7 @@ def train(method, img, txt, loop, out, device, resume=False, settings=None, nega
               f"{steps_per_epoch / max(dt, 1e-9):.1f} steps/s  {time.time() - t0:.0f}s")
         last = round(mean, 4)  # final_loss: the epoch's mean as printed (float32 sums part below 1e-4 across CPUs)
         if distributed.rank() == 0:
-            ckpt.parent.mkdir(parents=True, exist_ok=True)      # partial(out): --out is untouched until the end
+            ckpt.parent.mkdir(parents=True, exist_ok=True)
             storage.atomic_save({"method": method.state_dict(), "opt": opt.state_dict(),
                                "sched": sched.state_dict(), "epoch": epoch,
                                "rng": torch.get_rng_state(), "loss": last, "settings": settings,

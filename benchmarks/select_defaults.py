@@ -92,7 +92,7 @@ def alignment_pairs(args):
     the training set alone (the test sets are never embedded)."""
     run = align.parse_args(["--image-encoder", args.image_encoder, "--text-encoder", args.text_encoder,
                             "--cache-dir", args.cache_dir, "--threads", str(args.threads)])
-    pairs = cache.shapes_world(args.cache_dir)["train"]
+    pairs = shapes.cached_world(args.cache_dir)["train"]
     image_enc, text_enc = encoders.load_encoders(args.image_encoder, args.text_encoder, args.cache_dir,
                                                  run.image_layer, run.text_layer)
     ext = lambda enc, x, kind: cache.extract(enc, x, args.cache_dir, dataset="shapes", split="train", modality=kind)

@@ -1,13 +1,13 @@
 """Nothing in this package is in a paper: it keeps the run's promises — the checks before any
-work, the files it writes, the feature cache, the devices and ranks it runs on.
+work, the run folder, the feature cache, the devices and ranks it runs on.
 
-errors       RunError, the one exception for a fault the user can fix
-checks       what is refused before any work
+errors       RunError, the one exception for a fault the user can fix, and guard(), the one guard
+             that turns any exception at a boundary (a file, a folder, a model) into its one line
+run          Settings, the run's identity, the checks before any work, the run folder (never replaced)
 storage      atomic, checksummed files; locks; free space
-outfolder    the results folder: written into .<name>.partial, moved into --out when finished
-cache        the feature cache (and the Shapes world's)
+cache        the feature cache, keyed by the encoder's part of the identity
 shards       sharded, memory-mapped features when a set is large
-fingerprints what an encoder's weights are, for the cache key
+fingerprints what an encoder's weights and code are, for the cache key
 loader       batches from the cache, read ahead
 distributed  torchrun: sharded extraction, data-parallel training
 budget       how long a method trains on a CPU, on how many threads

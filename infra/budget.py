@@ -1,17 +1,14 @@
-"""How long a method trains on a CPU: its own defaults, within a FLOP budget; on how many threads;
-and how the process keeps the memory it frees.
+"""How long a method trains on a CPU: its own defaults, within a FLOP budget; on how many threads.
 
 A method declares the paper's training settings once (`defaults`, methods/__init__.py). On
 a GPU, and whenever --epochs is given, they stand. On a CPU with no --epochs, cpu_default
 keeps a run within CPU_BUDGET_TFLOP of training matrix products, counted from the shapes
 (forward_gflop), so the choice is the same on every machine; cpu_threads picks the training
-threads from the same count. Settings.resolve_loop (infra/settings.py) prints what either rule
+threads from the same count. Settings.resolve_loop (infra/run.py) prints what either rule
 chose; config.json holds it.
 """
 import copy
-import ctypes
 import math
-import os
 
 import torch
 
@@ -72,28 +69,3 @@ def cpu_default(epochs, batch_size, method, img, txt):
             f"{own_epochs}, batch {own_batch}: {own_cost:.1f} TFLOP of training, over the CPU budget of "
             f"{CPU_BUDGET_TFLOP:g}); pass --epochs/--batch-size/--hp to override")
     return gflop, {"epochs": epochs, "batch_size": batch}, line
-
-
-M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4   # glibc's malloc.h
-KEEP_FREED_BYTES = 256 * 2 ** 20        # free memory at the heap's top kept for the next allocations
-
-
-def keep_freed_memory():
-    """On Linux with glibc, let the process reuse the memory it frees instead of handing it back.
-
-    By default glibc serves every large allocation (over 128 KB to 32 MB, adjusted as it goes) with a
-    fresh mmap and unmaps it when freed, so each training step's (B, T, K) tensors (34 MB at the Shapes
-    size: methods/fast_cap.py's S) come back as new pages the kernel must zero: ~9,000 page faults a
-    step, 12% of a warm default run's training (11.6 against 12.8 steps/s; `/usr/bin/time` counts the
-    faults, docs/pipeline.md). Here large allocations come from the heap (M_MMAP_MAX 0) and up to
-    KEEP_FREED_BYTES of its free top stays mapped (M_TRIM_THRESHOLD). align.py sets it for the training,
-    after the extraction (whose freed activations the heap would hold). The arithmetic is untouched:
-    the same figures to the last bit.
-    Returns True when set; elsewhere (macOS, Windows, musl) nothing changes and it returns False."""
-    try:
-        if not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"):
-            return False
-        libc = ctypes.CDLL(None)                            # the C library this process runs on
-    except (ValueError, OSError, AttributeError):
-        return False
-    return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, KEEP_FREED_BYTES))

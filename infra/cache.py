@@ -8,14 +8,10 @@ fingerprint, so a changed setting or new weights never read stale features.
 """
 import contextlib
 import hashlib
-import os
 import time
 from pathlib import Path
 
-import torch
-
 import data
-import shapes
 from features import Features, precision
 from infra import distributed, shards
 from infra.loader import Progress
@@ -44,15 +40,15 @@ def feature_key(encoder, inputs, device="cpu", **key_parts):
     preprocessing, the precision it runs in on device (fp32 on a CPU, bf16 / fp16 autocast on a GPU:
     features that differ in their last bits are not the same features), what the inputs are
     (data.identity) and the caller's parts (dataset, split, modality)."""
-    return cache_key(encoder=encoder.name, weights=getattr(encoder, "fingerprint", None), layer=encoder.layer,
+    n = getattr(encoder, "n_layers", None)
+    layer = n if encoder.layer == -1 and isinstance(n, int) else encoder.layer     # -1 and L: one layer, one key
+    return cache_key(encoder=encoder.name, weights=getattr(encoder, "fingerprint", None), layer=layer,
+                     code=getattr(encoder, "code", None),
                      preprocess=encoder.preprocess, precision=precision(device), n=len(inputs),
                      data=data.identity(inputs), **key_parts)
 
 
-# ALIGN_CONCURRENT_EXTRACT=1: a CPU run extracts the image and text sets in two threads at once (extract_sets):
-# a few seconds sooner on two free cores, 0.27 GB more at its peak (two heaps' transients), so off by default
-CONCURRENT = os.environ.get("ALIGN_CONCURRENT_EXTRACT", "0") == "1"
-EXTRACT_BATCH = int(os.environ.get("ALIGN_EXTRACT_BATCH", "256"))   # extraction batch size (cache keys ignore it)
+EXTRACT_BATCH = 256   # extraction batch size (cache keys ignore it)
 
 
 def extract(encoder, inputs, cache_dir, batch_size=None, device="cpu", **key_parts):
@@ -62,7 +58,7 @@ def extract(encoder, inputs, cache_dir, batch_size=None, device="cpu", **key_par
     per-key lock (concurrent runs sharing cache_dir wait for one writer); a file that is
     unreadable or was written for other settings is rebuilt, never read.
     Sets larger than shards.MEMMAP_BYTES come back as StoredFeatures (memory-mapped shards, shards.py).
-    batch_size: None = EXTRACT_BATCH (ALIGN_EXTRACT_BATCH, default 256).
+    batch_size: None = EXTRACT_BATCH.
     """
     batch_size = batch_size or EXTRACT_BATCH
     key = feature_key(encoder, inputs, device, **key_parts)
@@ -136,69 +132,3 @@ def extract_ranks(encoder, inputs, path, folder, key, batch_size, device, cache_
         return shards.StoredFeatures(folder, key)
     saved = safe_load(path, expect_key=key)
     return Features(saved["tokens"], saved["mask"], saved["pooled"], saved["grid"])
-
-
-# ---------------------------------------------------------------------------
-# The Shapes world, cached like the features
-# ---------------------------------------------------------------------------
-# shapes.shapes_world renders 8,480 images (about 5 s of one core); the first run writes
-# its sets to <cache-dir>/world/, keyed by the sizes, the seed and the bytes of data.py
-# (the code that draws and renders it), so an edit to the world never reads a stale one.
-def world_key(seed, sizes):
-    """The world's cache key: the seed, the set sizes and the bytes of the code that builds it
-    (shapes.py and data.py's containers), so an edit to either builds it anew."""
-    source = hashlib.sha1(b"".join(Path(m.__file__).read_bytes() for m in (shapes, data))).hexdigest()[:12]
-    return cache_key(dataset="shapes", split="world", modality="all", seed=seed, source=source, **sizes)
-
-
-def shapes_world(cache_dir, seed=0, **sizes):
-    """shapes.shapes_world(seed, **sizes), read from cache_dir/world when built before (same sets, same
-    tensors), else built and written there (atomic, checksummed)."""
-    key = world_key(seed, sizes)
-    path = Path(cache_dir) / "world" / f"{key}.pt"
-    if path in _WORLDS:
-        return _WORLDS[path]
-    saved = safe_load(path, expect_key=key)
-    if saved is None:
-        sets = shapes.shapes_world(seed, **sizes)
-        atomic_save({"key": key, "sets": {name: (type(s).__name__, vars(s)) for name, s in sets.items()}}, path)
-    else:
-        kinds = {k.__name__: k for k in (data.PairSet, data.LabelSet, data.MaskSet, data.BindingSet)}
-        sets = {name: kinds[kind](**fields) for name, (kind, fields) in saved["sets"].items()}
-    _WORLDS[path] = sets
-    return sets
-
-
-_WORLDS = {}  # built or read once per process (tests run align.main many times); read-only
-
-def extract_sets(jobs, extract, concurrent=False):
-    """{key: extract(encoder, inputs, split, modality)} for jobs {key: (encoder, inputs, split, modality)}.
-
-    concurrent (CPU, one process): the image encoder's sets in a second thread while this one does
-    the text encoder's, each on the caller's torch thread count (torch ops release the GIL): the
-    same features, bit for bit, in about the time of the longer of the two on two free cores."""
-    groups = {}
-    for key, job in jobs.items():
-        groups.setdefault(id(job[0]), []).append(key)
-    if not concurrent or len(groups) < 2:
-        return {key: extract(*job) for key, job in jobs.items()}
-    import threading
-    threads, out, errors = torch.get_num_threads(), {}, []
-
-    def run(keys):
-        torch.set_num_threads(threads)                    # per thread: OpenMP's count is a thread's own setting
-        try:
-            for key in keys:
-                out[key] = extract(*jobs[key])
-        except BaseException as e:                        # raised again in the caller's thread
-            errors.append(e)
-    first, *rest = groups.values()
-    workers = [threading.Thread(target=run, args=(keys,), name="extract", daemon=True) for keys in rest]
-    for w in workers:
-        w.start()
-    run(first)
-    for w in workers:
-        w.join()
-    if errors:
-        raise errors[0]
-    return {key: out[key] for key in jobs}

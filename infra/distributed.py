@@ -82,6 +82,19 @@ def say(msg):
     _print(f"[rank {rank()}] {msg}" if world() > 1 else msg, flush=True)
 
 
+def check_environment():
+    """The environment's say in the run, read before any work: WORLD_SIZE above 1 means torchrun started
+    this process (it also sets TORCHELASTIC_RUN_ID, RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); one left
+    in a shell would wait 30 minutes for ranks that never come."""
+    size = os.environ.get("WORLD_SIZE", "1")
+    if not size.isdigit():
+        raise RunError(f"WORLD_SIZE={size!r} in the environment is not a count of ranks; unset it (torchrun sets it)")
+    if int(size) > 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
+        raise RunError(f"WORLD_SIZE={size} is set, but this process was not started by torchrun; unset "
+                       f"WORLD_SIZE (and RANK, MASTER_ADDR, MASTER_PORT), or launch with torchrun "
+                       f"--nproc-per-node {size} align.py")
+
+
 def setup(device):
     """Join the ranks torchrun started (no-op without torchrun). device: "cuda" or "cpu"."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:

@@ -1,4 +1,4 @@
-"""Weights fingerprints: what the feature cache is keyed by besides an encoder's name.
+"""Fingerprints: what the feature cache is keyed by besides an encoder's name (its weights, its code).
 
 The same name can hold other weights (a re-pretrained tiny encoder, another revision downloaded into
 the same folder), so features are keyed by the weights:
@@ -31,6 +31,14 @@ def state_fingerprint(state, *extra):
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())       # the raw bytes, any dtype
     for e in extra:
         h.update(repr(e).encode())
+    return h.hexdigest()[:16]
+
+
+def code_hash(*files):
+    """sha256 (16 hex digits) of source files, by name and bytes: the code a result was computed with."""
+    h = hashlib.sha256()
+    for f in sorted(map(str, files)):
+        h.update(Path(f).name.encode() + b"\0" + Path(f).read_bytes())
     return h.hexdigest()[:16]
 
 

@@ -6,7 +6,6 @@ disk batch by batch is read ahead by threads (read_ahead); on CUDA batch n + 1 i
 copied on a side stream while the step on batch n runs.
 """
 import collections
-import os
 import queue
 import threading
 import time
@@ -77,10 +76,10 @@ class Progress:
             self.log(self.line())
 
 
-READ_AHEAD = int(os.environ.get("ALIGN_READ_AHEAD", "4"))        # batches read ahead of the one in use
+READ_AHEAD = 4        # batches read ahead of the one in use
 
 
-READ_WORKERS = int(os.environ.get("ALIGN_READ_WORKERS", "2"))    # threads reading them
+READ_WORKERS = 2      # threads reading them
 
 
 def read_ahead(make, items, depth=READ_AHEAD, workers=READ_WORKERS):

@@ -20,8 +20,7 @@ from infra.errors import RunError, first_line
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
-# JPEG decode + resize threads (PIL releases the GIL): all cores, at most 32; ALIGN_IMAGE_THREADS sets it
-IMAGE_THREADS = int(os.environ.get("ALIGN_IMAGE_THREADS", min(32, os.cpu_count() or 1)))
+IMAGE_THREADS = min(32, os.cpu_count() or 1)   # JPEG decode + resize threads (PIL releases the GIL)
 
 
 STRIP = 4   # an image whose resize would exceed this many crops is resized from its crop's box alone

@@ -53,6 +53,7 @@ import torch.nn as nn
 class Method(nn.Module):
     """The interface's defaults (the docstring above); no logic."""
     ranges = {}
+    hp_words = {}
     fit = None
     loss = None
     analyse = None

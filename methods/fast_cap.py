@@ -15,8 +15,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .losses import chunk_device
-
 
 class ChunkedCAP(torch.autograd.Function):
     """Eqs. (3)-(6) one chunk of the batch at a time, with the derivative written out.
@@ -128,7 +126,7 @@ def chunked_cap(Z, A, mask, tau_p, V=None, chunk_elements=None):
         t = slice(t[0], t[-1] + 1) if t[-1] - t[0] + 1 == len(t) else torch.tensor(t, device=Z.device)
         Z, mask, V = Z[:, t], mask[:, t], V if V is None else V[:, t]
     if chunk_elements is None:
-        chunk_elements = CHUNK_ELEMENTS["cpu" if chunk_device(Z) == "cpu" else "gpu"]
+        chunk_elements = CHUNK_ELEMENTS["cpu" if Z.device.type == "cpu" else "gpu"]
     chunk = max(1, chunk_elements // (Z.shape[1] * A.shape[0]))
     keep = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (Z, A, V))
     Z = F.normalize(Z, dim=-1)                                        # unit rows

@@ -12,14 +12,6 @@ whose per-pair tensors do not fit at once, in chunks of pairs.
 import torch
 import torch.nn.functional as F
 
-META_AS = "cpu"     # the device a shape probe on the meta device stands for (infra/checks.py step_bytes sets it)
-
-
-def chunk_device(x):
-    """The device type a chunked kernel sizes its chunks for: x's, or for a shape probe on the meta
-    device (infra/checks.py step_bytes) the one it stands for."""
-    return META_AS if x.is_meta else x.device.type
-
 
 def info_nce(h_v, h_l, tau):
     """Symmetric InfoNCE over a batch of L2-normalised pairs (B, K), (B, K).  PAL Eq. (8)"""

@@ -42,7 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import Method
-from .losses import chunk_device, info_nce_of_logits, score_in_chunks
+from .losses import info_nce_of_logits, score_in_chunks
 
 
 def attend(s, v_ok, tau_a):
@@ -135,7 +135,7 @@ class TextGuided(Method):
         return self.embed_image(img)[:, :, None]                  # (B, H*W, 1, K)
 
     def score(self, img_emb, txt_emb):
-        limit = self.score_chunk or (2 ** 20 if chunk_device(img_emb) == "cpu" else 2 ** 28)  # GPU: few large kernels
+        limit = self.score_chunk or (2 ** 20 if img_emb.device.type == "cpu" else 2 ** 28)  # GPU: few large kernels
         return score_in_chunks(self.pair_scores, img_emb, txt_emb, limit)
 
     def loss(self, img, txt):

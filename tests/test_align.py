@@ -15,8 +15,9 @@ import torch
 from conftest import random_features, train_with
 
 import align
+import data
 import train
-from infra import cache, checks, outfolder
+from infra import cache, run
 from methods.linear import Linear
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,7 +71,7 @@ def test_nan_loss_stops_with_epoch_and_step_and_keeps_the_checkpoint(tmp_path):
     m = StopAtCall(8, 6, K=4, n=6, nan=True)
     with pytest.raises(FloatingPointError, match=r"epoch 2, step 2"):
         train_with(m, img, txt, loop_args(), tmp_path, "cpu")
-    saved = torch.load(outfolder.partial(tmp_path) / "checkpoint.pt", weights_only=True)   # where --resume reads it
+    saved = torch.load(tmp_path / "checkpoint.pt", weights_only=True)   # where --resume reads it
     assert saved["epoch"] == 0 and all(torch.isfinite(v).all() for v in saved["method"].values())
 
 
@@ -115,7 +116,7 @@ def test_nan_loss_stops_within_finite_every_steps_at_its_first_step(tmp_path, mo
     with pytest.raises(FloatingPointError, match=r"loss is nan at epoch 2, step 6\. The last good checkpoint is "):
         train_with(m, img, txt, loop_args(), tmp_path, "cpu")
     assert m.calls == 16 + 8                       # steps 7 and 8 ran, not step 9
-    saved = torch.load(outfolder.partial(tmp_path) / "checkpoint.pt", weights_only=True)   # beside --out
+    saved = torch.load(tmp_path / "checkpoint.pt", weights_only=True)   # beside --out
     assert saved["epoch"] == 0 and all(torch.isfinite(v).all() for v in saved["method"].values())
 
 
@@ -146,11 +147,11 @@ def test_feature_cache_is_reused_keyed_and_rebuilt_when_broken(tmp_path, capsys)
 
 
 def test_empty_captions_stop_with_where_they_are():
-    checks.check_texts(["a red circle", "a cross"], "shapes/train")
+    data.check_texts(["a red circle", "a cross"], "shapes/train")
     with pytest.raises(SystemExit, match=r"^error: 2 caption\(s\) in coco/test with no text to align \(the first, at "
                                          r"index 1, is empty\); give them text or remove them from the annotation "
                                          r"file$"):
-        checks.check_texts(["a red circle", "", "  "], "coco/test")
+        data.check_texts(["a red circle", "", "  "], "coco/test")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
@@ -160,9 +161,9 @@ def test_cuda_without_a_gpu_is_one_clear_error():
 
 
 def test_hp_parsing_checks_names():
-    assert checks.parse_hp(Linear, ["K=64", "tau=0.1"]) == {"K": 64, "tau": 0.1}
+    assert run.parse_hp(Linear, ["K=64", "tau=0.1"]) == {"K": 64, "tau": 0.1}
     with pytest.raises(SystemExit, match="one of"):
-        checks.parse_hp(Linear, ["k=64"])
+        run.parse_hp(Linear, ["k=64"])
 
 
 # ----------------------------------------------------------------------------- subprocess runs

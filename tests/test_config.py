@@ -10,7 +10,7 @@ import torch
 
 import align
 import encoders
-from infra import settings
+from infra import run as settings
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--num-pairs", "300", "--epochs", "1", "--batch-size", "64", "--eval-images", "20", "--no-figures",
@@ -47,6 +47,6 @@ def test_software_names_this_checkout_or_none(tmp_path, monkeypatch):
     s = settings.software()
     assert s["torch"] == torch.__version__ and s["transformers"] == importlib.metadata.version("transformers")
     assert s["commit"] is None or (len(s["commit"]) == 40 and int(s["commit"], 16) >= 0)
-    monkeypatch.setattr(settings, "__file__", str(tmp_path / "settings.py"))     # a copy outside any checkout
+    monkeypatch.setattr(settings, "__file__", str(tmp_path / "run.py"))     # a copy outside any checkout
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
     assert settings.software()["commit"] is None

@@ -36,7 +36,6 @@ import data
 import encoders
 import eval_sets
 from features import Features
-from infra import checks
 
 
 @pytest.mark.parametrize("num_pairs", [None, 4])
@@ -224,7 +223,7 @@ def test_a_caption_of_invisible_characters_or_a_lone_surrogate_is_one_line(tmp_p
         data.coco(tmp_path)
     assert f"test image test_1.jpg: {says}" in one_line(e)
     with pytest.raises(SystemExit, match=r"1 caption\(s\) in coco/test with no text to align"):
-        checks.check_texts(["a dog", raw], "coco/test")
+        data.check_texts(["a dog", raw], "coco/test")
 
 
 def test_a_test_image_that_is_a_symlink_to_a_training_image_is_overlap(tmp_path):

@@ -645,27 +645,16 @@ def test_a_wrong_dependency_is_graded_as_its_own_exercise(tmp_path):
 
 # ----------------------------------------------------------------------------- a run of other code keeps its own folder
 
-def test_config_records_the_method_code_and_a_run_of_other_code_is_refused_in_its_out(tmp_path):
-    """config.json's methods_sha256 (sha256 over methods/*.py, sorted) changes with any byte of a method file,
-    and outfolder compares it as a setting: a rerun after changing one's code never replaces the old results."""
-    from infra import outfolder
-    from infra.errors import RunError
-    from infra.settings import methods_sha256
-    shutil.copytree(ROOT / "methods", tmp_path / "methods", ignore=shutil.ignore_patterns("__pycache__"))
-    assert methods_sha256(tmp_path / "methods") == methods_sha256()
-    csa = tmp_path / "methods" / "csa.py"
-    csa.write_text(csa.read_text() + "\n")
-    changed = methods_sha256(tmp_path / "methods")
-    assert changed != methods_sha256() and len(changed) == 64
-    assert "methods_sha256=methods_sha256()" in (ROOT / "infra" / "settings.py").read_text()  # config.json's
-    old = {"data": "shapes", "method": "csa", "methods_sha256": methods_sha256()}
-    out = tmp_path / "results"
-    out.mkdir()
-    (out / "config.json").write_text(json.dumps(old))
-    outfolder.begin(out, dict(old), resume=False)                     # the same code: a rerun, allowed
-    with pytest.raises(RunError, match=r"other settings \(methods_sha256 '\w+' there, '\w+' now\); pass another "
-                                       r"--out \(e\.g\. --out .*-2\)"):
-        outfolder.begin(out, dict(old, methods_sha256=changed), resume=False)
+def test_the_identity_holds_the_method_code_and_only_its_own(tmp_path, monkeypatch):
+    """config.json's identity holds method_code: a hash of the method's own file and the shared files of methods/
+    it imports. A byte changed in csa.py changes CSA's, and not PAL's: another method's file is not CSA's code."""
+    from infra.run import method_code
+    from methods import csa, pal
+    csa_before, pal_before = method_code(csa.CSA), method_code(pal.PAL)
+    copy = tmp_path / "csa.py"
+    copy.write_text(Path(csa.__file__).read_text() + "\n")
+    monkeypatch.setattr(csa, "__file__", str(copy))
+    assert method_code(csa.CSA) != csa_before and method_code(pal.PAL) == pal_before
 
 
 # ----------------------------------------------------------------------------- what a failing check says
@@ -755,25 +744,24 @@ def test_the_copy_to_hand_out_is_an_archive_without_the_answers(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_rerun_after_changing_the_method_code_is_refused_in_the_old_out(tmp_path, cache_dir):
+def test_a_rerun_after_changing_the_method_code_never_replaces_the_old_results(tmp_path, cache_dir):
     """The sheet's rule, end to end: CSA's run in a copy, a method file changed, the same command again: refused
-    before it writes, the first results as they were; the same code again: a rerun, allowed."""
+    before it writes, the first results as they were; into a new --out it runs, and config.json's identity
+    tells the two runs' code apart."""
     copy = tmp_path / "copy"
     msc.make_copy(copy, only=set())
-    out = tmp_path / "csa-run"
-    cmd = [sys.executable, "align.py", "--method", "csa", *TINY_RUN, "--cache-dir", str(cache_dir), "--out", str(out)]
-    run = lambda: subprocess.run(cmd, cwd=copy, capture_output=True, text=True, timeout=900)
-    r = run()
+    cmd = lambda out: [sys.executable, "align.py", "--method", "csa", *TINY_RUN, "--cache-dir", str(cache_dir),
+                       "--out", str(out)]
+    run = lambda out: subprocess.run(cmd(out), cwd=copy, capture_output=True, text=True, timeout=900)
+    r = run(tmp_path / "first")
     assert r.returncode == 0, r.stderr[-2000:]
-    config = json.loads((out / "config.json").read_text())
-    assert re.fullmatch(r"[0-9a-f]{64}", config["methods_sha256"]), config.get("methods_sha256")
-    metrics = (out / "metrics.json").read_bytes()
+    first = json.loads((tmp_path / "first" / "config.json").read_text())["identity"]["method_code"]
+    metrics = (tmp_path / "first" / "metrics.json").read_bytes()
     csa = copy / "methods" / "csa.py"
     csa.write_text(csa.read_text().replace("x = X[i:i + chunk].double() - mu_x", "x = X[i:i + chunk].double() - mu_x "))
-    r = run()
-    assert r.returncode == 1 and "holds the results of a run with other settings (methods_sha256 " in r.stderr, \
-        r.stderr[-2000:]
-    assert (out / "metrics.json").read_bytes() == metrics
-    csa.write_text(csa.read_text().replace("x = X[i:i + chunk].double() - mu_x ", "x = X[i:i + chunk].double() - mu_x"))
-    r = run()
+    r = run(tmp_path / "first")
+    assert r.returncode == 1 and "holds a finished run; results are never replaced" in r.stderr, r.stderr[-2000:]
+    assert (tmp_path / "first" / "metrics.json").read_bytes() == metrics
+    r = run(tmp_path / "second")
     assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads((tmp_path / "second" / "config.json").read_text())["identity"]["method_code"] != first

@@ -26,7 +26,8 @@ import cnn_encoders
 import encoders
 import shapes
 import shapes_encoders
-from infra import cache, checks, fingerprints, outfolder, storage
+from infra import cache, fingerprints, storage
+from infra import run as runs
 from methods.linear import Linear
 from methods.mlp import MLP
 
@@ -197,9 +198,9 @@ def test_bad_inputs_stop_with_one_line_before_any_work(row, bad_input_runs):
 def test_batch_of_one_is_allowed_where_the_loss_is_per_pair_and_refused_from_too_few_pairs(tmp_path):
     args = Namespace(eval_images=None, num_pairs=None, threads=0, epochs=1, batch_size=1, lr=None, weight_decay=None,
                      seed=0, select_pairs=5000, method="mlp", align_data="pairs", hard_negatives=False)
-    checks.check_flags(args, MLP)                             # 1 - cos per pair: a batch of one learns
+    runs.check_flags(args, MLP)                             # 1 - cos per pair: a batch of one learns
     with pytest.raises(SystemExit, match=r"--batch-size 1: Linear takes batch_size in \[2, inf\)"):
-        checks.check_flags(args, Linear)
+        runs.check_flags(args, Linear)
     img, txt = random_features(1, 2, 4), random_features(1, 2, 4, seed=1)   # --num-pairs 1: a batch of one
     loop = Namespace(epochs=1, batch_size=None, lr=None, weight_decay=None, seed=0, resume=False)
     with pytest.raises(SystemExit, match=r"a batch of 1 pair\(s\).*Linear takes batch_size in \[2, inf\)"):
@@ -317,14 +318,14 @@ def test_ctrl_c_mid_training_then_resume_matches_an_uninterrupted_run(reference,
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
-        wait_for(p, lambda: (outfolder.partial(tmp_path / "out") / "checkpoint.pt").exists())  # epoch 1 of 3 saved
+        wait_for(p, lambda: ((tmp_path / "out") / "checkpoint.pt").exists())  # epoch 1 of 3 saved
         p.send_signal(signal.SIGINT)
         err = p.communicate(timeout=60)[1].strip()
     finally:
         p.kill()
     assert p.returncode != 0 and not (tmp_path / "out" / "metrics.json").exists()
     assert "Traceback" not in err and len(err.splitlines()) == 1, err[-3000:]      # one line: how to go on
-    ckpt = outfolder.partial(tmp_path / "out") / "checkpoint.pt"                 # --out is untouched until the end
+    ckpt = (tmp_path / "out") / "checkpoint.pt"                 # --out is untouched until the end
     assert err.startswith("interrupted:") and "--resume" in err and str(ckpt) in err
     assert torch.load(ckpt, weights_only=True)["epoch"] < 2
     r = run(shared, tmp_path / "out", *RUN, "--resume")
@@ -457,9 +458,9 @@ def test_a_read_only_or_full_cache_is_one_error_naming_it_before_any_work(shared
 def test_a_planted_pickle_in_the_cache_is_refused_and_never_run(shared, tmp_path):
     marker = tmp_path / "MARKER"
     folder = fresh_cache(tmp_path / "cache", shared)
-    world = folder / "world" / f"{cache.world_key(0, {})}.pt"          # the cached Shapes world
+    world = folder / "world" / f"{shapes.world_key(0, {})}.pt"          # the cached Shapes world
     world.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"key": cache.world_key(0, {}), "sets": RunsCode(marker)}, world)
+    torch.save({"key": shapes.world_key(0, {}), "sets": RunsCode(marker)}, world)
     r = run(folder, tmp_path / "out", *RUN)
     one_line_error(r, "refusing to load", world.name)
     assert not marker.exists()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import align
-from infra import settings
+from infra import run as settings
 from methods import METHODS, Method
 from methods.pal import PAL
 
@@ -33,7 +33,7 @@ def test_the_base_class_holds_only_defaults():
 
 
 def test_align_does_not_probe_a_method():
-    source = (ROOT / "align.py").read_text() + (ROOT / "infra" / "settings.py").read_text()
+    source = (ROOT / "align.py").read_text() + (ROOT / "infra" / "run.py").read_text()
     probes = re.findall(r"(?:hasattr|getattr)\(\s*(?:method|method_cls|probe|m|cls)\b", source)
     assert probes == []
 

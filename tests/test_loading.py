@@ -3,8 +3,6 @@
 References: the plain loader (img[idx], txt[idx] in the main thread) for the read-ahead; FLOPs counted by
 hand from Linear's shapes for the budget rule.
 """
-import subprocess
-import sys
 import threading
 from argparse import Namespace
 from pathlib import Path
@@ -177,39 +175,3 @@ def test_render_with_grids_made_once_matches_the_per_call_grids():
     assert images.is_contiguous() and images.shape == (20, 3, shapes.SIZE, shapes.SIZE)
     for k, x in enumerate((images, shape_masks, object_masks)):
         assert torch.equal(x, torch.stack([r[k] for r in one_by_one]))
-
-
-KEEP_FREED_PROBE = """
-import resource, sys, torch
-sys.path.insert(0, {root!r})
-import methods                                           # loaded before any step, as in a run: the heap it leaves
-from infra import budget
-
-def faults(n=20, shape=(256, 64, 512)):                 # a training step's S (methods/fast_cap.py), made and freed
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(n):
-        torch.empty(shape).fill_(1.0)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-
-faults(2)
-plain = faults()
-kept = budget.keep_freed_memory()
-faults(2)                                                # the heap grows to hold one step's tensor once
-print(plain, kept, faults(60) / 3)                       # per 20 steps, over 60
-"""
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator: Linux")
-def test_keep_freed_memory_reuses_a_freed_step_tensor():
-    """glibc hands a freed 34 MB tensor back to the OS and the next one faults in its ~8,000 pages again;
-    after keep_freed_memory the next ones reuse the heap's pages: at least 3x fewer faults over 60 steps (counted;
-    none at all where the heap can grow in place, about a quarter of the pages where a mapping sits above it)."""
-    out = subprocess.run([sys.executable, "-c", KEEP_FREED_PROBE.format(root=str(ROOT))],
-                         capture_output=True, text=True, check=True).stdout.split()
-    plain, kept, reused = int(out[0]), out[1] == "True", float(out[2])
-    assert kept
-    if plain < 20 * 1000:                                # transparent huge pages "always": 2 MB pages, ~17 a tensor
-        pytest.skip(f"a freed tensor faults back in {plain // 20} times here: nothing for keep_freed_memory to save")
-    assert plain >= 20 * 8000                            # 34 MB = 8,192 pages of 4 KB, each time
-    assert reused < plain / 3, f"{reused:.0f} page faults per 20 steps after keep_freed_memory, {plain} before: " \
-                               f"expected 3x fewer"

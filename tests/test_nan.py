@@ -12,7 +12,7 @@ from conftest import random_features, train_with
 
 import evaluate
 import train
-from infra import outfolder, storage
+from infra import storage
 from infra.errors import RunError
 from methods.linear import Linear
 
@@ -51,7 +51,7 @@ def test_a_finite_loss_with_a_nan_gradient_stops_before_any_nan_save(tmp_path):
                                                  r"loss was finite"):
         train_with(m, img, txt, loop_args(), tmp_path, "cpu")
     assert not all(torch.isfinite(p).all() for p in m.parameters())           # the weights did go NaN
-    saved = torch.load(outfolder.partial(tmp_path) / "checkpoint.pt", weights_only=True)
+    saved = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert saved["epoch"] == 0, "the NaN epoch wrote a checkpoint"
     assert all(torch.isfinite(v).all() for v in saved["method"].values()), "a checkpoint holds NaN"
     assert not (tmp_path / "method.pt").exists()
@@ -60,7 +60,7 @@ def test_a_finite_loss_with_a_nan_gradient_stops_before_any_nan_save(tmp_path):
 def test_resume_refuses_a_checkpoint_holding_nan(tmp_path):
     img, txt = pairs()
     train_with(Linear(8, 6, K=4), img, txt, loop_args(epochs=1), tmp_path, "cpu")
-    ckpt = outfolder.partial(tmp_path) / "checkpoint.pt"
+    ckpt = tmp_path / "checkpoint.pt"
     state = torch.load(ckpt, weights_only=True)
     name = next(iter(state["method"]))
     state["method"][name] = state["method"][name] * float("nan")

@@ -13,7 +13,7 @@ import layers
 import shapes
 import shapes_encoders as se
 import similarity
-from infra import cache, loader, model_files, shards
+from infra import loader, model_files, shards
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,26 +86,6 @@ def test_mutual_knn_and_cka_tables_equal_the_pairwise_measures():
     assert got == want > 0, f"mutual_knn with the kNN tables given {got}, expected {want} as without them (> 0)"
     got = similarity.mutual_knn(Xs[1], Ys[2], 5, knn=(knn[0], knn[0]))
     assert got == 1.0, f"mutual_knn given the same kNN table twice {got}, expected 1.0 (it reads the tables given)"
-
-
-def test_concurrent_extraction_gives_the_serial_features():
-    w, img, txt = tiny_shapes(n=24)
-    jobs = {("train", "image"): (img, w["train"].images, "train", "image"),
-            ("train", "text"): (txt, w["train"].captions, "train", "text"),
-            ("test", "image"): (img, w["test"].images, "test", "image")}
-    ext = lambda enc, inputs, split, modality: enc.encode(inputs)
-    serial = cache.extract_sets(jobs, ext, concurrent=False)
-    both = cache.extract_sets(jobs, ext, concurrent=True)
-    assert list(both) == list(jobs)
-    for key in jobs:
-        assert torch.equal(serial[key].tokens, both[key].tokens) and torch.equal(serial[key].pooled, both[key].pooled)
-
-    def fails(enc, inputs, split, modality):
-        if modality == "image":
-            raise SystemExit("error: planted")
-        return enc.encode(inputs)
-    with pytest.raises(SystemExit, match="planted"):          # an error in the second thread reaches the caller
-        cache.extract_sets(jobs, fails, concurrent=True)
 
 
 @pytest.mark.slow

@@ -25,8 +25,9 @@ import align
 import recycling
 import shapes
 from features import Features
-from infra import checks, outfolder, settings, storage
-from infra.settings import Settings
+from infra import run as settings
+from infra import storage
+from infra.run import Settings
 from methods import METHODS
 from methods.mlp import MLP
 
@@ -127,99 +128,6 @@ def test_resume_refuses_a_checkpoint_of_another_data_root_or_other_captions(mode
     assert "[features]" not in capsys.readouterr().out
 
 
-# ----------------------------------------------------------------------------- one --out, one run
-def files_of(folder):
-    return {p.name: p.read_bytes() for p in Path(folder).iterdir()}
-
-
-@pytest.mark.slow
-def test_a_finished_out_is_replaced_only_by_a_rerun_of_the_same_settings(models, coco, tmp_path, capsys,
-                                                                         monkeypatch):
-    """Another layer, other epochs with --resume, other data with --resume on a closed form (no
-    checkpoint to compare): each refused before any work, naming what differs and a free --out; a
-    rerun that fails mid-training (a NaN loss) leaves every file as it was; a rerun replaces."""
-    out = tmp_path / "o"
-    go = lambda *extra, root=coco: align.main([*coco_run(models, root, tmp_path, "--out", str(out)), *QUICK,
-                                               "--epochs", "1", *extra])
-    go("--method", "linear")
-    first = files_of(out)
-    assert set(first) == {"config.json", "metrics.json", "method.pt", "checkpoint.pt"}   # no .lock inside
-    capsys.readouterr()
-    for extra, says in ((["--image-layer", "1"], "image_layer -1 there, 1 now"),
-                        (["--epochs", "3", "--resume"], "epochs 1 there, 3 now")):
-        with pytest.raises(SystemExit) as e:
-            go("--method", "linear", *extra)
-        assert f"--out {out} holds the results of a run with other settings ({says}); pass another --out (e.g. " \
-               f"--out {out}-2)" in str(e.value)
-        assert "[features]" not in capsys.readouterr().out and files_of(out) == first
-    nan = lambda self, img, txt: (torch.tensor(float("nan"), requires_grad=True), {})
-    monkeypatch.setattr(METHODS["linear"], "loss", nan)
-    with pytest.raises(SystemExit, match="loss is nan"):
-        go("--method", "linear")                                      # the same settings, failing mid-run
-    assert files_of(out) == first
-    monkeypatch.undo()
-    go("--method", "linear", "--resume")                              # a rerun of the same settings replaces them
-    assert json.loads(files_of(out)["metrics.json"])["retrieval"] == json.loads(first["metrics.json"])["retrieval"]
-    other = tmp_path / "other"
-    shutil.copytree(coco, other)
-    go("--method", "csa", "--out", str(tmp_path / "c"))
-    with pytest.raises(SystemExit, match="holds the results of a run on other data"):
-        align.main([*coco_run(models, other, tmp_path, "--out", str(tmp_path / "c")), *QUICK, "--epochs", "1",
-                    "--method", "csa", "--resume"])
-
-
-def finished_run(out, files):
-    """A run through outfolder as align.main does it: begin, its files written beside --out, finish."""
-    config = {"data": "shapes", "method": "pal", "seed": 0}
-    work = outfolder.begin(out, config, resume=False)
-    for name, text in {"config.json": json.dumps(config), **files}.items():
-        (work / name).write_text(text)
-    outfolder.finish(out)
-
-
-def test_a_rerun_removes_the_previous_runs_files_it_does_not_write_and_keeps_the_users(tmp_path):
-    """A rerun with --no-figures after a run with figures left the figures beside the new metrics:
-    finish moves in what the run wrote, then removes what the previous run's config.json lists
-    ("files") and this run did not write; a user's notes stay, as does anything listed above or
-    below --out itself."""
-    out = tmp_path / "o"
-    finished_run(out, {"metrics.json": "first", "pal_anchors_0.png": "fig", "pal_anchors_1.png": "fig"})
-    assert json.loads((out / "config.json").read_text())["files"] == [
-        "config.json", "metrics.json", "pal_anchors_0.png", "pal_anchors_1.png"]
-    (out / "notes.txt").write_text("mine")
-    finished_run(out, {"metrics.json": "second"})                     # the same settings, no figures
-    assert {p.name: p.read_text() for p in out.iterdir() if p.suffix != ".json"} == {"notes.txt": "mine"}
-    assert (out / "metrics.json").read_text() == "second"
-    assert json.loads((out / "config.json").read_text())["files"] == ["config.json", "metrics.json"]
-    assert not outfolder.partial(out).exists()
-    config = json.loads((out / "config.json").read_text())           # a config.json listing what is no file of it
-    (tmp_path / "keep.txt").write_text("above")
-    (out / "sub").mkdir()
-    (out / "sub" / "keep.txt").write_text("below")
-    (out / "config.json").write_text(json.dumps(dict(config, files=["", ".", "..", "../keep.txt", "sub/keep.txt"])))
-    finished_run(out, {"metrics.json": "third"})
-    assert (tmp_path / "keep.txt").read_text() == "above" and (out / "sub" / "keep.txt").read_text() == "below"
-    assert (out / "notes.txt").read_text() == "mine"
-
-
-@pytest.mark.slow
-def test_a_rerun_with_no_figures_leaves_no_figure_of_the_run_before(cache_dir, tmp_path):
-    """PAL with figures, then the same settings with --no-figures: --out holds the second run's files
-    (no pal_anchors_*.png) and the user's notes.txt."""
-    go = lambda *extra: align.main(["--cache-dir", str(cache_dir), "--out", str(tmp_path / "o"), "--method", "pal",
-                                    "--epochs", "1", "--num-pairs", "300", "--eval-images", "20", "--threads", "1",
-                                    *extra])
-    go()
-    figures = sorted(p.name for p in (tmp_path / "o").glob("pal_anchors_*.png"))
-    assert len(figures) > 0
-    (tmp_path / "o" / "notes.txt").write_text("mine")
-    go("--no-figures")
-    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == [
-        "checkpoint.pt", "config.json", "method.pt", "metrics.json", "notes.txt"]
-    assert (tmp_path / "o" / "notes.txt").read_text() == "mine"
-    assert "analysis" not in json.loads((tmp_path / "o" / "metrics.json").read_text())
-
-
 def test_too_few_pairs_and_head_rows_alone_for_pal_rel_are_refused_before_any_work(cache_dir, tmp_path, capsys):
     """--num-pairs 1 with PAL was refused after all four feature sets were extracted; pal_rel on the
     head rows alone (weights+pairs --num-pairs 0) extracted them, then a TypeError (no patch grid)."""
@@ -255,12 +163,11 @@ def test_a_failed_check_leaves_no_out_folder(models, coco, tmp_path):
 
 @pytest.mark.slow
 def test_a_second_run_on_the_same_out_refuses_naming_the_running_one(cache_dir, tmp_path, capsys):
-    (tmp_path / "notes.txt").write_text("the running run's")
-    with storage.hold_folder(tmp_path, "--out"):                       # the first run, still going
-        text = refused(capsys, cache_dir, tmp_path, "--method", "linear", "--epochs", "1")
-    assert f"--out {tmp_path} is in use by a run still going (pid {os.getpid()}, started " in text
-    assert (tmp_path / "notes.txt").read_text() == "the running run's"
-    run(cache_dir, tmp_path, "--method", "linear", "--epochs", "1", "--num-pairs", "300")   # free again
+    out = tmp_path / "o"
+    with storage.hold_folder(out, "--out"):                            # the first run, still going
+        text = refused(capsys, cache_dir, out, "--method", "linear", "--epochs", "1")
+    assert f"--out {out} is in use by a run still going (pid {os.getpid()}, started " in text
+    run(cache_dir, out, "--method", "linear", "--epochs", "1", "--num-pairs", "300")   # free again
 
 
 @pytest.mark.slow
@@ -295,9 +202,9 @@ def test_every_method_reads_a_head_row_as_its_one_vector_or_refuses_it(name):
         args = align.parse_args(["--method", name, "--align-data", mode])
         if mode in (HEAD_ROWS.get(name) or ()):
             with pytest.raises(SystemExit, match=re.escape(f"--method {name} --align-data {mode}: ") + ".*head row"):
-                checks.check_flags(args, METHODS[name])
+                settings.check_flags(args, METHODS[name])
             continue
-        checks.check_flags(args, METHODS[name])
+        settings.check_flags(args, METHODS[name])
         torch.manual_seed(0)
         m = METHODS[name](8, 6, **({"K": 8} if name in ("pal", "pal_rel") else {}))
         if m.fit is not None:

@@ -45,7 +45,7 @@ def test_the_rule_keeps_every_task_in_view():
 def test_the_world_s_training_scenes_are_drawn_again_exactly(cache_dir):
     """Validation segmentation and classification read the scenes of the training images drawn again from the
     world's seed: they render to the very images the features were extracted from."""
-    images = cache.shapes_world(cache_dir)["train"].images
+    images = shapes.cached_world(cache_dir)["train"].images
     scenes = sd.train_scenes(0, len(images))
     for i in (0, 1, 2, 1000, len(images) - 1):
         assert torch.equal(shapes.render(scenes[i])[0], images[i]), f"training scene {i} drawn again differs"
@@ -58,14 +58,14 @@ def test_the_choice_never_reads_the_test_set(cache_dir, monkeypatch):
     prompts) is ever extracted."""
     args = ["--what", "csa", "--seeds", "0", "--cache-dir", str(cache_dir)]
     clean = sd.main(args)
-    world = dict(cache.shapes_world(cache_dir))
+    world = dict(shapes.cached_world(cache_dir))
     g = torch.Generator().manual_seed(0)
     test = world["test"]
     world["test"] = type(test)(torch.randint(0, 256, test.images.shape, dtype=torch.uint8, generator=g),
                                list(reversed(test.captions)), test.txt_to_img.flip(0))
     world["cls"] = type(world["cls"])(world["cls"].images.flip(0), world["cls"].labels.roll(1),
                                       world["cls"].class_names)
-    monkeypatch.setattr(cache, "shapes_world", lambda *a, **k: world)
+    monkeypatch.setattr(shapes, "cached_world", lambda *a, **k: world)
     splits = []
     real_extract = cache.extract
     monkeypatch.setattr(cache, "extract", lambda enc, x, d, **key: splits.append(key["split"]) or

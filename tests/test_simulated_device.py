@@ -10,7 +10,7 @@ from simulated_device import simulated_cuda
 
 import features
 import shapes
-from infra import outfolder, shards
+from infra import shards
 
 TINY = ["--device", "cuda", "--threads", "1", "--epochs", "1", "--eval-images", "24"]
 
@@ -87,7 +87,7 @@ def test_resume_restores_the_cuda_generator(tmp_path, monkeypatch):
         torch.manual_seed(0)
         train_with(MLP(8, 6).to("cuda"), img, txt, args, tmp_path, "cuda")
         saved = torch.cuda.get_rng_state()
-        state = torch.load(outfolder.checkpoint(tmp_path), weights_only=False)
+        state = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
         assert torch.equal(state["cuda_rng"], saved)
         torch.cuda.set_rng_state(torch.Generator().manual_seed(99).get_state())
         args.resume = True

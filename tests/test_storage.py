@@ -7,7 +7,7 @@ import torch
 from faults_common import extract, full_disk, models, one_line  # noqa: F401  (fixtures)
 
 import encoders
-from infra import checks, storage
+from infra import run, storage
 
 
 def test_a_folder_where_a_cache_file_or_a_result_goes_is_one_line_before_the_work(tmp_path, models, monkeypatch):
@@ -29,8 +29,8 @@ def test_a_folder_where_a_cache_file_or_a_result_goes_is_one_line_before_the_wor
     out = tmp_path / "out"
     (out / "metrics.json").mkdir(parents=True)
     with pytest.raises(SystemExit) as e:
-        checks.check_out_data(Namespace(resume=False, data="shapes", data_root="data"), out)
-    assert f"--out {out} holds a folder metrics.json, where this run writes a file" in one_line(e)
+        run.check_out(out, Namespace(resume=False))
+    assert f"--out {out} holds files this program did not write (metrics.json, ...: " in one_line(e)
 
 
 def test_a_full_disk_during_torch_save_is_one_line_and_leaves_no_file(full_disk):

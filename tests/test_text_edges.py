@@ -9,7 +9,6 @@ from test_real import models, write_karpathy  # noqa: F401  (the tiny Hugging Fa
 import align
 import data
 import encoders
-from infra import checks
 from shapes_encoders import SPECIALS, ShapesTextEncoder, TinyTextEncoder, WordTokenizer
 
 VOCAB = SPECIALS + ["a", "red", "circle", "left", "of", "blue", "square"]
@@ -45,15 +44,15 @@ def test_captions_that_tokenize_to_nothing_are_refused_naming_the_first_few(mode
     sets = {"train": data.PairSet(images=[None] * 3, captions=["a dog .", "\ufffd\ufffd", "caption 1"],
                                   txt_to_img=[0, 1, 2])}
     with pytest.raises(SystemExit) as e:
-        checks.check_caption_tokens(bert, sets, "coco")
+        encoders.check_caption_tokens(bert, sets, "coco")
     msg = str(e.value)
     assert msg.startswith("error: 1 caption(s) in coco/train tokenize to no word") and "index 1" in msg, msg
     assert "'\\ufffd\\ufffd'" in msg and "\n" not in msg, msg
     shapes_sets = {"train": data.PairSet(images=[None] * 3, captions=["a red circle", "...", ". ."],
                                          txt_to_img=[0, 1, 2])}
     with pytest.raises(SystemExit, match=r"2 caption\(s\) in shapes/train tokenize to no word .*index 1"):
-        checks.check_caption_tokens(tiny_shapes_text(), shapes_sets, "shapes")
-    checks.check_caption_tokens(bert, {"train": data.PairSet(images=[None], captions=["a dog ."], txt_to_img=[0])},
+        encoders.check_caption_tokens(tiny_shapes_text(), shapes_sets, "shapes")
+    encoders.check_caption_tokens(bert, {"train": data.PairSet(images=[None], captions=["a dog ."], txt_to_img=[0])},
                                 "coco")
 
 

@@ -7,7 +7,6 @@ import torch
 
 import data
 import shapes
-from infra import cache
 
 SMALL = dict(n_train=12, n_test=4, n_cls=4, n_seg=4, n_bind=4)
 
@@ -22,40 +21,40 @@ def same_sets(a, b):
 
 
 def test_the_world_is_written_once_and_read_back_without_rendering(tmp_path, monkeypatch):
-    built = cache.shapes_world(tmp_path, 0, **SMALL)
+    built = shapes.cached_world(tmp_path, 0, **SMALL)
     files = list((tmp_path / "world").glob("*.pt"))
     assert len(files) == 1
-    cache._WORLDS.clear()                                           # as a new process would start
+    shapes._WORLDS.clear()                                           # as a new process would start
     monkeypatch.setattr(shapes, "shapes_world", lambda *a, **k: (_ for _ in ()).throw(AssertionError("rendered")))
-    read = cache.shapes_world(tmp_path, 0, **SMALL)
+    read = shapes.cached_world(tmp_path, 0, **SMALL)
     same_sets(read, built)
 
 
 def test_the_world_matches_a_fresh_build_and_other_settings_get_other_files(tmp_path):
-    read = cache.shapes_world(tmp_path, 1, **SMALL)
-    cache._WORLDS.clear()
-    same_sets(cache.shapes_world(tmp_path, 1, **SMALL), shapes.shapes_world(1, **SMALL))
-    cache.shapes_world(tmp_path, 2, **SMALL)
-    cache.shapes_world(tmp_path, 1, **dict(SMALL, n_test=5))
+    read = shapes.cached_world(tmp_path, 1, **SMALL)
+    shapes._WORLDS.clear()
+    same_sets(shapes.cached_world(tmp_path, 1, **SMALL), shapes.shapes_world(1, **SMALL))
+    shapes.cached_world(tmp_path, 2, **SMALL)
+    shapes.cached_world(tmp_path, 1, **dict(SMALL, n_test=5))
     assert len(list((tmp_path / "world").glob("*.pt"))) == 3
     assert read["test"].captions == shapes.shapes_world(1, **SMALL)["test"].captions
 
 
 @pytest.mark.parametrize("module", [shapes, data])
 def test_an_edit_to_the_code_that_builds_the_world_changes_the_key(tmp_path, monkeypatch, module):
-    before = cache.world_key(0, SMALL)
+    before = shapes.world_key(0, SMALL)
     edited = tmp_path / Path(module.__file__).name
     shutil.copy(module.__file__, edited)
     edited.write_text(edited.read_text() + "\n# an edit\n")
     monkeypatch.setattr(module, "__file__", str(edited))
-    assert cache.world_key(0, SMALL) != before
+    assert shapes.world_key(0, SMALL) != before
 
 
 def test_a_corrupt_world_file_is_rebuilt(tmp_path):
-    cache.shapes_world(tmp_path, 0, **SMALL)
+    shapes.cached_world(tmp_path, 0, **SMALL)
     f, = (tmp_path / "world").glob("*.pt")
     raw = bytearray(f.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     f.write_bytes(bytes(raw))
-    cache._WORLDS.clear()
-    same_sets(cache.shapes_world(tmp_path, 0, **SMALL), shapes.shapes_world(0, **SMALL))
+    shapes._WORLDS.clear()
+    same_sets(shapes.cached_world(tmp_path, 0, **SMALL), shapes.shapes_world(0, **SMALL))
