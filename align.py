@@ -29,7 +29,7 @@ import negatives
 import recycling
 import shapes
 import train
-from infra import budget, cache, distributed, storage
+from infra import cache, distributed, storage
 from infra import run as runs
 from infra.errors import RunError, guard
 from methods import METHODS
@@ -53,7 +53,7 @@ def parse_args(argv=None):
     arg("--device", default="auto", choices=["auto", "cpu", "cuda"],
         help="auto = cuda when available")
     arg("--threads", type=int, default=0,
-        help="torch CPU threads (0 = infra/budget.py's rule: 1 for the encoders, all cores "
+        help="torch CPU threads (0 = train.py's rule: 1 for the encoders, all cores "
              "for large steps)")
     arg("--seed", type=int, default=0,
         help="seed of the method's init and batch order, in [0, 2^32)")
@@ -101,7 +101,7 @@ def parse_args(argv=None):
 
 def start(args, device):
     """Before any encoder runs: the CPU threads of the encoders and extraction (--threads, else 1 on a
-    CPU: the rule of infra/budget.py), and under torchrun the other ranks. Returns torch's default
+    CPU: train.py's rule), and under torchrun the other ranks. Returns torch's default
     thread count, all cores, for the training rule."""
     cores = torch.get_num_threads()
     if args.threads or device == "cpu":
@@ -109,7 +109,7 @@ def start(args, device):
     if device == "cpu":
         print(f"[threads] {args.threads} (--threads)" if args.threads else
               f"[threads] 1 for the encoders and feature extraction; training on all {cores} cores "
-              f"when a step's forward has >= {budget.BIG_STEP_GFLOP:g} GFLOP of matrix products, "
+              f"when a step's forward has >= {train.BIG_STEP_GFLOP:g} GFLOP of matrix products, "
               f"else on 1 (--threads N: N throughout)")
     distributed.setup(device)                       # under torchrun: join the other ranks
     distributed.same_everywhere("arguments", vars(args))
@@ -304,11 +304,11 @@ def main(argv=None):
         resume = train.resume_state(settings)           # a checkpoint of another identity stops here
         runs.begin(settings)                            # config.json: --out is this run's
         extract_features(args, run, device)
-        layers.check_features_vary(args, run)           # a layer whose pooled vector ignores its input
+        encoders.check_features_vary(args, run)           # a layer whose pooled vector ignores its input
         # -> the method and its loop's settings, resolved once
         img, txt, negs = alignment_data(args, run, device)
         method = make_method(args, method_cls, settings.hp, img, txt, device)
-        settings.resolve_loop(method, img, txt, cores)  # epochs, batch, lr, threads
+        train.resolve_loop(settings, method, img, txt, cores)   # epochs, batch, lr, threads
         config = settings.config(method, alignment_pairs=len(img))
         print("[config] " + json.dumps(config, default=str))
         if distributed.rank() == 0:

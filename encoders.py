@@ -10,7 +10,7 @@ built-in tiny Shapes encoders in shapes_encoders.py; layer choice and --select-l
 layers.py; the token-layout contract every encoder keeps (one table for every family, and the
 special-token rule) in features.py; the feature cache in infra/cache.py.
 Every encoder has .name, .layer, .dim, .preprocess (a string in the cache key),
-.fingerprint (its weights') and .code (its code's hash), both in the cache key (infra/fingerprints.py),
+.fingerprint (its weights') and .code (its code's hash), both in the cache key (infra/storage.py),
 .encode(batch, device) -> Features, .pooled_layers(batch, device) -> {layer: (B, D)};
 text encoders .words(texts); image encoders .head().
 """
@@ -26,12 +26,11 @@ import torch.nn as nn
 
 import cnn_encoders
 import features
-import layers
 from data import BindingSet, PairSet
 from features import TOKEN_RULE, Features, autocast, host_batch, word_positions, word_tokens
 from infra import model_files
-from infra.errors import RunError, first_line
-from infra.fingerprints import code_hash, folder_fingerprint
+from infra.errors import RunError, first_line, guard
+from infra.storage import code_hash, folder_fingerprint
 from shapes_encoders import ShapesImageEncoder, TinyTextEncoder, load_shapes_encoders
 
 # The token-layout contract (what every encoder hands on, one table for every family) and its
@@ -271,7 +270,7 @@ def load_hf_image(name, layer=-1):
     local = Path(source).is_dir()
     if local:
         model_files.check_folder(source, "--image-encoder")
-    try:
+    with guard(f"--image-encoder {name}", model_files.AGAIN):    # anything transformers raises: one line
         config = AutoConfig.from_pretrained(source, **model_files.HF_SAFE)
         if config.model_type not in model_files.IMAGE_FAMILIES:
             raise RunError(f"{name} is a {config.model_type!r} model; "
@@ -288,12 +287,6 @@ def load_hf_image(name, layer=-1):
         else:
             model = model_files.load_weights(AutoModel, source, "--image-encoder",
                                              reads_pooler=config.model_type == "beit")
-    except model_files.LOAD_FAULTS as e:
-        if local:
-            raise model_files.load_failed(source, "--image-encoder", e) from None
-        raise model_files.not_available(name, "--image-encoder") from None
-    except ValueError as e:
-        raise model_files.remote_code_refused(name, "--image-encoder", e) from None
     for p in model.parameters():
         p.requires_grad_(False)
     name = str(Path(name).resolve()) if Path(name).is_dir() else name  # the cache key names the checkpoint itself
@@ -301,7 +294,8 @@ def load_hf_image(name, layer=-1):
     if channels != 3:
         raise RunError(f"--image-encoder {name}: its config.json says num_channels {channels}, but images are "
                          f"read as RGB (3 channels) here; use a model that takes RGB images")
-    transform = model_files.hf_preprocess(source, model.config)
+    with guard(f"--image-encoder {name}: its preprocessor_config.json", model_files.AGAIN):
+        transform = model_files.hf_preprocess(source, model.config)
     size = getattr(model.config, "image_size", transform.crop)
     # DINOv2 interpolates its positions
     if transform.crop_hw != (size, size) and not config.model_type.startswith("dinov2"):
@@ -344,7 +338,7 @@ def load_hf_text(name, layer=-1):
     local = Path(source).is_dir()
     if local:
         model_files.check_folder(source, "--text-encoder", text=True)
-    try:
+    with guard(f"--text-encoder {name}", model_files.AGAIN):     # anything transformers raises: one line
         config = AutoConfig.from_pretrained(source, **model_files.HF_SAFE)
         if config.model_type not in model_files.TEXT_FAMILIES:
             raise RunError(f"{name} is a {config.model_type!r} model; "
@@ -352,12 +346,6 @@ def load_hf_text(name, layer=-1):
         clip = config.model_type in ("clip", "clip_text_model")
         model = model_files.load_weights(CLIPTextModel if clip else AutoModel, source, "--text-encoder")
         tokenizer = AutoTokenizer.from_pretrained(source, **model_files.HF_SAFE)
-    except model_files.LOAD_FAULTS as e:
-        if local:
-            raise model_files.load_failed(source, "--text-encoder", e) from None
-        raise model_files.not_available(name, "--text-encoder") from None
-    except ValueError as e:
-        raise model_files.remote_code_refused(name, "--text-encoder", e) from None
     rows = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > rows:                                   # ids past the table: an IndexError mid-extraction
         raise RunError(f"--text-encoder {name}: its tokenizer has {len(tokenizer)} tokens but the model's "
@@ -407,9 +395,9 @@ def load_encoders(image_name, text_name, cache_dir, image_layer=-1, text_layer=-
     if image_enc is None or text_enc is None:
         text_layers = inspect.signature(TinyTextEncoder).parameters["n_layers"].default      # shapes-text's blocks
         if image_enc is None:       # the built-in encoders' layers, checked before any pretraining
-            layers.check_layer("--image-layer", image_layer, image_name, 1, ShapesImageEncoder.n_layers)
+            check_layer("--image-layer", image_layer, image_name, 1, ShapesImageEncoder.n_layers)
         if text_enc is None:
-            layers.check_layer("--text-layer", text_layer, text_name, 0, text_layers)
+            check_layer("--text-layer", text_layer, text_name, 0, text_layers)
         shapes_image, shapes_text = load_shapes_encoders(cache_dir, 0, image_layer, text_layer,
                                                          image_pos=image_name == "shapes-cnn-pos")
         image_enc, text_enc = image_enc or shapes_image, text_enc or shapes_text
@@ -439,3 +427,28 @@ def check_caption_tokens(text_enc, sets, name, chunk=4096):
             raise RunError(f"{len(bad)} caption(s) in {name}/{split} tokenize to no word with {text_enc.name}'s "
                            f"tokenizer ({first}{', ...' if len(bad) > 3 else ''}); give them words, or remove "
                            f"them from the annotation file")
+
+
+def check_layer(flag, layer, name, first, last):
+    """A layer the encoder has: first..last, or -1 (the last); else one error line."""
+    if not (layer == -1 or first <= layer <= last):
+        raise RunError(f"{flag} {layer}: {name} has layers {first}..{last} (-1 = the last)")
+
+
+def check_features_vary(args, run):
+    """Refuse training features whose pooled vectors are the same for every input (a ViT's CLS token
+    at --image-layer 0 has seen no patch yet): every method would run at chance, CSA's Cholesky
+    would fail on a zero covariance."""
+    for f, flag, layer, enc, name, what in (
+            (run.features.get(("train", "image")), "--image-layer", args.image_layer, run.image_encoder,
+             args.image_encoder, "image"),
+            (run.features.get(("train", "text")), "--text-layer", args.text_layer, run.text_encoder,
+             args.text_encoder, "caption")):
+        if f is None or len(f) < 2:
+            continue
+        p = f.pooled.float()                                                   # (N, D)
+        spread = (p - p[0]).abs().max().item()
+        if spread <= 1e-6 * max(p.abs().max().item(), 1e-12):
+            raise RunError(f"{flag} {layer}: the pooled vectors of {name} at layer {enc.layer} are the same "
+                           f"for every training {what} (spread {spread:.1g}), so no method can tell them "
+                           f"apart; pick a later {flag} (-1 = the last)")

@@ -11,8 +11,6 @@ from pathlib import Path
 
 import torch
 
-from infra.errors import RunError
-
 
 # ---------------------------------------------------------------------------
 # Layer selection (the STRUCTURE paper's protocol): the most similar layer pair
@@ -85,28 +83,3 @@ def select_layers(image_enc, text_enc, pairs, metric="mknn", n=5000, batch_size=
     log(f"[layers] best: image layer {best[0]}, text layer {best[1]} ({metric} {table[best]:.3f})")
     image_enc.layer, text_enc.layer = best
     return best[0], best[1], table
-
-
-def check_layer(flag, layer, name, first, last):
-    """A layer the encoder has: first..last, or -1 (the last); else one error line."""
-    if not (layer == -1 or first <= layer <= last):
-        raise RunError(f"{flag} {layer}: {name} has layers {first}..{last} (-1 = the last)")
-
-
-def check_features_vary(args, run):
-    """Refuse training features whose pooled vectors are the same for every input (a ViT's CLS token
-    at --image-layer 0 has seen no patch yet): every method would run at chance, CSA's Cholesky
-    would fail on a zero covariance."""
-    for f, flag, layer, enc, name, what in (
-            (run.features.get(("train", "image")), "--image-layer", args.image_layer, run.image_encoder,
-             args.image_encoder, "image"),
-            (run.features.get(("train", "text")), "--text-layer", args.text_layer, run.text_encoder,
-             args.text_encoder, "caption")):
-        if f is None or len(f) < 2:
-            continue
-        p = f.pooled.float()                                                   # (N, D)
-        spread = (p - p[0]).abs().max().item()
-        if spread <= 1e-6 * max(p.abs().max().item(), 1e-12):
-            raise RunError(f"{flag} {layer}: the pooled vectors of {name} at layer {enc.layer} are the same "
-                           f"for every training {what} (spread {spread:.1g}), so no method can tell them "
-                           f"apart; pick a later {flag} (-1 = the last)")

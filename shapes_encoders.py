@@ -20,8 +20,7 @@ import torch.nn.functional as F
 import shapes
 from features import TOKEN_RULE, Features, word_positions, word_tokens
 from infra.errors import RunError
-from infra.fingerprints import state_fingerprint
-from infra.storage import atomic_save, atomic_target, file_lock, fits, load_plain, safe_load
+from infra.storage import atomic_save, atomic_target, file_lock, fits, load_plain, safe_load, state_fingerprint
 
 SPECIALS = ["[PAD]", "[CLS]", "[MASK]", "[UNK]"]
 PAD, CLS, MASK, UNK = range(4)

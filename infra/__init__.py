@@ -4,12 +4,10 @@ work, the run folder, the feature cache, the devices and ranks it runs on.
 errors       RunError, the one exception for a fault the user can fix, and guard(), the one guard
              that turns any exception at a boundary (a file, a folder, a model) into its one line
 run          Settings, the run's identity, the checks before any work, the run folder (never replaced)
-storage      atomic, checksummed files; locks; free space
+storage      atomic, checksummed files; locks; free space; fingerprints of weights and code
 cache        the feature cache, keyed by the encoder's part of the identity
 shards       sharded, memory-mapped features when a set is large
-fingerprints what an encoder's weights and code are, for the cache key
 loader       batches from the cache, read ahead
 distributed  torchrun: sharded extraction, data-parallel training
-budget       how long a method trains on a CPU, on how many threads
 model_files  real encoders' files on disk: paths, preprocessing, what to download
 """

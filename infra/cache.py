@@ -27,7 +27,7 @@ def cache_key(**parts):
     extract() puts in it what the features are computed from: data.identity() of the inputs (image
     files by path, size and modification time; texts and in-memory images by content), so two
     data folders sharing a cache never read each other's features, and the encoder's weights
-    fingerprint (infra/fingerprints.py: the tiny encoders'
+    fingerprint (infra/storage.py: the tiny encoders'
     content hash, a Hugging Face snapshot's commit or its files' hashes, torchvision's weights
     enum), so new weights under the same name never read the old weights' features."""
     text = repr(sorted(parts.items()))

@@ -88,7 +88,7 @@ def check_environment():
     in a shell would wait 30 minutes for ranks that never come."""
     size = os.environ.get("WORLD_SIZE", "1")
     if not size.isdigit():
-        raise RunError(f"WORLD_SIZE={size!r} in the environment is not a count of ranks; unset it (torchrun sets it)")
+        raise RunError(f"WORLD_SIZE={size} in the environment is not a count of ranks; unset it (torchrun sets it)")
     if int(size) > 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
         raise RunError(f"WORLD_SIZE={size} is set, but this process was not started by torchrun; unset "
                        f"WORLD_SIZE (and RANK, MASTER_ADDR, MASTER_PORT), or launch with torchrun "

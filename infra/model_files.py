@@ -8,7 +8,6 @@ checkpoint's own preprocessor_config.json). encoders.py builds the encoders from
 """
 import json
 import os
-import pickle
 import re
 from pathlib import Path
 
@@ -163,8 +162,10 @@ def check_folder(folder, flag, text=False):
     if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
         raise RunError(f"{flag} {folder}: config.json has no model_type, so it is not a Hugging Face "
                          f"model's config; {again}")
-    if "auto_map" in config:
-        raise remote_code_refused(folder, flag, ValueError("trust_remote_code"))
+    if "auto_map" in config or "/" in str(config.get("attn_implementation") or ""):   # code from the hub
+        raise RunError(f"{flag} {folder}: this checkpoint needs Python code from outside the folder to load "
+                       f"(auto_map, or an attn_implementation kernel, in its config.json); this project never "
+                       f"runs a model's own code: remove that entry, or use another model")
     families = TEXT_FAMILIES if text else IMAGE_FAMILIES            # before transformers meets an unknown type
     if config["model_type"] not in families:
         raise RunError(f"{flag} {folder} is a {config['model_type']!r} model; "
@@ -177,20 +178,6 @@ def check_folder(folder, flag, text=False):
     for f in JSON_FILES:                 # a truncated one: transformers' bare JSONDecodeError names no file
         if (folder / f).is_file():
             read_json(folder / f, flag, folder)
-
-
-def load_failed(source, flag, e):
-    """A model folder that fails to load, as one line: truncated weights, a pickle that needs code, ..."""
-    if isinstance(e, pickle.UnpicklingError):
-        return RunError(f"refusing to load the weights of {flag} {source}: pytorch_model.bin holds pickled "
-                          f"Python objects besides tensors, and unpickling them could run code. Use the model's "
-                          f"model.safetensors instead (hf download <name> model.safetensors).")
-    if "ignore_mismatched_sizes" in str(e):                      # transformers' size-mismatch report
-        return RunError(f"{flag} {source}: its config.json does not describe its weights: tensors of other "
-                          f"shapes ({first_line(e)}); config.json belongs to another model (hidden_size?): copy it "
-                          f"again from the model's download")
-    return RunError(f"{flag} {source}: its weights cannot be read ({type(e).__name__}: {first_line(e)}); "
-                      f"truncated or corrupt? download the folder again")
 
 
 def not_available(name, flag):
@@ -265,15 +252,7 @@ def hf_source(name, flag):
     return name
 
 
-def _load_faults():
-    """What from_pretrained raises for a folder it cannot read (truncated weights, a pickle needing code, ...)."""
-    from safetensors import SafetensorError
-    return (OSError, RuntimeError, EOFError, pickle.UnpicklingError, SafetensorError)
-
-
-LOAD_FAULTS = _load_faults()
-
-
+AGAIN = "download the folder again (hf download <name> --local-dir <folder>), or fix the file it names"
 HF_SAFE = dict(trust_remote_code=False)  # never run a checkpoint's own Python code; weights: safetensors first
 
 
@@ -324,14 +303,6 @@ def load_weights(cls, source, flag, reads_pooler=False):
                          f"weights file is incomplete or belongs to another model: copy the folder again from the "
                          f"model's download")
     return model
-
-
-def remote_code_refused(name, flag, e):
-    """transformers' ValueError for a checkpoint that ships its own code (auto_map), as one line."""
-    if "custom code" not in str(e) and "trust_remote_code" not in str(e):
-        return e
-    return RunError(f"{flag} {name}: this checkpoint needs its own Python code to load (auto_map in its "
-                      f"config.json); this project never runs a model folder's code (trust_remote_code=False)")
 
 
 IMAGE_FAMILIES = {"dinov2", "dinov2_with_registers", "vit", "deit", "beit", "clip", "clip_vision_model"}

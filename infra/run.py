@@ -3,7 +3,7 @@
     settings = before_any_work(args, method_cls)       # flags, --hp, device, paths, --out: refusals, no work
     settings.read_inputs(image_enc, text_enc, sets)    # the run's identity: code, weights, data, layers
     begin(settings)                                    # config.json into --out, before the features
-    settings.resolve_loop(method, img, txt, cores)     # epochs, batch, lr, threads as they run
+    train.resolve_loop(settings, method, img, txt, cores)   # epochs, batch, lr, threads as they run
     finish(settings, ...)                              # method.safetensors/.pt, metrics.json: the run is done
 
 The run folder has one rule, kept by its layout rather than by checks: results are never replaced.
@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 
 import data
-from infra import budget, distributed, storage
+from infra import distributed, storage
 from infra.errors import RunError
-from infra.fingerprints import code_hash
+from infra.storage import code_hash
 
 # Valid ranges: an interval string ("[1, inf)", "(0, 1]") or a tuple of choices. A method declares its
 # hyperparameters' ranges once, next to its defaults, as the class attribute `ranges` (methods/__init__.py).
@@ -55,8 +55,8 @@ class Settings:
     device: str                   # "cpu" or "cuda"
     out: Path
     identity: dict = field(default_factory=dict)   # read_inputs: what the results depend on
-    loop: dict = field(default_factory=dict)       # resolve_loop: epochs, batch_size, lr, weight_decay, seed
-    threads: dict = field(default_factory=dict)    # resolve_loop: encode_threads, train_threads
+    loop: dict = field(default_factory=dict)       # train.resolve_loop: epochs, batch_size, lr, weight_decay, seed
+    threads: dict = field(default_factory=dict)    # train.resolve_loop: encode_threads, train_threads
     layers: dict = field(default_factory=dict)     # read_inputs: image_layer, text_layer as used (-1 = the last)
 
     def loop_given(self, defaults):
@@ -83,28 +83,6 @@ class Settings:
             **encoder_identity("image", image_enc), **encoder_identity("text", text_enc))
         self.identity = json.loads(json.dumps(self.identity, default=str))   # as config.json holds it
         self.layers = dict(image_layer=image_enc.layer, text_layer=text_enc.layer)   # as the flags name them
-
-    def resolve_loop(self, method, img, txt, cores):
-        """The loop's settings as the run will use them: the flags, else the method's defaults, on a
-        CPU with no --epochs within the FLOP budget of infra/budget.py; and the thread counts."""
-        a = self.args
-        self.threads = dict(encode_threads=torch.get_num_threads(), train_threads=torch.get_num_threads())
-        given = self.loop_given(method.defaults)
-        if method.loss is None:
-            self.loop = given
-        else:
-            self.loop = plan_loop(given, method, len(img))       # a batch it cannot train on stops here
-            distributed.check_batch(method, self.loop["batch_size"], a.hard_negatives)
-            if self.device == "cpu":
-                gflop, budgeted, line = budget.cpu_default(a.epochs, a.batch_size, method, img, txt)
-                if line:
-                    print(f"[cpu default] {a.method}: {line}")
-                    self.loop = plan_loop({**given, **budgeted}, method, len(img))
-                torch.set_num_threads(a.threads or budget.cpu_threads(gflop, cores))
-                self.threads["train_threads"] = torch.get_num_threads()
-                print(f"[threads] training on {self.threads['train_threads']} (a step's forward: {gflop:.2f} "
-                      f"GFLOP of matrix products)")
-        distributed.same_everywhere("settings", {**self.identity, **self.loop, **self.threads})
 
     def config(self, method, alignment_pairs):
         """config.json: every flag as given, the loop as it runs, every hyperparameter as the method runs
@@ -231,7 +209,7 @@ def check_flags(args, method_cls):
     if args.num_pairs is not None and args.num_pairs < 0:
         raise RunError(f"--num-pairs {args.num_pairs}: a count of pairs cannot be negative")
     if args.threads < 0:
-        raise RunError(f"--threads {args.threads}: give a positive count (0 = the rule of infra/budget.py)")
+        raise RunError(f"--threads {args.threads}: give a positive count (0 = train.py's rule)")
     if not 0 <= args.seed < 2**32:
         raise RunError(f"--seed {args.seed}: give a seed in [0, 2^32) (numpy's seeds)")
     if args.select_pairs < MIN_SELECT_PAIRS:
@@ -389,17 +367,6 @@ def refuse_batch(method_cls, batch, n, flag=""):
     if not in_range(batch, low):
         raise RunError(f"{flag}a batch of {batch} pair(s) ({n} alignment pairs): {method_cls.__name__} "
                        f"takes batch_size {describe(low)}; use more pairs")
-
-
-def plan_loop(given, method, n):
-    """The loop's settings as they run on n pairs: the batch at most n, a step budget ("steps",
-    methods/__init__.py) as ceil(steps / steps per epoch) epochs. A batch the method cannot train on is
-    refused."""
-    batch = min(given["batch_size"], n)
-    refuse_batch(type(method), batch, n)
-    steps = n // batch                  # the last partial batch is dropped: InfoNCE wants full ones
-    epochs = given["epochs"] if given["epochs"] is not None else -(-method.defaults["steps"] // steps)
-    return dict(given, epochs=epochs, batch_size=batch)
 
 
 def head_row_hp(args, method_cls, hp, image_enc):

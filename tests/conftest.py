@@ -145,6 +145,6 @@ def train_with(method, img, txt, args, out, device="cpu", **kw):
     """train.train on the loop flags of args (epochs, batch_size, lr, weight_decay, seed, resume), resolved
     as align.main resolves them on a GPU (the method's defaults where a flag is None; no CPU budget)."""
     import train
-    from infra.run import Settings, plan_loop
-    loop = plan_loop(Settings(args, type(method), {}, device, out).loop_given(method.defaults), method, len(img))
+    from infra.run import Settings
+    loop = train.plan_loop(Settings(args, type(method), {}, device, out).loop_given(method.defaults), method, len(img))
     return train.train(method, img, txt, loop, out, device, getattr(args, "resume", False), **kw)

@@ -26,7 +26,7 @@ import cnn_encoders
 import encoders
 import shapes
 import shapes_encoders
-from infra import cache, fingerprints, storage
+from infra import cache, storage
 from infra import run as runs
 from methods.linear import Linear
 from methods.mlp import MLP
@@ -144,7 +144,7 @@ def test_a_model_folder_rewritten_in_place_gets_new_features(tmp_path, monkeypat
     commit = "0123456789abcdef0123456789abcdef01234567"
     snap = tmp_path / "models--org--m" / "snapshots" / commit
     snap.mkdir(parents=True)
-    assert fingerprints.folder_fingerprint(snap) == f"commit {commit}"
+    assert storage.folder_fingerprint(snap) == f"commit {commit}"
     import torchvision
     calls = []
 

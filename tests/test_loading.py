@@ -12,7 +12,8 @@ import torch
 from conftest import interrupted, random_features, train_with
 
 import shapes
-from infra import budget, cache, loader, shards
+import train as budget
+from infra import cache, loader, shards
 from methods.linear import Linear
 
 ROOT = Path(__file__).resolve().parents[1]

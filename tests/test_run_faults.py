@@ -24,6 +24,7 @@ from test_real import models, write_karpathy  # noqa: F401  (the tiny Hugging Fa
 import align
 import recycling
 import shapes
+import train
 from features import Features
 from infra import run as settings
 from infra import storage
@@ -85,7 +86,7 @@ def test_config_holds_the_resolved_loop_settings_of_a_run_without_epochs(cache_d
     # MLP declares 400 steps at batch 512: on 300 pairs, batch 300, 1 step an epoch, 400 epochs
     args = align.parse_args(["--method", "mlp"])
     mlp = MLP(8, 6)
-    assert settings.plan_loop(Settings(args, MLP, {}, "cpu", None).loop_given(mlp.defaults), mlp, 300) == dict(
+    assert train.plan_loop(Settings(args, MLP, {}, "cpu", None).loop_given(mlp.defaults), mlp, 300) == dict(
         epochs=400, batch_size=300, lr=5e-3, weight_decay=0.0, seed=0)
 
 
