@@ -329,7 +329,9 @@ def main(argv=None):
 def make_method(args, method_cls, hp, img, txt, device):
     """The method on the alignment data's dims, its init drawn from --seed."""
     seed_everything(args.seed)
-    method = method_cls(img.pooled.shape[-1], txt.pooled.shape[-1], **hp).to(device)
+    with guard(f"--method {args.method} {' '.join(f'--hp {h}' for h in args.hp)}".rstrip(),
+               "use smaller --hp values (the method's weights must fit this device's memory)"):
+        method = method_cls(img.pooled.shape[-1], txt.pooled.shape[-1], **hp).to(device)
     trained = sum(p.numel() for p in method.parameters() if p.requires_grad)
     print(f"[method] {args.method}: {trained:,} trainable parameters, {len(img)} alignment pairs "
           f"({args.align_data})")
@@ -358,8 +360,9 @@ def cli():
             distributed.leave(stop)
         raise
     except KeyboardInterrupt:
-        print("\ninterrupted: finished work is kept (cached features, and the run folder's checkpoint.pt after "
-              "each finished epoch); rerun the same command with --resume to go on from there", file=sys.stderr)
+        out = runs.out_folder(args)                 # the unfinished run's folder: -2, ... only skip finished ones
+        print(f"\ninterrupted: finished work is kept (cached features, and {out}/checkpoint.pt after each finished "
+              f"epoch); rerun the same command with --resume to go on from there", file=sys.stderr)
         sys.exit(130)
 
 

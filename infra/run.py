@@ -143,6 +143,7 @@ def before_any_work(args, method_cls):
     check_shapes_encoders(args)
     storage.check_writable(args.cache_dir, "--cache-dir")
     out = out_folder(args)
+    storage.check_writable(out, "--out", create=False)   # its nearest existing folder: a folder, writable
     check_out(out, args)
     return Settings(args, method_cls, hp, device, out)
 
@@ -321,6 +322,8 @@ def begin(settings):
     config = dict(vars(settings.args), identity=settings.identity, device=settings.device)
     try:
         settings.out.mkdir(parents=True, exist_ok=True)
+        for half in settings.out.glob("*.tmp[0-9]*"):       # a write killed before its rename: never a result
+            half.unlink()
         storage.atomic_write_text(json.dumps(config, indent=2, default=str), settings.out / "config.json")
     except OSError as e:
         raise RunError(f"--out {settings.out} cannot be written ({e.strerror or e}); pass --out a folder you "

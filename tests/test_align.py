@@ -75,6 +75,21 @@ def test_nan_loss_stops_with_epoch_and_step_and_keeps_the_checkpoint(tmp_path):
     assert saved["epoch"] == 0 and all(torch.isfinite(v).all() for v in saved["method"].values())
 
 
+def test_an_out_of_memory_step_is_one_line_naming_a_batch_that_halves_it(tmp_path, monkeypatch):
+    """The device's memory is a boundary: a step that does not fit is one line naming a batch that halves it,
+    and the checkpoint of every finished epoch stays for --resume."""
+    img, txt = planted_pairs()   # 64 pairs, batch 16: 4 steps an epoch; call 6 = epoch 2, step 2
+    m = StopAtCall(8, 6, K=4, n=6)
+    monkeypatch.setattr(StopAtCall, "loss", lambda self, i, t: (_ for _ in ()).throw(torch.OutOfMemoryError("x"))
+                        if (setattr(self, "n", self.n - 1) or self.n) == 0 else Linear.loss(self, i, t))
+    loop = dict(epochs=3, batch_size=16, lr=1e-3, weight_decay=0.0, seed=0)
+    with pytest.raises(SystemExit) as e:
+        train.fit_or_train(m, img, txt, loop, tmp_path, "cpu")
+    assert str(e.value) == ("error: out of memory on cpu in a step of 16 pairs; pass --batch-size 8 (or smaller --hp "
+                            "values), then rerun with --resume (the cached features and every finished epoch are kept)")
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["epoch"] == 0
+
+
 def test_final_loss_is_the_last_epoch_s_printed_mean(tmp_path, capsys):
     """metrics.json's train.final_loss is the figure the run prints last (the epoch's mean loss to 4
     decimals), not a float32 step loss whose last digits depend on the CPU's kernels."""

@@ -184,6 +184,45 @@ def test_an_out_that_is_not_new_empty_or_unfinished_is_refused_and_left_as_it_wa
     assert files() == before
 
 
+def test_a_link_where_a_lock_or_a_temporary_file_goes_is_never_written_through(tmp_path, capsys):
+    """`ln -s ~/victim.txt shared/.run1.lock` (or a results folder copied with tar / rsync -a): the run is
+    refused naming the link, the target keeps its bytes; the cache's per-key locks and the temporary file of
+    every atomic write never write through a link either."""
+    from infra import storage
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.symlink(victim, shared / ".run1.lock")
+    text = one_line_before_work(capsys, ["--out", str(shared / "run1"), "--cache-dir", str(tmp_path / "c"), *QUICK])
+    assert f"{shared / '.run1.lock'} is a link" in text, text
+    assert victim.read_text() == "precious" and not (shared / "run1").exists()
+    dangling = tmp_path / "locks" / "key.lock"
+    dangling.parent.mkdir()
+    os.symlink(tmp_path / "created-through-the-link", dangling)
+    with pytest.raises(SystemExit, match="is a link"):
+        with storage.file_lock(dangling):
+            pass
+    assert not (tmp_path / "created-through-the-link").exists()
+    target = tmp_path / "metrics.json"
+    os.symlink(victim, target.with_name(f"metrics.json.tmp{os.getpid()}"))   # a copied leftover of this pid
+    storage.atomic_write_text("{}", target)
+    assert victim.read_text() == "precious" and target.read_text() == "{}" and not target.is_symlink()
+
+
+def test_a_killed_writes_temporary_file_is_removed_when_the_run_goes_on(tmp_path):
+    """kill -9 between a checkpoint's temporary write and its rename leaves checkpoint.pt.tmp<pid> in --out:
+    the run that takes the folder again (--resume) removes it; a finished run never holds one."""
+    import argparse
+    out = tmp_path / "r"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps({"identity": {}}))
+    (out / "checkpoint.pt.tmp4242").write_bytes(b"half")
+    settings = runs.Settings(argparse.Namespace(out=str(out)), METHODS["pal"], {}, "cpu", out, identity={})
+    runs.begin(settings)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json"]
+
+
 @pytest.mark.slow
 def test_ctrl_c_then_any_command_leaves_the_checkpoint_and_resume_finishes(cache_dir, tmp_path, monkeypatch, capsys):
     """Ctrl-C in epoch 2; then the same command, another --seed into the same --out: each refused in one

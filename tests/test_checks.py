@@ -1,4 +1,4 @@
-"""What is refused before any work (infra/checks.py): path flags, a wrong data root, analyses that
+"""What is refused before any work (infra/run.py): path flags, a wrong data root, analyses that
 cannot run, a missing image; each one `error:` line before anything long runs."""
 
 import pytest

@@ -25,22 +25,17 @@ def test_config_of_a_default_run_holds_every_resolved_setting(cache_dir, tmp_pat
     assert config["hp"] == {"K": 512, "tau_p": 0.03, "tau": 0.05, "pooling": "cap", "head_rows": None,
                             "fast": True}                    # pooling None resolved by PAL's __init__
     image_enc, text_enc = encoders.load_encoders("shapes-cnn", "shapes-text", cache_dir)
-    assert config["image_weights"] == image_enc.fingerprint and len(image_enc.fingerprint) == 16
-    assert config["text_weights"] == text_enc.fingerprint and len(text_enc.fingerprint) == 16
+    assert config["identity"]["image_weights"] == image_enc.fingerprint and len(image_enc.fingerprint) == 16
+    assert config["identity"]["text_weights"] == text_enc.fingerprint and len(text_enc.fingerprint) == 16
     git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     assert config["software"] == {
         "python": config["software"]["python"], "torch": torch.__version__,
         "transformers": importlib.metadata.version("transformers"),
         "commit": git.stdout.strip() if git.returncode == 0 else None}
-    # a rerun of the same settings replaces it: the software is recorded, not compared
-    (out / "config.json").write_text(json.dumps(dict(config, software=dict(config["software"], torch="0.0",
-                                                                           commit="0" * 40))))
-    align.main(TINY + ["--cache-dir", str(cache_dir), "--out", str(out)])
-    assert json.loads((out / "config.json").read_text()) == config
-    # another fingerprint is another run
-    (out / "config.json").write_text(json.dumps(dict(config, image_weights="0" * 16)))
-    with pytest.raises(SystemExit, match="image_weights"):
+    # a finished run is never replaced, not even by the same settings
+    with pytest.raises(SystemExit, match="holds a finished run; results are never replaced"):
         align.main(TINY + ["--cache-dir", str(cache_dir), "--out", str(out)])
+    assert json.loads((out / "config.json").read_text()) == config
 
 
 def test_software_names_this_checkout_or_none(tmp_path, monkeypatch):
