@@ -338,3 +338,35 @@ def test_every_import_points_down():
     up += [f"{n} -> {m}" for n, deps in graph.items() for m in deps if m == "align"]
     assert up == [], "imports pointing up:\n" + "\n".join(up)
 
+
+
+# ---------------------------------------------------------------------------
+# What a reader walks through: the files a default run enters
+# ---------------------------------------------------------------------------
+ENTERED_AT_MOST = 12
+
+
+@pytest.mark.slow
+def test_a_default_run_enters_at_most_a_dozen_project_files(cache_dir, tmp_path):
+    """sys.setprofile over align.main (`--epochs 1 --threads 1 --no-figures`, the session's warm cache): the
+    project files whose functions the run calls. Bookkeeping is a few calls at fixed points, not a walk."""
+    import sys
+
+    import align
+    args = align.parse_args(["--epochs", "1", "--threads", "1", "--no-figures", "--eval-images", "32",
+                             "--cache-dir", str(cache_dir), "--out", str(tmp_path / "o")])
+    align.main(align.parse_args([*map(str, ["--epochs", 1, "--threads", 1, "--no-figures", "--eval-images", 8,
+                                            "--cache-dir", cache_dir, "--out", tmp_path / "warm"])]))   # the cache
+    root, entered = str(ROOT) + "/", set()
+
+    def profile(frame, event, arg):
+        name = frame.f_code.co_filename
+        if event == "call" and name.startswith(root) and frame.f_code.co_name != "<module>":
+            entered.add(name[len(root):])
+    sys.setprofile(profile)
+    try:
+        align.main(args)
+    finally:
+        sys.setprofile(None)
+    entered = {f for f in entered if not f.startswith("tests/")}
+    assert len(entered) <= ENTERED_AT_MOST, sorted(entered)
