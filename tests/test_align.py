@@ -201,7 +201,7 @@ def test_align_runs_end_to_end_and_reruns_identically(cache_dir, tmp_path):
         r["train"].pop("seconds")
     assert runs[0] == runs[1]                                  # --seed gives identical metrics
     assert ("retrieval" in r and (tmp_path / "run0" / "config.json").exists()
-            and (tmp_path / "run0" / "method.pt").exists())
+            and (tmp_path / "run0" / "model.safetensors").exists())
 
 
 @pytest.mark.slow

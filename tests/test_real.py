@@ -410,7 +410,7 @@ def test_align_runs_on_tiny_coco_with_real_encoders(tiny_world, models, tmp_path
     assert "COCO: 16 train pairs, 6 test images / 30 captions" in out
     assert {"i2t_r1", "t2i_r1", "rsum"} <= set(m["retrieval"])
     assert set(m["classification"]) == {"eurosat"} and set(m["segmentation"]) == {"voc20", "ade20k"}
-    assert (tmp_path / "out" / "method.pt").exists()
+    assert (tmp_path / "out" / "model.safetensors").exists()
 
 
 @pytest.mark.slow
@@ -431,7 +431,7 @@ def test_weight_recycling_runs_on_the_real_imagenet_head(tiny_world, models, tmp
     assert m["recycling"] == {"eurosat": {}}
     assert 0 <= m["retrieval"]["i2t_r1"] <= m["retrieval"]["i2t_r5"] <= 100
     assert 0 <= m["classification"]["eurosat"]["top1"] <= 100
-    assert (tmp_path / "out" / "method.pt").exists()
+    assert (tmp_path / "out" / "model.safetensors").exists()
 
 
 @pytest.mark.slow
