@@ -356,7 +356,7 @@ def main(argv=None):
         config = settings.config(method, alignment_pairs=len(img))
         config["model"] = aligned.model_config(args, settings.identity, run.image_encoder, run.text_encoder,
                                                (img.pooled.shape[-1], txt.pooled.shape[-1]))   # what load() rebuilds
-        print("[config] " + json.dumps(config, default=str))
+        print(config_line(config))                      # the whole of it: out/config.json
         if distributed.rank() == 0:
             storage.atomic_write_text(json.dumps(config, indent=2, default=str), out / "config.json")
         # -> training
@@ -372,6 +372,17 @@ def main(argv=None):
         write_metrics(metrics, config, run, args, out, device)
     print(f"[done] results in {out}/")
     return metrics
+
+
+def config_line(config):
+    """The [config] line: what differs run to run, in one short line (config.json holds every setting)."""
+    hp = " ".join(f"{k}={v}" for k, v in config["hp"].items())
+    ident = config["identity"]
+    return (f"[config] {config['method']} {hp}; epochs {config['epochs']}, batch {config['batch_size']}, lr "
+            f"{config['lr']}, wd {config['weight_decay']}, seed {config['seed']}; image {ident['image_encoder']} "
+            f"layer {ident['image_layer']}, text {ident['text_encoder']} layer {ident['text_layer']}; "
+            f"{config['data']} ({config['alignment_pairs']} pairs, {config['align_data']}) -> "
+            f"{config['out']}/config.json")
 
 
 def make_method(args, method_cls, hp, img, txt, device):

@@ -8,7 +8,8 @@ storage      atomic, checksummed files; locks; free space
 cache        the feature cache, keyed by the encoder's part of the identity
 shards       sharded, memory-mapped features when a set is large
 fingerprints what an encoder's weights and code are, for the cache key
-loader       batches from the cache, read ahead
+loader       batches from the cache, read ahead; progress lines (stderr, rate, ETA)
+runlog       the run's log.txt in its folder, --quiet
 distributed  torchrun: sharded extraction, data-parallel training
 budget       how long a method trains on a CPU, on how many threads
 model_files  real encoders' files on disk: paths, preprocessing, what to download

@@ -144,3 +144,44 @@ def test_the_readme_snippet_reproduces_evaluate_py_from_outside_the_repository(f
         want = evaluate.class_logits(model.method, e_img, cls, len(templates))
     assert got.shape == (3, 5)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_every_help_default_is_shown_and_list_hp_names_defaults_and_ranges(capsys):
+    import align
+    with pytest.raises(SystemExit):
+        align.parse_args(["--help"])
+    text = capsys.readouterr().out
+    flags = [line.split()[0] for line in text.splitlines() if line.startswith("  --")]
+    assert len(flags) >= 27
+    entries = text.split("\n  --")[1:]                  # one entry per flag, its help wrapped below it
+    missing = [e.split()[0] for e in entries if "default" not in " ".join(e.split()) and not e.startswith("help")]
+    assert not missing, missing
+    with pytest.raises(SystemExit):
+        align.parse_args(["--method", "asif", "--list-hp"])
+    listed = capsys.readouterr().out
+    assert "k              800        in [1, inf)" in listed and "n_anchors      None       in [1, inf)" in listed
+
+
+def test_a_task_without_data_is_left_out_of_the_table_with_one_line():
+    table = evaluate.results_table({"retrieval": {"i2t_r1": 50.0}, "classification": {}, "segmentation": {},
+                                    "layers": {"image": -1}}).splitlines()
+    assert [line.split()[0] for line in table[:-1]] == ["retrieval", "layers"]
+    assert table[-1].startswith("(not evaluated: classification, segmentation")
+
+
+def test_classify_and_search_a_folder(finished_run, cache_dir, tmp_path, capsys):
+    """python align.py classify / search: one line per image, the zero-shot argmax / the scores' order."""
+    paths, _, _ = shapes_pngs(tmp_path, cache_dir)
+    model = aligned.load(finished_run, cache_dir=cache_dir)
+    names = ["purple circle", "green circle", "orange triangle"]
+    want = model.zero_shot(paths, names)
+    aligned.main(["classify", str(finished_run), str(tmp_path), "--classes", ",".join(names)])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split("  ")[:2] for line in lines] == [[str(p), names[int(i)]] for p, i in zip(paths, want.argmax(1))]
+    aligned.main(["search", str(finished_run), str(tmp_path), "an orange triangle", "--csv", str(tmp_path / "s.csv")])
+    rows = list(csv.DictReader(open(tmp_path / "s.csv")))
+    s = model.search(paths, "an orange triangle")
+    assert [r["image"] for r in rows] == [str(paths[i]) for i in s.argsort(descending=True, stable=True)]
+    aligned.main(["table", str(finished_run.parent)])
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].startswith("| run | method |") and "| pal-shapes-seed0 | pal | shapes | 0 | 1 |" in table[2]

@@ -245,8 +245,9 @@ def test_image_preprocessing_is_the_checkpoints_own(models):
     ours = enc.transform(imgs)                                           # (2, 3, 32, 32)
     theirs = AutoImageProcessor.from_pretrained(models / "dinov2")(imgs, return_tensors="pt")["pixel_values"]
     assert ours.shape == theirs.shape and (ours - theirs).abs().mean() < 0.05   # resize filters differ slightly
-    square = images(1, size=(64, 64))[0]                                 # a square: resized straight, not cropped
-    torch.testing.assert_close(enc.transform([square]), enc.transform([square.resize((32, 32), Image.BICUBIC)]))
+    square = images(1, size=(64, 64))[0]                # a square photo: resized, then cropped, as its processor
+    theirs = AutoImageProcessor.from_pretrained(models / "dinov2", backend="pil")([square], return_tensors="pt")
+    torch.testing.assert_close(enc.transform([square]), theirs["pixel_values"], rtol=0, atol=1e-5)
     beit = encoders.load_hf_image(str(models / "beit"))                  # no preprocessor file: the ViT default
     assert (beit.transform.resize, beit.transform.crop) == (37, 32)
 
