@@ -90,7 +90,7 @@ def stop_if_not_finite(losses, epoch, first, ckpt, saved, lr, params=()):
     or, when every loss is finite, at a non-finite trained parameter (a finite loss whose gradient was
     not: the step wrote NaN into the weights), with where it happened and what to do; one host sync.
     Steps after it have run, on NaN weights, but no checkpoint was written since: the run stops before
-    its epoch's checkpoint, metrics or method.pt."""
+    its epoch's checkpoint, metrics or model.safetensors."""
     if not losses and not params:
         return
     loss_ok = torch.isfinite(torch.stack(losses)) if losses else torch.ones(0, dtype=torch.bool)  # (n,)

@@ -53,6 +53,9 @@ QUIET = False    # align.py --quiet: no progress lines
 FIRST = 2.0      # seconds before a loop's first progress line
 
 
+ANNOUNCE = 10000  # a loop over at least this many items says when it starts (COCO's sets; not the Shapes world's)
+
+
 def to_stderr(line):
     print(line, file=sys.stderr, flush=True)
 
@@ -71,6 +74,8 @@ class Progress:
         self.log = to_stderr if log is print else log
         self.t0 = time.time() if t0 is None else t0
         self.done, self.last, self.said = 0, self.t0, False
+        if total >= ANNOUNCE and not QUIET:         # a first batch of a large set can take a minute: say it began
+            self.log(f"{tag} 0/{total} {unit}, started")
 
     def line(self):
         dt = max(time.time() - self.t0, 1e-9)
