@@ -150,7 +150,7 @@ def start(args, device):
     cores = torch.get_num_threads()
     if args.threads or device == "cpu":
         torch.set_num_threads(args.threads or 1)
-    if device == "cpu":
+    if device == "cpu" and not getattr(args, "quiet", False):
         print(f"[threads] {args.threads} (--threads)" if args.threads else
               f"[threads] 1 for the encoders and feature extraction; training on all {cores} cores "
               f"when a step's forward has >= {budget.BIG_STEP_GFLOP:g} GFLOP of matrix products, "
@@ -341,7 +341,7 @@ def main(argv=None):
     method_cls = METHODS[args.method]
     settings = runs.before_any_work(args, method_cls)   # every refusal that needs no work; --out chosen
     device, out, cores = settings.device, settings.out, start(args, settings.device)
-    with runs.held(out), runlog.run_log(out, args.quiet):   # one run at a time in --out; its log.txt
+    with runs.held(out), runlog.run_log(out, getattr(args, "quiet", False)):   # one run at a time in --out; its log.txt
         # data -> frozen features
         run = load_inputs(args, device)                 # every input read whole, under one guard each
         settings.read_inputs(run.image_encoder, run.text_encoder, run.sets)   # the run's identity
