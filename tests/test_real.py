@@ -401,7 +401,7 @@ def run_align(tmp_path, *extra, env=()):
            "--out", str(tmp_path / "out"), "--threads", "1", "--epochs", "2", *extra]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    return r.stdout, json.loads((tmp_path / "out" / "metrics.json").read_text())
+    return r.stdout + r.stderr, json.loads((tmp_path / "out" / "metrics.json").read_text())   # progress: stderr
 
 
 @pytest.mark.slow
