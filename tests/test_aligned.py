@@ -185,3 +185,24 @@ def test_classify_and_search_a_folder(finished_run, cache_dir, tmp_path, capsys)
     aligned.main(["table", str(finished_run.parent)])
     table = capsys.readouterr().out.splitlines()
     assert table[0].startswith("| run | method |") and "| pal-shapes-seed0 | pal | shapes | 0 | 1 |" in table[2]
+
+
+@pytest.mark.slow
+def test_pip_install_e_gives_the_modules_the_weights_and_the_console_script(tmp_path):
+    """`pip install -e <repo>` into a fresh virtual environment (the installed torch / transformers seen through
+    --system-site-packages; the build offline: --no-build-isolation, --no-deps): from a folder outside the
+    repository the modules import, the shipped weights are found, and posthoc-align answers --help."""
+    import venv
+    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(tmp_path / "env")
+    python = tmp_path / "env" / "bin" / "python"
+    r = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", "-e",
+                        str(ROOT)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([str(python), "-c", "import aligned, shapes_encoders; print(aligned.__file__, "
+                        "shapes_encoders.SHIPPED.is_file())"], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert r.returncode == 0 and r.stdout.split() == [str(ROOT / "aligned.py"), "True"], r.stderr
+    r = subprocess.run([str(tmp_path / "env" / "bin" / "posthoc-align"), "--help"], capture_output=True, text=True,
+                       cwd=tmp_path, env=env)
+    assert r.returncode == 0 and "--list-hp" in r.stdout and "classify" in r.stdout
+    assert not (ROOT / "build").exists()
