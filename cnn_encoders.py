@@ -75,7 +75,7 @@ class TorchvisionEncoder(MapEncoder):
 
     def __init__(self, name, model, layer=-1, transform=None, class_names=None):
         self.name, self.model, self.layer = f"torchvision/{name}", model.eval(), layer
-        self.transform = transform or ImagePreprocess(256, 224, resample=2)  # torchvision's ImageNet transform
+        self.transform = transform or ImagePreprocess(256, 224, resample=2, crop_round="round")  # torchvision's
         self.preprocess, self.class_names = repr(self.transform), class_names
         if not (-1 <= layer <= 4 and layer != 0):
             raise RunError(f"--image-layer {layer}: torchvision ResNets have stages 1..4 (-1 = 4)")
@@ -131,11 +131,17 @@ def load_torchvision(name, layer=-1, weights="DEFAULT"):
             f"(or set TORCH_HOME).") from None
     for p in model.parameters():
         p.requires_grad_(False)
-    t = meta.transforms()
-    transform = ImagePreprocess(t.resize_size[0], t.crop_size[0], tuple(t.mean), tuple(t.std), resample=2)
-    enc = TorchvisionEncoder(arch, model, layer, transform, meta.meta["categories"])
+    enc = TorchvisionEncoder(arch, model, layer, torchvision_preprocess(meta.transforms()), meta.meta["categories"])
     enc.fingerprint = f"{meta} {meta.url}"   # the weights enum, e.g. ResNet50_Weights.IMAGENET1K_V2, and its file
     return enc
+
+
+def torchvision_preprocess(t):
+    """ImagePreprocess equal to a torchvision weights.transforms() (ImageClassification) on PIL images: resize
+    the shorter side (PIL, its interpolation), centre crop with torchvision's rounded offset, mean / std."""
+    pil = {"nearest": 0, "bilinear": 2, "bicubic": 3}[t.interpolation.value]
+    return ImagePreprocess(t.resize_size[0], t.crop_size[0], tuple(t.mean), tuple(t.std), resample=pil,
+                           crop_round="round")
 
 
 PACKAGES = {  # --image-encoder -> (weights package, its file-path class)

@@ -344,10 +344,13 @@ def results_table(metrics):
     """Plain-text table of the nested metrics dict, one line per metric group.
 
     {"retrieval": {...}, "classification": {set: {"top1": x}}, ...}: a group whose
-    values are all dicts gets one line per member ("classification/shapes").
+    values are all dicts gets one line per member ("classification/shapes"); an empty group (a
+    task the data has no set for) gets no line, and one closing line names them.
     """
-    rows = []
+    rows, empty = [], [group for group, vals in metrics.items() if vals == {}]
     for group, vals in metrics.items():
+        if vals == {}:
+            continue                                  # a task without data: said once, below
         if isinstance(vals, dict) and vals and all(isinstance(v, dict) for v in vals.values()):
             rows += [(f"{group}/{name}", v) for name, v in vals.items()]
         else:
@@ -357,4 +360,6 @@ def results_table(metrics):
     for label, vals in rows:
         cells = [f"{k} {_fmt(v)}" for k, v in vals.items()] if isinstance(vals, dict) else [_fmt(vals)]
         lines.append((label.ljust(width) + "  " + "  ".join(c.ljust(16) for c in cells)).rstrip())
+    if empty:
+        lines.append(f"(not evaluated: {', '.join(empty)}: the data has no such set; docs/real-data.md)")
     return "\n".join(lines)

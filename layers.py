@@ -35,11 +35,14 @@ def select_layers(image_enc, text_enc, pairs, metric="mknn", n=5000, batch_size=
     import similarity
     from infra.storage import atomic_write_text
 
-    def pooled_by_layer(enc, items):  # {layer: (n, D_layer)} on device
-        out = {}
+    def pooled_by_layer(enc, items, kind):  # {layer: (n, D_layer)} on device; progress on stderr past 2 s
+        from infra.loader import Progress
+        out, progress = {}, Progress(f"[layers] {metric}: {kind} of every layer:", len(items), kind)
         for i in range(0, len(items), batch_size):
             for layer, v in enc.pooled_layers(items[i:i + batch_size], device).items():
                 out.setdefault(layer, []).append(v)
+            progress.update(len(items[i:i + batch_size]))
+        progress.close()
         return {layer: torch.cat(v).float() for layer, v in out.items()}
 
     pick = torch.randperm(len(pairs.images), generator=torch.Generator().manual_seed(seed))[:n].sort().values
@@ -66,8 +69,8 @@ def select_layers(image_enc, text_enc, pairs, metric="mknn", n=5000, batch_size=
     else:
         images = pairs.images[pick] if isinstance(pairs.images, torch.Tensor) else \
             [pairs.images[i] for i in pick.tolist()]                            # real images: opened here only
-        X = pooled_by_layer(image_enc, images)                                  # {li: (n, D_i)}
-        Y = pooled_by_layer(text_enc, captions)                                 # {lt: (n, D_t)}
+        X = pooled_by_layer(image_enc, images, "images")                        # {li: (n, D_i)}
+        Y = pooled_by_layer(text_enc, captions, "captions")                     # {lt: (n, D_t)}
         table = similarity.cka_table(X, Y) if metric == "cka" else similarity.mutual_knn_table(X, Y, k)
         where = ""
         if path is not None:

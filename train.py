@@ -162,8 +162,10 @@ def resolve_loop(settings, method, img, txt, cores):
 # The one training loop
 # ---------------------------------------------------------------------------
 def fit_or_train(method, img, txt, loop, out, device, resume=False, settings=None, negatives=None):
-    """A closed-form fit, or the training loop; {"seconds", "final_loss"} (the last epoch's mean loss, as printed)."""
-    t0, result = time.time(), {"seconds": 0.0, "final_loss": None}
+    """A closed-form fit, or the training loop; {"seconds", "final_loss", "history"}: the last epoch's mean loss, as
+    printed, and one dict per epoch (epoch, loss, the method's logs, lr, seconds; a closed form: one row, epoch 0,
+    the fit's seconds), which align.py writes to history.csv."""
+    t0, result = time.time(), {"seconds": 0.0, "final_loss": None, "history": []}
     if method.fit is not None:  # closed forms are global: pooled vectors, never a whole token cache
         if distributed.world() > 1 and method.loss is None and not distributed.end_group():
             return result                   # torchrun: rank 0 fits alone, the others leave before the fit
@@ -171,7 +173,8 @@ def fit_or_train(method, img, txt, loop, out, device, resume=False, settings=Non
             vectors = lambda f: Features.from_vectors(f.pooled).to(device)
             method.fit(vectors(img), vectors(txt))
         distributed.broadcast_state(method)
-        result = {"seconds": round(time.time() - t0, 2), "final_loss": None}
+        seconds = round(time.time() - t0, 2)
+        result = {"seconds": seconds, "final_loss": None, "history": [{"epoch": 0, "seconds": seconds}]}
     if method.loss is not None:
         try:
             result = train(method, img, txt, loop, out, device, resume, settings, negatives)
@@ -192,7 +195,7 @@ def stop_if_not_finite(losses, epoch, first, ckpt, saved, lr, params=()):
     or, when every loss is finite, at a non-finite trained parameter (a finite loss whose gradient was
     not: the step wrote NaN into the weights), with where it happened and what to do; one host sync.
     Steps after it have run, on NaN weights, but no checkpoint was written since: the run stops before
-    its epoch's checkpoint, metrics or method.pt."""
+    its epoch's checkpoint, metrics or model.safetensors."""
     if not losses and not params:
         return
     loss_ok = torch.isfinite(torch.stack(losses)) if losses else torch.ones(0, dtype=torch.bool)  # (n,)
@@ -240,7 +243,7 @@ def train(method, img, txt, loop, out, device, resume=False, settings=None, nega
     params = [p for p in method.parameters() if p.requires_grad]
     opt = opt_cls(params, lr=lr, weight_decay=wd, betas=d.get("betas", (0.9, 0.999)))
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, epochs * steps_per_epoch))
-    start, ckpt, last = 0, Path(out) / "checkpoint.pt", None   # written each epoch
+    start, ckpt, last, history = 0, Path(out) / "checkpoint.pt", None, []   # written each epoch
     if resume is True and ckpt.exists():
         resume = load_checkpoint(ckpt, settings)
     if isinstance(resume, dict):
@@ -251,13 +254,13 @@ def train(method, img, txt, loop, out, device, resume=False, settings=None, nega
         torch.set_rng_state(state["rng"])           # dropout continues as in an uninterrupted run
         if str(device).startswith("cuda") and state.get("cuda_rng") is not None:
             torch.cuda.set_rng_state(state["cuda_rng"])  # dropout of the method's device tensors draws here
-        start, last = state["epoch"] + 1, state.get("loss")
+        start, last, history = state["epoch"] + 1, state.get("loss"), list(state.get("history", []))
         print(f"[train] resumed from {ckpt} after epoch {start}")
     elif resume:
         print(f"[train] --resume: no checkpoint at {ckpt} yet; starting at epoch 1")
     dd = distributed.Training(method, batch_size, negatives is not None)  # torchrun: rows, the loss
     if not dd.active:
-        return {"seconds": 0.0, "final_loss": None}                     # rank 0 trains alone
+        return {"seconds": 0.0, "final_loss": None, "history": []}     # rank 0 trains alone
     print(f"[train] {epochs} epochs x {steps_per_epoch} steps, batch {batch_size}, {opt_cls.__name__} "
           f"lr {lr:g} wd {wd:g}")
     t0, loss = time.time(), torch.tensor(float("nan"))
@@ -271,6 +274,7 @@ def train(method, img, txt, loop, out, device, resume=False, settings=None, nega
         index_batches = (dd.rows(order[step * batch_size:(step + 1) * batch_size])  # this rank's slice
                          for step in range(steps_per_epoch))
         batches = loader.batch_loader(img, txt, index_batches, device)
+        progress = loader.Progress(f"[train] epoch {epoch + 1}:", steps_per_epoch, "steps", every=30, first=10)
         for step, (idx, img_b, txt_b) in enumerate(batches):
             loss, logs = dd.loss(img_b, txt_b)            # method.loss unless split by torchrun
             if negatives is not None:             # --hard-negatives: L = L_method + L_hn (never split)
@@ -288,6 +292,7 @@ def train(method, img, txt, loop, out, device, resume=False, settings=None, nega
             pending.append(loss.detach())
             for k, v in logs.items():
                 sums[k] = sums.get(k, 0) + v
+            progress.update(1)                            # a line past 10 s into a long epoch (stderr)
             if len(pending) == FINITE_EVERY:              # the host looks every FINITE_EVERY steps ...
                 stop_if_not_finite(pending, epoch, first, ckpt, epoch > start or start > 0, lr)
                 pending, first = [], step + 1
@@ -298,12 +303,15 @@ def train(method, img, txt, loop, out, device, resume=False, settings=None, nega
         mean = total.item() / n
         print(f"[train] epoch {epoch + 1:3d}/{epochs}  loss {mean:.4f}{means}  "
               f"{steps_per_epoch / max(dt, 1e-9):.1f} steps/s  {time.time() - t0:.0f}s")
+        history.append({"epoch": epoch + 1, "loss": mean, **{k: float(v) / n for k, v in sums.items()},
+                        "lr": sched.get_last_lr()[0], "seconds": round(dt, 3)})   # lr: at the epoch's end
         last = round(mean, 4)  # final_loss: the epoch's mean as printed (float32 sums part below 1e-4 across CPUs)
         if distributed.rank() == 0:
             ckpt.parent.mkdir(parents=True, exist_ok=True)
             storage.atomic_save({"method": method.state_dict(), "opt": opt.state_dict(),
                                "sched": sched.state_dict(), "epoch": epoch,
-                               "rng": torch.get_rng_state(), "loss": last, "settings": settings,
+                               "rng": torch.get_rng_state(), "loss": last, "settings": settings, "history": history,
                                "cuda_rng": torch.cuda.get_rng_state() if str(device).startswith("cuda") else None},
                               ckpt)
-    return {"seconds": round(time.time() - t0, 2), "final_loss": last}  # resumed when done: as saved
+    return {"seconds": round(time.time() - t0, 2), "final_loss": last,   # resumed when done: as saved
+            "history": history}

@@ -115,6 +115,7 @@ def probes(args):
     import numpy as np
     import torch
 
+    import aligned
     import encoders
     import shapes
     import shapes_encoders
@@ -151,10 +152,10 @@ def probes(args):
         for method in ("pal", "pal_rel"):
             for hard in ("nohn", "hn"):
                 run = Path(args.out) / f"{method}-{text}-{hard}-seed0"
-                if not (run / "method.pt").exists():
+                if not (run / "model.safetensors").exists() and not (run / "method.pt").exists():
                     continue
                 m = METHODS[method](img_f.pooled.shape[-1], t.pooled.shape[-1])
-                m.load_state_dict(torch.load(run / "method.pt"))
+                m.load_state_dict(aligned.read_weights(run))
                 with torch.no_grad():
                     e_v, e_l = m.embed_image(img_f), m.embed_text(t)
                 K = m.K
@@ -206,9 +207,10 @@ def paraphrases(args):
 # ---------------------------------------------------------------- --breakdown: which phrasing fails?
 def breakdown(args):
     """Each trained run's harder binding test per caption form: the all-styles set by training style,
-    the held-out set by template (shapes.HELD_OUT_TEMPLATES), from the run's method.pt."""
+    the held-out set by template (shapes.HELD_OUT_TEMPLATES), from the run's model.safetensors."""
     import torch
 
+    import aligned
     import encoders
     import evaluate
     import shapes
@@ -225,7 +227,7 @@ def breakdown(args):
             img = img_enc.encode(s.images)
             txt = {k: txt_enc.encode(c) for k, c in [("true", s.captions), *s.distractors.items()]}
             m = METHODS[config["method"]](img.pooled.shape[-1], txt["true"].pooled.shape[-1], **config["hp"])
-            m.load_state_dict(torch.load(Path(run) / "method.pt"))
+            m.load_state_dict(aligned.read_weights(run))
             for f, form in enumerate(forms):
                 idx = torch.arange(f, len(s.captions), len(forms))
                 r = evaluate.binding(m, img[idx], txt["true"][idx], {k: txt[k][idx] for k in s.distractors})
@@ -251,7 +253,7 @@ def main():
     p.add_argument("--cache-dir", default=".cache", help="shared encoder/feature cache")
     p.add_argument("--probes", action="store_true",
                    help="instead of the grid: linear probes of the relation on frozen tokens, pooled features and "
-                        "the grid's trained PAL / PAL-Rel embeddings (reads <out>/<run>/method.pt)")
+                        "the grid's trained PAL / PAL-Rel embeddings (reads <out>/<run>/model.safetensors)")
     p.add_argument("--breakdown", nargs="+", default=None, metavar="RUN",
                    help="instead of the grid: the binding test per caption form of trained runs (their folders)")
     p.add_argument("--paraphrases", action="store_true",

@@ -7,7 +7,8 @@ run          Settings, the run's identity, the checks before any work, the run f
 storage      atomic, checksummed files; locks; free space; fingerprints of weights and code
 cache        the feature cache, keyed by the encoder's part of the identity
 shards       sharded, memory-mapped features when a set is large
-loader       batches from the cache, read ahead
+loader       batches from the cache, read ahead; progress lines (stderr, rate, ETA)
+runlog       the run's log.txt in its folder, --quiet
 distributed  torchrun: sharded extraction, data-parallel training
 model_files  real encoders' files on disk: paths, preprocessing, what to download
 """

@@ -7,6 +7,7 @@ copied on a side stream while the step on batch n runs.
 """
 import collections
 import queue
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -46,16 +47,35 @@ def clock(seconds):
     return f"{s}s" if s < 60 else f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
+QUIET = False    # align.py --quiet: no progress lines
+
+
+FIRST = 2.0      # seconds before a loop's first progress line
+
+
+ANNOUNCE = 10000  # a loop over at least this many items says when it starts (COCO's sets; not the Shapes world's)
+
+
+def to_stderr(line):
+    print(line, file=sys.stderr, flush=True)
+
+
 class Progress:
     """Progress lines of a long loop, in the style of [train]'s: done / total, rate, elapsed, ETA.
 
     t0: when the work began (the rate counts everything done since, the first batch included).
-    A line at most every `every` seconds and one at the end, only when the loop ran that long."""
+    The first line after FIRST seconds, then at most one every `every` seconds and one at the end, only
+    when the loop ran that long; on stderr, flushed (log=print), so a redirected stdout keeps the results.
+    None under --quiet (QUIET)."""
 
-    def __init__(self, tag, total, unit="rows", every=10.0, log=print, t0=None):
-        self.tag, self.total, self.unit, self.every, self.log = tag, total, unit, every, log
+    def __init__(self, tag, total, unit="rows", every=10.0, log=print, t0=None, first=None):
+        self.tag, self.total, self.unit, self.every = tag, total, unit, every
+        self.first = FIRST if first is None else first
+        self.log = to_stderr if log is print else log
         self.t0 = time.time() if t0 is None else t0
-        self.done, self.last = 0, self.t0
+        self.done, self.last, self.said = 0, self.t0, False
+        if total >= ANNOUNCE and not QUIET:         # a first batch of a large set can take a minute: say it began
+            self.log(f"{tag} 0/{total} {unit}, started")
 
     def line(self):
         dt = max(time.time() - self.t0, 1e-9)
@@ -67,12 +87,13 @@ class Progress:
     def update(self, n, force=False):
         self.done += n
         now = time.time()
-        if force or (now - self.last >= self.every and self.done < self.total):
-            self.last = now
+        wait = self.every if self.said else self.first
+        if not QUIET and (force or (now - self.last >= wait and self.done < self.total)):
+            self.last, self.said = now, True
             self.log(self.line())
 
     def close(self):
-        if time.time() - self.t0 >= self.every:
+        if not QUIET and (self.said or time.time() - self.t0 >= self.every):
             self.log(self.line())
 
 

@@ -22,48 +22,59 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 IMAGE_THREADS = min(32, os.cpu_count() or 1)   # JPEG decode + resize threads (PIL releases the GIL)
 
 
-STRIP = 4   # an image whose resize would exceed this many crops is resized from its crop's box alone
+STRIP = 64  # an image whose resize would exceed this many crops (an aspect beyond ~50:1, an 8000 x 2 strip) is
+            # resized from its crop's box alone; every photo below it is resize-then-crop, as the processors do
 
 
 class ImagePreprocess:
     """PIL images (or uint8 (3, S, S) tensors) -> (B, 3, crop, crop) normalised floats.
 
-    Resize the shorter side to `resize`, centre-crop `crop` x `crop`, scale to [0, 1],
-    subtract mean, divide by std. A square image, or any image when resize is None
-    (processors that resize to a fixed height x width), is resized straight to crop x crop.
+    Resize the shorter side to `resize` (the longer side int(resize * long / short), truncated, as
+    transformers' get_resize_output_image_size and torchvision's resize compute it), centre-crop `crop` x
+    `crop` (top-left offset floor((size - crop) / 2), as transformers' center_crop; crop_round="round":
+    int(round(...)), as torchvision's center_crop), scale to [0, 1], subtract mean, divide by std: the
+    processor's own pipeline, PIL's resize included, for every size and aspect. Resized straight to
+    crop x crop: every image when resize is None (processors that resize to a fixed height x width), and
+    the segmentation sets' square crops (images with .square, data.LazyImages), whose masks cover the
+    whole square (a resize-then-crop would cut their border off the image but not off the mask).
     An image whose whole resize would exceed STRIP crops (an 8000 x 2 strip) is resized from its
     crop's box alone (PIL's resize(box=...)), within a few grey levels of resize-then-crop.
     Images are decoded in IMAGE_THREADS threads (PIL releases the GIL); a file that
     cannot be read raises its error here, in the main process, naming the file.
     """
 
-    def __init__(self, resize=256, crop=224, mean=IMAGENET_MEAN, std=IMAGENET_STD, resample=3):
+    def __init__(self, resize=256, crop=224, mean=IMAGENET_MEAN, std=IMAGENET_STD, resample=3, crop_round="floor"):
         # crop: a side, or (height, width) as a processor's crop_size {"height", "width"} gives it
         self.crop_hw = tuple(crop) if isinstance(crop, (tuple, list)) else (crop, crop)
         self.crop = crop if not isinstance(crop, (tuple, list)) or crop[0] != crop[1] else crop[0]
         if isinstance(self.crop, list):
             self.crop = tuple(self.crop)
-        self.resize, self.resample = resize, resample
+        self.resize, self.resample, self.crop_round = resize, resample, crop_round
         self.mean, self.std = torch.tensor(mean).view(3, 1, 1), torch.tensor(std).view(3, 1, 1)
 
     def __repr__(self):  # goes into the cache key
         r = lambda t: [round(v, 4) for v in t.flatten().tolist()]
         return (f"resize {self.resize} crop {self.crop} resample {self.resample} mean {r(self.mean)} std {r(self.std)}"
+                f"; long side truncated, crop offset {self.crop_round}, whole square only for segmentation crops"
                 f"; EXIF upright, alpha on white, strips by box")
 
-    def one(self, img):
+    def one(self, img, whole=False):
+        """One image -> uint8 (3, crop_h, crop_w); whole: resized straight to the crop (a segmentation square)."""
         from PIL import Image
         if isinstance(img, torch.Tensor):
             img = Image.fromarray(img.permute(1, 2, 0).numpy())
         img = img.convert("RGB")
         w, h = img.size
         ch, cw = self.crop_hw
-        if self.resize is None or w == h and ch == cw:
+        if self.resize is None or whole and w == h:
             img = img.resize((cw, ch), self.resample)
         else:
-            r = self.resize / min(w, h)
-            W, H = max(cw, round(w * r)), max(ch, round(h * r))                   # the whole image resized
-            left, top = (W - cw) // 2, (H - ch) // 2
+            short, long = min(w, h), max(w, h)
+            new_long = int(self.resize * long / short)                           # truncated, as the processors
+            W, H = (self.resize, new_long) if w <= h else (new_long, self.resize)
+            W, H = max(cw, W), max(ch, H)                                        # the whole image resized
+            offset = (lambda d: d // 2) if self.crop_round == "floor" else (lambda d: int(round(d / 2.0)))
+            left, top = offset(W - cw), offset(H - ch)
             if W * H <= STRIP * ch * cw:
                 img = img.resize((W, H), self.resample).crop((left, top, left + cw, top + ch))
             else:       # a strip (8000 x 2): only the crop's box is resized, never the 1,024,000 x 256 whole
@@ -73,11 +84,12 @@ class ImagePreprocess:
 
     def uint8(self, images):
         """(B, 3, crop, crop) uint8: decoded, resized and cropped in IMAGE_THREADS threads, not normalised."""
+        whole = bool(getattr(images, "square", False))       # a segmentation set's square crops
         if IMAGE_THREADS <= 1 or len(images) == 1:
-            return torch.stack([self.one(images[i]) for i in range(len(images))])
+            return torch.stack([self.one(images[i], whole) for i in range(len(images))])
         from concurrent.futures import ThreadPoolExecutor
         with ThreadPoolExecutor(IMAGE_THREADS) as pool:  # images[i] opens the file inside the thread
-            return torch.stack(list(pool.map(lambda i: self.one(images[i]), range(len(images)))))
+            return torch.stack(list(pool.map(lambda i: self.one(images[i], whole), range(len(images)))))
 
     def normalise(self, x):
         """uint8 (B, 3, S, S), on any device -> floats scaled to [0, 1], minus mean, over std (on that device)."""

@@ -55,15 +55,19 @@ def test_training_is_deterministic_and_resume_continues_exactly(tmp_path):
     img, txt = planted_pairs()   # 64 pairs, batch 16: 4 steps an epoch
     torch.manual_seed(0)
     straight = Linear(8, 6, K=4)
-    train_with(straight, img, txt, loop_args(), tmp_path / "a", "cpu")
+    whole = train_with(straight, img, txt, loop_args(), tmp_path / "a", "cpu")
     torch.manual_seed(0)
     interrupted = StopAtCall(8, 6, K=4, n=10)      # dies in epoch 3, after the checkpoint of epoch 2
     with pytest.raises(KeyboardInterrupt):
         train_with(interrupted, img, txt, loop_args(), tmp_path / "b", "cpu")
     resumed = Linear(8, 6, K=4)
-    train_with(resumed, img, txt, loop_args(resume=True), tmp_path / "b", "cpu")
+    cut = train_with(resumed, img, txt, loop_args(resume=True), tmp_path / "b", "cpu")
     for k, v in straight.state_dict().items():
         assert torch.allclose(v, resumed.state_dict()[k], atol=1e-6), k
+    # history.csv's rows: every epoch once, the checkpoint's epochs 1-2 carried over by --resume
+    assert [r["epoch"] for r in cut["history"]] == [r["epoch"] for r in whole["history"]] == [1, 2, 3]
+    for a, b in zip(whole["history"], cut["history"]):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["lr"] == pytest.approx(b["lr"])
 
 
 def test_nan_loss_stops_with_epoch_and_step_and_keeps_the_checkpoint(tmp_path):
@@ -216,7 +220,7 @@ def test_align_runs_end_to_end_and_reruns_identically(cache_dir, tmp_path):
         r["train"].pop("seconds")
     assert runs[0] == runs[1]                                  # --seed gives identical metrics
     assert ("retrieval" in r and (tmp_path / "run0" / "config.json").exists()
-            and (tmp_path / "run0" / "method.pt").exists())
+            and (tmp_path / "run0" / "model.safetensors").exists())
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ import pytest
 import torch
 from conftest import random_features
 
+import aligned
 import encoders
 from infra import distributed
 from methods import METHODS
@@ -154,7 +155,7 @@ def test_torchrun_two_ranks_match_one_process_for_pal_and_csa(cache, tmp_path):
         for k in one:
             if k != "train/seconds":
                 assert two[k] == pytest.approx(one[k], abs=1e-6), (method, k)
-        p1, p2 = (torch.load(p / "method.pt") for p in (tmp_path / "one" / method, out))
+        p1, p2 = (aligned.read_weights(p) for p in (tmp_path / "one" / method, out))
         for k in p1:
             torch.testing.assert_close(p2[k].float(), p1[k].float(), rtol=0, atol=1e-4, msg=f"{method} {k}")
     r = subprocess.run([*TORCHRUN, str(ROOT / "align.py"), "--method", "pal", "--out", str(tmp_path / "two" / "pal"),

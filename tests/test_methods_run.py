@@ -20,7 +20,8 @@ def test_method_runs_end_to_end(name, cache_dir, tmp_path):
                           "--eval-images", "20", "--cache-dir", str(cache_dir), "--out", str(tmp_path),
                           "--no-figures", "--threads", "1"])
     saved = json.loads((tmp_path / "metrics.json").read_text())
-    assert saved["retrieval"].keys() == metrics["retrieval"].keys() and (tmp_path / "method.pt").exists()
+    assert saved["retrieval"].keys() == metrics["retrieval"].keys() and (tmp_path / "model.safetensors").exists() \
+        and (tmp_path / "history.csv").exists()
     values = [saved["retrieval"]["rsum"], saved["classification"]["cls"]["top1"],
               saved["segmentation"]["seg"]["miou_fg"]]
     assert all(math.isfinite(v) and v >= 0 for v in values)

@@ -196,7 +196,7 @@ def test_a_preprocessor_that_does_not_normalise_is_followed(tmp_path, models):
     (folder / "preprocessor_config.json").write_text(json.dumps(dict(config, do_normalize=False)))
     pixels = torch.randint(0, 256, (3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     t = encoders.load_hf_image(str(folder)).transform
-    assert torch.equal(t([pixels]), pixels[None].float() / 255)               # 32 x 32: the crop, no resize
+    assert torch.equal(t([pixels]), t.uint8([pixels]).float() / 255)          # resized and cropped, not normalised
     assert encoders.load_hf_image(str(models / "dinov2")).transform([pixels]).min() < 0   # normalised: below 0
 
 
@@ -213,8 +213,10 @@ def test_a_preprocessor_that_rescales_otherwise_is_followed(tmp_path, models, ch
     c = dict(config, **change)
     f = c.get("rescale_factor", 1 / 255) if c.get("do_rescale", True) else 1.0
     mean, std = torch.tensor(c["image_mean"]).view(3, 1, 1), torch.tensor(c["image_std"]).view(3, 1, 1)
-    want = (pixels[None].double() * f - mean.double()) / std.double()            # the processor's arithmetic
-    got = encoders.load_hf_image(str(folder)).transform([pixels])
+    t = encoders.load_hf_image(str(folder)).transform
+    x = t.uint8([pixels]).double()                                                 # resized and cropped, 0..255
+    want = (x * f - mean.double()) / std.double()                                  # the processor's arithmetic
+    got = t([pixels])
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
 
 

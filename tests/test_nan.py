@@ -54,7 +54,7 @@ def test_a_finite_loss_with_a_nan_gradient_stops_before_any_nan_save(tmp_path):
     saved = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert saved["epoch"] == 0, "the NaN epoch wrote a checkpoint"
     assert all(torch.isfinite(v).all() for v in saved["method"].values()), "a checkpoint holds NaN"
-    assert not (tmp_path / "method.pt").exists()
+    assert not (tmp_path / "model.safetensors").exists()
 
 
 def test_resume_refuses_a_checkpoint_holding_nan(tmp_path):

@@ -245,8 +245,9 @@ def test_image_preprocessing_is_the_checkpoints_own(models):
     ours = enc.transform(imgs)                                           # (2, 3, 32, 32)
     theirs = AutoImageProcessor.from_pretrained(models / "dinov2")(imgs, return_tensors="pt")["pixel_values"]
     assert ours.shape == theirs.shape and (ours - theirs).abs().mean() < 0.05   # resize filters differ slightly
-    square = images(1, size=(64, 64))[0]                                 # a square: resized straight, not cropped
-    torch.testing.assert_close(enc.transform([square]), enc.transform([square.resize((32, 32), Image.BICUBIC)]))
+    square = images(1, size=(64, 64))[0]                # a square photo: resized, then cropped, as its processor
+    theirs = AutoImageProcessor.from_pretrained(models / "dinov2", backend="pil")([square], return_tensors="pt")
+    torch.testing.assert_close(enc.transform([square]), theirs["pixel_values"], rtol=0, atol=1e-5)
     beit = encoders.load_hf_image(str(models / "beit"))                  # no preprocessor file: the ViT default
     assert (beit.transform.resize, beit.transform.crop) == (37, 32)
 
@@ -400,7 +401,7 @@ def run_align(tmp_path, *extra, env=()):
            "--out", str(tmp_path / "out"), "--threads", "1", "--epochs", "2", *extra]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    return r.stdout, json.loads((tmp_path / "out" / "metrics.json").read_text())
+    return r.stdout + r.stderr, json.loads((tmp_path / "out" / "metrics.json").read_text())   # progress: stderr
 
 
 @pytest.mark.slow
@@ -410,7 +411,7 @@ def test_align_runs_on_tiny_coco_with_real_encoders(tiny_world, models, tmp_path
     assert "COCO: 16 train pairs, 6 test images / 30 captions" in out
     assert {"i2t_r1", "t2i_r1", "rsum"} <= set(m["retrieval"])
     assert set(m["classification"]) == {"eurosat"} and set(m["segmentation"]) == {"voc20", "ade20k"}
-    assert (tmp_path / "out" / "method.pt").exists()
+    assert (tmp_path / "out" / "model.safetensors").exists()
 
 
 @pytest.mark.slow
@@ -431,7 +432,7 @@ def test_weight_recycling_runs_on_the_real_imagenet_head(tiny_world, models, tmp
     assert m["recycling"] == {"eurosat": {}}
     assert 0 <= m["retrieval"]["i2t_r1"] <= m["retrieval"]["i2t_r5"] <= 100
     assert 0 <= m["classification"]["eurosat"]["top1"] <= 100
-    assert (tmp_path / "out" / "method.pt").exists()
+    assert (tmp_path / "out" / "model.safetensors").exists()
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ import torch
 from conftest import train_with
 from simulated_device import simulated_cuda
 
+import aligned
 import features
 import shapes
 from infra import shards
@@ -38,7 +39,7 @@ def test_every_method_trains_evaluates_and_draws_on_the_device(name, cache_dir, 
     metrics, _ = run(cache_dir, tmp_path / name, "--method", name, "--eval-images", "16",
                      monkeypatch=monkeypatch)
     assert metrics["retrieval"]["rsum"] > 0 and (tmp_path / name / "metrics.json").exists()
-    assert all(v.device.type == "cpu" for v in torch.load(tmp_path / name / "method.pt").values())
+    assert all(v.device.type == "cpu" for v in aligned.read_weights(tmp_path / name).values())
 
 
 @pytest.mark.slow

@@ -27,6 +27,12 @@ LABELS = dict(id2label={0: "cat", 1: "dog", 2: "car"}, label2id={"cat": 0, "dog"
 WORDS = "a an the dog cat man red blue on of in photo sits rides is".split()
 
 
+class Squares(list):
+    """Images marked as a segmentation set's square crops (data.LazyImages square=True): resized straight to the
+    crop, so each 8 x 8 block of pixels is one patch (a photo is resized, then centre-cropped, as its processor)."""
+    square = True
+
+
 def images(n, seed=0, size=32):
     rng = np.random.default_rng(seed)
     return [Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)) for _ in range(n)]
@@ -130,7 +136,7 @@ def test_image_patch_r_c_is_token_1_plus_r_W_plus_c(family, tmp_path):
     a = images(1)[0]
     b = np.asarray(a).copy()
     b[8:16, 16:24] = 255 - b[8:16, 16:24]
-    f = enc.encode([a, Image.fromarray(b)])
+    f = enc.encode(Squares([a, Image.fromarray(b)]))    # as a segmentation set's squares: 32 -> 32, as drawn
     changed = (f.tokens[0, 1:] - f.tokens[1, 1:]).abs().sum(-1) > 1e-5    # (H*W,) which patch tokens moved
     assert changed.nonzero().flatten().tolist() == [1 * 4 + 2]
 

@@ -1,0 +1,394 @@
+"""Use a trained aligner: load a finished run folder, encode images and texts, classify, search.
+
+    import aligned
+    model = aligned.load("results/pal-shapes-seed0")             # any method, on "cpu" or "cuda"
+    scores = model.zero_shot(["a.png", "b.png"], ["red circle", "blue square"])   # (2, 2)
+    order = model.search(["a.png", "b.png"], "a red circle").argsort(descending=True)
+
+A run folder holds what rebuilds its method (align.py writes both, rank 0, before metrics.json):
+    model.safetensors   the method's state_dict (safetensors: tensors only, nothing to unpickle)
+    config.json "model" {method, hp (the __init__ keywords), dims [D_v, D_l], image_encoder, text_encoder,
+                         image_layer, text_layer, cache_dir, templates}
+load() builds the frozen encoders by name and layer (encoders.load_encoders), the method on its dims and
+keywords, gives every tensor of the state_dict the saved shape (ASIF's anchors, CSA's bases: buffers that
+fit() sizes, created empty by __init__), and loads it strictly. Images go through the encoder's own
+preprocessing (encoder.transform: the checkpoint's processor; shapes-cnn: 64 x 64 RGB pixels); scores are
+method.score of the method's embeddings, and zero_shot averages the templates as evaluate.py does
+(template_average, class_logits), so its scores are evaluate.py's for the same images and prompts.
+
+Deviations / choices:
+1. A run folder of an older version (method.pt, no "model" in config.json) loads too: the method and
+   encoders from config.json's identity, the weights from method.pt (tensors only).
+2. An image given as a tensor is uint8 (3, H, W) RGB, as the data sets hold images; a path is read with
+   data.rgb (EXIF upright, alpha on white). shapes-cnn reads other sizes than 64 x 64 resized (bicubic).
+3. cache_dir: the run's own --cache-dir when it still exists, else ~/.cache/posthoc-align (only the tiny
+   encoders of a non-default seed are pretrained into it).
+"""
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ENV_CACHE = Path.home() / ".cache" / "posthoc-align"
+
+
+def check_own_modules(names=("data", "train", "layers", "features", "encoders", "evaluate", "methods", "infra")):
+    """The flat modules are installed under their own generic names (pyproject.toml): one of another package
+    found first (a `data` package in the same environment) is named here, not met as a strange AttributeError."""
+    import importlib.util
+    here = Path(__file__).resolve().parent
+    for name in names:
+        spec = importlib.util.find_spec(name)
+        origin = Path(spec.origin).resolve() if spec is not None and spec.origin else None
+        if origin is None or here not in origin.parents:
+            raise ImportError(f"the module {name!r} found first is {origin or 'none'}, not this project's "
+                              f"{here / name}: another package of that name is installed; install this project in "
+                              f"a virtual environment of its own (python -m venv)")
+
+
+check_own_modules()
+
+
+# ---------------------------------------------------------------------------
+# The run folder's model files (align.py writes them, load reads them)
+# ---------------------------------------------------------------------------
+def model_config(args, identity, image_enc, text_enc, dims):
+    """config.json's "model": what rebuilds the method and its encoders from the run folder alone (hp: the
+    __init__ keywords as the run passed them, the identity's hp.*)."""
+    hp = {k[3:]: v for k, v in identity.items() if k.startswith("hp.")}
+    return dict(method=args.method, hp=hp, dims=list(dims), image_encoder=image_enc.name, text_encoder=text_enc.name,
+                image_layer=image_enc.layer, text_layer=text_enc.layer,
+                cache_dir=str(Path(args.cache_dir).resolve()), templates=templates_of(args.data))
+
+
+def templates_of(data_name):
+    """The zero-shot templates of the run's data: the Shapes world's own, else CLIP's one prompt."""
+    if data_name == "shapes":
+        import shapes
+        return list(shapes.TEMPLATES)
+    return ["a photo of a {}."]
+
+
+def save_weights(method, path):
+    """method.state_dict() as safetensors (each tensor its own contiguous copy: tied tensors are stored twice)."""
+    from safetensors.torch import save_file
+
+    from infra import storage
+    state = {k: v.detach().cpu().contiguous().clone() for k, v in method.state_dict().items()}
+    with storage.atomic_target(path) as tmp:
+        save_file(state, str(tmp), metadata={"format": "pt"})
+
+
+def write_history(history, path):
+    """history.csv: one row per epoch, the columns every key of the rows in their first order (epoch, loss, the
+    method's logs, lr, seconds, and whatever a later row adds); floats to 6 significant digits."""
+    import csv
+    import io
+
+    from infra import storage
+    columns = list(dict.fromkeys(k for row in history for k in row))
+    text = io.StringIO()
+    w = csv.DictWriter(text, columns, lineterminator="\n")
+    w.writeheader()
+    for row in history:
+        w.writerow({k: f"{v:.6g}" if isinstance(v, float) else v for k, v in row.items()})
+    storage.atomic_write_text(text.getvalue(), path)
+
+
+PERCENT_GROUPS = ("retrieval", "classification", "segmentation", "binding")   # evaluate.py: percent or fractions
+FRACTIONS = ("i2t_map", "i2t_p1", "i2t_p5", "t2i_p1")                        # in [0, 1]: x 100 here
+
+
+def flat_metrics(metrics):
+    """[(name, value, unit)] of a metrics.json dict, one row per number, names joined by "/": every evaluation
+    figure in percent (the weight-recycling fractions x 100), rounded to 2 decimals; the rest as it is (4
+    decimals). metrics.json keeps evaluate.py's values untouched; this is the view beside it."""
+    rows = []
+
+    def walk(prefix, v):
+        if isinstance(v, dict):
+            for k, x in v.items():
+                walk(f"{prefix}/{k}" if prefix else str(k), x)
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            name = prefix.rsplit("/", 1)[-1]
+            if prefix.startswith(PERCENT_GROUPS):
+                rows.append((prefix, round(100 * v if name in FRACTIONS else v, 2), "%"))
+            else:
+                rows.append((prefix, round(v, 4) if isinstance(v, float) else v,
+                             "s" if name == "seconds" else ""))
+    walk("", metrics)
+    return rows
+
+
+def write_flat(metrics, path):
+    """results.csv: flat_metrics as metric,value,unit rows."""
+    from infra import storage
+    lines = ["metric,value,unit"] + [f"{n},{v},{u}" for n, v, u in flat_metrics(metrics)]
+    storage.atomic_write_text("\n".join(lines) + "\n", path)
+
+
+def read_weights(folder):
+    """The method's state_dict from model.safetensors, else an older run's method.pt (tensors only)."""
+    folder = Path(folder)
+    if (folder / "model.safetensors").is_file():
+        from safetensors.torch import load_file
+        return load_file(str(folder / "model.safetensors"))
+    if (folder / "method.pt").is_file():
+        return torch.load(folder / "method.pt", map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"{folder} holds neither model.safetensors nor method.pt: not a finished run of align.py")
+
+
+def shaped_like(method, state):
+    """method with every buffer / parameter re-made at the saved tensor's shape where it differs (a buffer
+    fit() sizes, e.g. ASIF's anchors (N_a, D) created as (0, D)), so load_state_dict(strict=True) fits."""
+    own = method.state_dict(keep_vars=True)
+    for key, saved in state.items():
+        if key in own and own[key].shape != saved.shape:
+            *path, name = key.split(".")
+            module = method.get_submodule(".".join(path))
+            fresh = torch.zeros(saved.shape, dtype=saved.dtype, device=own[key].device)
+            if isinstance(own[key], torch.nn.Parameter):
+                setattr(module, name, torch.nn.Parameter(fresh, requires_grad=own[key].requires_grad))
+            else:
+                module.register_buffer(name, fresh, persistent=name not in module._non_persistent_buffers_set)
+    return method
+
+
+def model_of(folder):
+    """config.json's "model" of a run folder (an older run's: from its identity)."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    return config.get("model") or legacy_model(config)
+
+
+def rebuild(folder, model=None, state=None):
+    """The method of a run folder, built on its dims and keywords, its weights loaded, in eval mode."""
+    from infra.run import hp_names
+    from methods import METHODS
+    model = model or model_of(folder)
+    cls = METHODS[model["method"]]
+    allowed = set(hp_names(cls))
+    hp = {k: tuple(v) if isinstance(v, list) else v for k, v in model["hp"].items() if k in allowed}
+    method = cls(*model["dims"], **hp)
+    state = read_weights(folder) if state is None else state
+    shaped_like(method, state).load_state_dict(state)
+    return method.eval()
+
+
+def legacy_model(config):
+    """config.json's "model" for a run written before it had one: from the identity (hp as given)."""
+    ident = config["identity"]
+    hp = {k[3:]: v for k, v in ident.items() if k.startswith("hp.")}
+    return dict(method=ident["method"], hp=hp, dims=config.get("dims"), image_encoder=ident["image_encoder"],
+                text_encoder=ident["text_encoder"], image_layer=config["image_layer"],
+                text_layer=config["text_layer"], cache_dir=config.get("cache_dir", ".cache"),
+                templates=templates_of(config["data"]))
+
+
+# ---------------------------------------------------------------------------
+# The load API
+# ---------------------------------------------------------------------------
+def load(run_folder, device="cpu", cache_dir=None):
+    """The trained aligner of a finished run folder, with its frozen encoders, on device ("cpu", "cuda")."""
+    import encoders
+    model = model_of(run_folder)
+    cache = cache_dir or model.get("cache_dir")
+    cache = Path(cache) if cache and Path(cache).is_dir() else ENV_CACHE
+    image_enc, text_enc = encoders.load_encoders(model["image_encoder"], model["text_encoder"], cache,
+                                                 model["image_layer"], model["text_layer"])
+    model["dims"] = model.get("dims") or [image_enc.dim, text_enc.dim]     # an older run: its encoders' dims
+    method = rebuild(run_folder, model)
+    return Aligned(method.to(device), image_enc, text_enc, device, model.get("templates") or ["a photo of a {}."])
+
+
+class Aligned:
+    """A method with its frozen encoders: raw images and texts in, the method's embeddings and scores out."""
+
+    def __init__(self, method, image_encoder, text_encoder, device="cpu", templates=("a photo of a {}.",)):
+        self.method, self.image_encoder, self.text_encoder = method, image_encoder, text_encoder
+        self.device, self.templates = device, list(templates)
+
+    def image_inputs(self, images):
+        """Paths, PIL images or uint8 (3, H, W) tensors -> what the image encoder's encode() reads."""
+        from PIL import Image
+
+        import data
+        if isinstance(images, (str, Path, Image.Image)) or torch.is_tensor(images) and images.dim() == 3:
+            images = [images]
+        read = [data.rgb(Image.open(x)) if isinstance(x, (str, Path)) else x for x in images]
+        if hasattr(self.image_encoder, "transform"):          # Hugging Face / torchvision: the model's processor
+            return read
+        import numpy as np
+        S = 64                                                # shapes-cnn: uint8 (B, 3, 64, 64) pixels
+        def pixels(x):
+            if torch.is_tensor(x):
+                return x if x.shape[-2:] == (S, S) else pixels(Image.fromarray(x.permute(1, 2, 0).numpy()))
+            x = x.convert("RGB")
+            x = x if x.size == (S, S) else x.resize((S, S), Image.BICUBIC)
+            return torch.from_numpy(np.asarray(x, dtype=np.uint8).copy()).permute(2, 0, 1)
+        return torch.stack([pixels(x) for x in read])
+
+    @torch.no_grad()
+    def encode_image(self, images, batch_size=64):
+        """(N, K) image embeddings (token-level methods: (N, Q, K)) of paths, PIL images or uint8 tensors."""
+        import evaluate
+        x = self.image_inputs(images)
+        feats = [self.image_encoder.encode(x[i:i + batch_size], self.device) for i in range(0, len(x), batch_size)]
+        with evaluate.inference(self.method):
+            return evaluate.pad_cat([self.method.embed_image(f.to(self.device)).float().cpu() for f in feats])
+
+    @torch.no_grad()
+    def encode_text(self, texts, batch_size=256):
+        """(N, K) text embeddings (token-level methods: (N, L, K), padded words 0) of a list of strings."""
+        import evaluate
+        texts = [texts] if isinstance(texts, str) else list(texts)
+        with evaluate.inference(self.method):
+            return evaluate.pad_cat([self.method.embed_text(self.text_encoder.encode(texts[i:i + batch_size],
+                                                                                      self.device).to(self.device))
+                                     .float().cpu() for i in range(0, len(texts), batch_size)])
+
+    @torch.no_grad()
+    def score(self, image_emb, text_emb):
+        """(N_img, N_txt) method.score of embeddings from encode_image and encode_text (higher = more similar)."""
+        import evaluate
+        with evaluate.inference(self.method):
+            return evaluate.score_matrix(self.method, image_emb, text_emb, device=self.device, log=lambda *a: None)
+
+    def similarity(self, images, texts):
+        """(N_img, N_txt) scores of raw images (paths, PIL, uint8 tensors) against a list of strings."""
+        return self.score(self.encode_image(images), self.encode_text(texts))
+
+    def search(self, images, query):
+        """(N_img,) scores of images for one text query (rank them with .argsort(descending=True))."""
+        return self.similarity(images, [query])[:, 0]
+
+    @torch.no_grad()
+    def zero_shot(self, images, class_names, templates=None):
+        """(N, C) zero-shot scores, evaluate.py's: each class's prompts (templates, default the run's data's)
+        averaged as template_average does, scored by class_logits. Predicted class: .argmax(1)."""
+        import evaluate
+        templates = list(templates or self.templates)
+        prompts = [t.format(c) for c in class_names for t in templates]           # class-major, as align.py
+        img, txt = self.encode_image(images), self.encode_text(prompts)
+        with evaluate.inference(self.method):
+            return evaluate.class_logits(self.method, img, evaluate.template_average(txt, len(templates)),
+                                         len(templates), device=self.device)
+
+
+# ---------------------------------------------------------------------------
+# The commands: python align.py classify | search | table
+# ---------------------------------------------------------------------------
+COMMANDS = ("classify", "search", "table")
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
+KEY_METRICS = ("retrieval/i2t_r1", "retrieval/t2i_r1", "retrieval/rsum", "top1", "miou_fg", "binding/binding_acc")
+
+
+def image_files(folder):
+    """The image files of a folder (not its subfolders), by name."""
+    files = sorted(p for p in Path(folder).iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+    if not files:
+        raise SystemExit(f"error: {folder} holds no image file ({', '.join(sorted(IMAGE_SUFFIXES))})")
+    return files
+
+
+def emit(header, rows, csv_path):
+    """rows as CSV into csv_path ("-": stdout), else one aligned line per row on stdout."""
+    import csv
+    if csv_path:
+        f = sys.stdout if csv_path == "-" else open(csv_path, "w", newline="", encoding="utf-8")
+        w = csv.writer(f, lineterminator="\n")
+        w.writerow(header)
+        w.writerows(rows)
+        if csv_path != "-":
+            f.close()
+        return
+    for row in rows:
+        print("  ".join(f"{v:.4f}" if isinstance(v, float) else str(v) for v in row), flush=True)
+
+
+def in_chunks(files, fn, n=256):
+    """fn over files n at a time (a large folder is never read whole), concatenated."""
+    return torch.cat([fn(files[i:i + n]) for i in range(0, len(files), n)])
+
+
+def classify(a):
+    model = load(a.run, a.device)
+    names = [c.strip() for c in a.classes.split(",") if c.strip()]
+    files = image_files(a.folder)
+    S = in_chunks(files, lambda f: model.zero_shot(f, names, a.template or None))     # (N, C)
+    rows = [[str(p), names[int(s.argmax())], float(s.max())] for p, s in zip(files, S)]
+    if a.csv:                                                 # every class's score besides the best
+        header, rows = ["image", "class", "score", *names], [r + [float(v) for v in s] for r, s in zip(rows, S)]
+    emit(header if a.csv else None, rows, a.csv)
+
+
+def search(a):
+    model = load(a.run, a.device)
+    files = image_files(a.folder)
+    s = in_chunks(files, lambda f: model.search(f, a.query))                        # (N,)
+    order = s.argsort(descending=True, stable=True)[:a.top]
+    emit(["rank", "score", "image"], [[r + 1, float(s[i]), str(files[i])] for r, i in enumerate(order.tolist())],
+         a.csv)
+
+
+def finished_runs(paths):
+    """The finished run folders (a metrics.json) among paths and their subfolders, by path."""
+    runs = set()
+    for p in map(Path, paths):
+        if (p / "metrics.json").is_file():
+            runs.add(p)
+        elif p.is_dir():
+            runs |= {q.parent for q in p.glob("*/metrics.json")}
+    return sorted(runs)
+
+
+def table(a):
+    """Finished runs in one table: run, method, data, seed, epochs and the key figures (all: --metrics all)."""
+    runs = finished_runs(a.paths)
+    if not runs:
+        raise SystemExit(f"error: no finished run (a folder with metrics.json) in {' '.join(a.paths)}")
+    rows, columns = [], []
+    for run in runs:
+        config = json.loads((run / "config.json").read_text())
+        flat = {n: v for n, v, _ in flat_metrics(json.loads((run / "metrics.json").read_text()))}
+        keep = [n for n in flat if a.metrics == "all" or n.endswith(KEY_METRICS)]
+        columns += [n for n in keep if n not in columns]
+        rows.append(({"run": run.name, "method": config.get("method"), "data": config.get("data"),
+                      "seed": config.get("seed"), "epochs": config.get("epochs")}, flat))
+    header = ["run", "method", "data", "seed", "epochs", *columns]
+    cells = [[info[h] for h in header[:5]] + [flat.get(c, "") for c in columns] for info, flat in rows]
+    if a.csv:
+        return emit(header, cells, a.csv)
+    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    for row in cells:
+        print("| " + " | ".join(str(v) for v in row) + " |")
+
+
+def main(argv=None):
+    """python align.py classify | search | table ... (the console script posthoc-align takes the same)."""
+    import argparse
+    p = argparse.ArgumentParser(prog="align.py", description="Use finished runs: zero-shot classify a folder of "
+                                "images, rank it for a text query, or gather runs into one table.")
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("classify", help="zero-shot classify every image of a folder: one line per image")
+    c.add_argument("run", help="a finished run folder (results/<method>-<data>-seed<seed>)")
+    c.add_argument("folder", help="a folder of images (png, jpg, ...; not its subfolders)")
+    c.add_argument("--classes", required=True, help="class names, comma-separated: \"red circle,blue square\"")
+    c.add_argument("--template", action="append", default=[],
+                   help="a prompt with {} for the class name, repeatable (default: the run's data's templates)")
+    s = sub.add_parser("search", help="rank the images of a folder for a text query: one line per image")
+    s.add_argument("run", help="a finished run folder")
+    s.add_argument("folder", help="a folder of images")
+    s.add_argument("query", help="the text query, e.g. \"a red circle\"")
+    s.add_argument("--top", type=int, default=None, help="print only the N best (default: every image)")
+    for q in (c, s):
+        q.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="(default: cpu)")
+        q.add_argument("--csv", default=None, metavar="FILE",
+                       help="write CSV to FILE (- for stdout; classify adds every class's score) (default: lines)")
+    t = sub.add_parser("table", help="gather finished run folders into one markdown (or CSV) table")
+    t.add_argument("paths", nargs="+", help="run folders, or folders holding them (results/)")
+    t.add_argument("--metrics", default="key", choices=["key", "all"],
+                   help="key: R@1 both ways, RSum, top-1, mIoU, binding; all: every figure (default: key)")
+    t.add_argument("--csv", default=None, metavar="FILE", help="write CSV to FILE (- for stdout) (default: markdown)")
+    a = p.parse_args(argv)
+    {"classify": classify, "search": search, "table": table}[a.command](a)
