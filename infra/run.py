@@ -4,7 +4,7 @@
     settings.read_inputs(image_enc, text_enc, sets)    # the run's identity: code, weights, data, layers
     begin(settings)                                    # config.json into --out, before the features
     train.resolve_loop(settings, method, img, txt, cores)   # epochs, batch, lr, threads as they run
-    finish(settings, ...)                              # method.safetensors/.pt, metrics.json: the run is done
+    (model.safetensors, history.csv, metrics.json last: align.main writes them; metrics.json marks the run done)
 
 The run folder has one rule, kept by its layout rather than by checks: results are never replaced.
 A run writes straight into --out (each file written beside its target and renamed onto it, so a

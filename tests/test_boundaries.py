@@ -252,7 +252,7 @@ def test_an_out_on_another_file_system_is_written_there(cache_dir, tmp_path):
     out = Path("/dev/shm") / f"align-test-{os.getpid()}" / "o"
     try:
         align.main(["--cache-dir", str(cache_dir), "--out", str(out), "--method", "csa", *QUICK])
-        assert {p.name for p in out.iterdir()} >= {"config.json", "method.pt", "metrics.json"}
+        assert {p.name for p in out.iterdir()} >= {"config.json", "model.safetensors", "metrics.json"}
     finally:
         shutil.rmtree(out.parent, ignore_errors=True)
 
