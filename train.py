@@ -155,6 +155,7 @@ def train(method, img, txt, loop, out, device, resume=False, settings=None, nega
         return {"seconds": 0.0, "final_loss": None}                     # rank 0 trains alone
     print(f"[train] {epochs} epochs x {steps_per_epoch} steps, batch {batch_size}, {opt_cls.__name__} "
           f"lr {lr:g} wd {wd:g}")
+    feed = loader.Feed(img, txt, device)                   # on the device once, or streamed: said in one line
     t0, loss = time.time(), torch.tensor(float("nan"))
     for epoch in range(start, epochs):
         method.train()
@@ -165,7 +166,7 @@ def train(method, img, txt, loop, out, device, resume=False, settings=None, nega
         sums, pending, first = {}, [], 0                             # logs' sums; losses not yet checked
         index_batches = (dd.rows(order[step * batch_size:(step + 1) * batch_size])  # this rank's slice
                          for step in range(steps_per_epoch))
-        batches = loader.batch_loader(img, txt, index_batches, device)
+        batches = feed.batches(index_batches)
         for step, (idx, img_b, txt_b) in enumerate(batches):
             loss, logs = dd.loss(img_b, txt_b)            # method.loss unless split by torchrun
             if negatives is not None:             # --hard-negatives: L = L_method + L_hn (never split)

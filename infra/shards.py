@@ -69,11 +69,17 @@ class StoredFeatures:
         the batch, shard by shard in file order (rows sorted within a shard); no padding is zeroed
         where every row has the batch's length, and the mapped pages are left to the OS (its page
         cache keeps them for the next epoch)."""
+        return self.rows(idx)
+
+    def rows(self, idx, pinned=False):
+        """self[idx], read into a pinned buffer when pinned (CUDA: copied from there without another copy)."""
         rows = torch.arange(len(self))[idx].reshape(-1)                                        # (B,)
         lengths = self.lengths[rows]
         T = int(lengths.max())
         full = bool((lengths == T).all())                                                        # no padding to zero
-        out = (np.empty if full else np.zeros)((len(rows), T, self.dim), dtype=np.float16)     # (B, T, D)
+        buffer = (torch.empty if full else torch.zeros)((len(rows), T, self.dim), dtype=torch.float16,
+                                                        pin_memory=pinned)                     # (B, T, D)
+        out = buffer.numpy()
         rows_np = rows.numpy()
         shard = np.searchsorted(self.starts_np, rows_np, side="right") - 1                      # (B,) shard of each row
         for s in np.unique(shard).tolist():
@@ -84,7 +90,11 @@ class StoredFeatures:
             for b, r in zip(at[order].tolist(), local[order].tolist()):
                 out[b, :off[r + 1] - off[r]] = flat[off[r]:off[r + 1]]                          # one contiguous copy
         mask = torch.arange(T)[None] < lengths[:, None]
-        return Features(tokens=torch.from_numpy(out), mask=mask, pooled=self.pooled[rows], grid=self.grid)
+        if pinned:
+            mask, pooled = mask.pin_memory(), self.pooled[rows].pin_memory()
+        else:
+            pooled = self.pooled[rows]
+        return Features(tokens=buffer, mask=mask, pooled=pooled, grid=self.grid)
 
     def to(self, device, dtype=torch.float32):
         return self[:].to(device, dtype)
