@@ -274,8 +274,13 @@ def write_shards(encoder, inputs, folder, key, plan, shards, batch_size, device,
     encodes shard n + 1, so the device is not idle through the host's work (on the CPU too: np.save and
     the checksum release the GIL); peak RAM ~ 2 shards. writer=False: one after the other, the same files."""
     rows = plan["rows_per_shard"]
+    shards = list(shards)
     todo = [s for s in shards if not shard_done(folder, s, key, log)]           # resume: intact ones kept
+    if len(todo) < len(shards):
+        log(f"[features] {folder.name}: {len(shards) - len(todo)} of {len(shards)} shards kept from before; "
+            f"writing the other {len(todo)}")
     total = sum(min((s + 1) * rows, len(inputs)) - s * rows for s in todo)
+    finished = [len(shards) - len(todo)]
     progress = Progress(f"[features] {folder.name}:", total, log=log, t0=t0)
 
     def encoded(s):                                                               # shard s's batches, fp16
@@ -288,22 +293,36 @@ def write_shards(encoder, inputs, folder, key, plan, shards, batch_size, device,
         return s, parts
 
     def written(s):
+        finished[0] += 1
         progress.tag = f"[features] {folder.name}: shard {s + 1}/{plan['n_shards']},"
         progress.update(min((s + 1) * rows, len(inputs)) - s * rows, force=True)
 
+    try:
+        write_all(folder, key, todo, encoded, written, writer)
+    except KeyboardInterrupt:
+        log(f"[features] interrupted: {finished[0]} of {len(shards)} shards of {folder.name} kept in {folder}; "
+            f"the rerun writes the other {len(shards) - finished[0]}")
+        raise
+
+
+def write_all(folder, key, todo, encoded, written, writer):
+    """write_shard for each shard of todo, from encoded(s); each one whole (written(s) called) or not at all."""
     if not writer:
         for s in todo:
             written(write_shard(folder, *encoded(s), key))
         return
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shard-writer") as pool:
         pending = None                                     # the shard being written (its future)
-        for s in todo:
-            s, parts = encoded(s)                          # the forward of shard s, while shard s - 1 is written
-            if pending is not None:
-                written(pending.result())                  # a writer's error is raised here
-            pending = pool.submit(write_shard, folder, s, parts, key)
-        if pending is not None:                            # (on an error above, leaving the pool still
-            written(pending.result())                      # finishes the shard handed over: it is whole)
+        try:
+            for s in todo:
+                s, parts = encoded(s)                      # the forward of shard s, while shard s - 1 is written
+                if pending is not None:
+                    done, pending = pending, None
+                    written(done.result())                 # a writer's error is raised here
+                pending = pool.submit(write_shard, folder, s, parts, key)
+        finally:
+            if pending is not None:                        # (on an error or a Ctrl-C above, the shard handed
+                written(pending.result())                  # over is still finished: it is whole, and counted)
 
 
 FP16_MAX = 65504.0   # the largest finite float16: the cache stores tokens and pooled vectors as fp16
