@@ -122,12 +122,12 @@ def extract_file(encoder, inputs, path, key, batch_size, device, done, batches, 
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="batch-writer") as pool:
         try:
             if fresh:
-                shards.check_fp16(done[0], encoder)
+                shards.checked(done[0], encoder, device)
                 pool.submit(save, 0, done[0])
             for f in shards.encoded_batches(encoder, inputs, range(len(parts) * batch_size, len(inputs), batch_size),
                                             len(inputs), batch_size, device):
                 f = shards.half(f)                        # fp16 at once, every batch: the cat stays fp16
-                shards.check_fp16(f, encoder)             # before it is kept
+                shards.checked(f, encoder, device)        # before it is kept
                 pool.submit(save, len(parts), f)
                 parts.append(f)
                 progress.update(len(f))

@@ -25,10 +25,10 @@ from infra.storage import atomic_save, atomic_target, file_crc, load_plain, safe
 #   memory map as StoredFeatures. Tokens are stored RAGGED: row after row, no
 #   padding (captions), so a batch is padded only to its own longest row. An
 #   interrupted extraction resumes at the first unfinished shard.
-MEMMAP_BYTES = int(float(os.environ.get("ALIGN_MEMMAP_GB", "2")) * 2**30)  # larger token caches go to shards
+MEMMAP_BYTES = 2 * 2**30      # larger token caches go to shards (benchmarks/align_sharded.py sets it for a run)
 
 
-SHARD_BYTES = int(float(os.environ.get("ALIGN_SHARD_MB", "256")) * 2**20)   # tokens per shard (whole batches, >= 1)
+SHARD_BYTES = 256 * 2**20     # tokens per shard (whole batches, >= 1)
 
 
 class StoredFeatures:
@@ -227,23 +227,32 @@ def encoded_batches(encoder, inputs, starts, stop, batch_size, device):
 
 def check_fp16(f, encoder):
     """Features f as they go into the cache: a value beyond fp16's range (already inf once cast) is
-    one line naming the encoder and its layer, never an inf in the cache and a NaN loss later."""
+    one line naming the encoder and its layer, never an inf in the cache and a NaN loss later.
+    Wherever f is (the real encoders call it on the device, before the copy back), its four counts reach
+    the host in one copy; padding is not looked at."""
+    counts = []
     for name in ("tokens", "pooled"):
         x = getattr(f, name)
-        x = x[f.mask] if name == "tokens" and f.mask is not None else x
-        nan = torch.isnan(x)
-        if nan.any():       # not a range: the model computes NaN (NaN weights: a broken or half-copied file)
-            who = f"{getattr(encoder, 'name', type(encoder).__name__)} (layer {getattr(encoder, 'layer', '?')})"
-            raise RunError(f"{who} gives {int(nan.sum())} {name} value(s) that are NaN: the model's outputs are NaN, "
+        if name == "tokens" and f.mask is not None:
+            x = x.masked_fill(~f.mask.to(x.device)[..., None], 0)           # padding: 0, whatever it held
+        counts += [torch.isnan(x).sum(), (~torch.isfinite(x) | (x.abs() > FP16_MAX)).sum()]
+    counts = torch.stack(counts).tolist()                                   # the one copy to the host
+    who = f"{getattr(encoder, 'name', type(encoder).__name__)} (layer {getattr(encoder, 'layer', '?')})"
+    for name, nan, big in (("tokens", *counts[:2]), ("pooled", *counts[2:])):
+        if nan:     # not a range: the model computes NaN (NaN weights: a broken or half-copied file)
+            raise RunError(f"{who} gives {nan} {name} value(s) that are NaN: the model's outputs are NaN, "
                            f"so its weights are (a broken or half-copied file?); copy the model folder again "
                            f"from its download")
-        big = ~torch.isfinite(x) | (x.abs() > FP16_MAX) if x.dtype != torch.float16 else ~torch.isfinite(x)
-        if big.any():
-            raise RunError(f"{getattr(encoder, 'name', type(encoder).__name__)} "
-                           f"(layer {getattr(encoder, 'layer', '?')}) "
-                           f"gives {int(big.sum())} {name} value(s) beyond {FP16_MAX:g}, the largest fp16 value the "
+        if big:
+            raise RunError(f"{who} gives {big} {name} value(s) beyond {FP16_MAX:g}, the largest fp16 value the "
                            f"feature cache stores (they would be inf); pick another --image-layer / --text-layer, "
                            f"or a model whose activations stay in fp16's range")
+
+
+def checked(f, encoder, device):
+    """check_fp16(f) unless the encoder checked its features on the GPU already (checks_on_device)."""
+    if not (getattr(encoder, "checks_on_device", False) and str(device).startswith("cuda")):
+        check_fp16(f, encoder)
 
 
 def write_shard(folder, s, parts, key):
@@ -289,7 +298,7 @@ def write_shards(encoder, inputs, folder, key, plan, shards, batch_size, device,
         parts = [half(first)] if (start == 0 and first is not None) else []
         parts += [half(f) for f in encoded_batches(encoder, inputs, rest, stop, batch_size, device)]
         for f in parts:
-            check_fp16(f, encoder)                                                # before the writer takes it
+            checked(f, encoder, device)                                                 # before the writer takes it
         return s, parts
 
     def written(s):

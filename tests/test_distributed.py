@@ -173,6 +173,7 @@ import torch
 torch.set_num_threads(1)
 import encoders, shapes
 from infra import cache, distributed, shards
+shards.MEMMAP_BYTES, shards.SHARD_BYTES = 0, 104                     # every set sharded, one batch of 8 per shard
 distributed.setup("cpu")
 kill_after = int(os.environ.get("KILL_RANK1_AFTER", "0"))            # rank 1 dies after writing this many shards
 if kill_after and distributed.rank() == 1:
@@ -190,12 +191,9 @@ for enc, inputs, modality in ((image, test.images, "image"), (text, test.caption
     assert isinstance(f, shards.StoredFeatures) and len(f) == len(inputs)
 distributed.finish()
 """
-SHARDED = dict(ALIGN_MEMMAP_GB="0", ALIGN_SHARD_MB="1e-4")            # every set sharded, one batch of 8 per shard
-
-
 def extraction(cache, script, ranks, **kw):
     cmd = (TORCHRUN if ranks == 2 else [sys.executable]) + [str(script), str(ROOT), str(cache)]
-    return subprocess.run(cmd, env=env(**SHARDED, **kw), capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, env=env(**kw), capture_output=True, text=True, timeout=600)
 
 
 def files(cache):
