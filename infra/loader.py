@@ -208,8 +208,9 @@ class Feed:
             yield from batch_loader(self.img, self.txt, index_batches, self.device)
             return
         img, txt = self.on_device
+        cuda = str(self.device).startswith("cuda")
         for idx in index_batches:
-            at = idx.pin_memory().to(self.device, non_blocking=True)       # (B,) the rows, no wait for the GPU
+            at = (idx.pin_memory() if cuda else idx).to(self.device, non_blocking=True)   # (B,) no wait for the GPU
             yield idx, *(Features(tokens=f.tokens[at].float(), mask=f.mask[at], pooled=f.pooled[at].float(),
                                   grid=f.grid) for f in (img, txt))
 
