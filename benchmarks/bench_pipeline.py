@@ -211,7 +211,14 @@ def bench_extraction(z, work, device, repeats, sync):
     f_t = rows * m_t / n                                                    # the forward of a shard's rows
     print(f"    host work per shard s    {h_t:10.3f}  [{h_min:.3f}]   {rows} rows x {T} x {D} fp16 (cat, gather, save, "
           f"checksum: the writer thread's); forward per shard s {f_t:.3f}")
+    batch = shard[0]
+    c_t, _ = timed(lambda: shards.check_fp16(batch, enc), repeats, lambda: None)
+    b_t = len(batch) * m_t / n                                              # the forward of one batch
+    print(f"    host ms per batch        {c_t * 1e3:10.2f}   the range check of {len(batch)} rows on the host "
+          f"(a CPU run's; on CUDA it runs on the device before the copy back: 0 host ms); forward per batch ms "
+          f"{b_t * 1e3:.1f}")
     return {"decode_images_s": {"value": n / d_t, "ratio": n / d_t / bound},
+            "host_per_batch_ms": {"value": c_t * 1e3, "ratio": c_t / b_t},
             "host_per_shard_s": {"value": h_t, "ratio": h_t / f_t},
             "model_images_s": {"value": n / m_t, "ratio": n / m_t / bound},
             "pipeline_images_s": {"value": n / p_t, "ratio": n / p_t / bound}}
@@ -333,19 +340,12 @@ H100_FP32 = 67e12   # FLOP/s: an H100 SXM's dense fp32 peak (the methods train i
 
 
 def step_flops(name, B, T_img, T_txt, D):
-    """FLOPs of one training step (loss + backward) of method name at batch B, counted on the meta device
-    (shapes only: nothing is computed, any size counts in seconds)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    import methods
-    m = methods.METHODS[name](D, D).to("meta")
-    f = lambda T, grid: Features(torch.zeros(B, T, D, device="meta"), torch.ones(B, T, dtype=torch.bool,
-                                 device="meta"), torch.zeros(B, D, device="meta"), grid)
+    """FLOPs of one training step of method name at batch B: benchmarks/bench_steps.py's count of its matrix
+    products (forward, and the backward of what is trained; the formulas tests/test_docs.py checks)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_steps
     H = math.isqrt(T_img - 1)
-    with FlopCounterMode(display=False) as counter:
-        loss, _ = m.loss(f(T_img, (H, H)), f(T_txt, None))
-        loss.backward()
-    return counter.get_total_flops()
+    return bench_steps.flops(name, B=B, H=H, W=H, L=T_txt, D_v=D, D_l=D, n_fit=4 * 256)[0]
 
 
 def count_ops(fn):
