@@ -9,6 +9,7 @@ to 1e-6 (measured: identical).
 """
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -247,7 +248,8 @@ def test_a_rank_killed_mid_extraction_then_a_rerun_resumes_to_the_same_shards(ca
     r = extraction(c, tmp_path / "extract.py", 2)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert all(p.stat().st_mtime_ns == t for p, t in done.items())                  # resumed, not redone
-    assert r.stdout.count("[features]") == 12 + 60 - len(done)
+    kept = [int(n) for n in re.findall(r"(\d+) of \d+ shards kept from before", r.stdout)]    # said per rank
+    assert r.stdout.count("[features]") - len(kept) == 12 + 60 - len(done) and sum(kept) == len(done)
     got = files(c)
     assert got.keys() == one_rank_shards.keys() and all(got[k] == one_rank_shards[k] for k in got)
 
