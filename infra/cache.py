@@ -54,6 +54,11 @@ def feature_key(encoder, inputs, device="cpu", **key_parts):
 EXTRACT_BATCH = 256   # extraction batch size (cache keys ignore it)
 
 
+CPU_IMAGE_BATCH = 8   # ... of a real image encoder (one with prepare) on a CPU: fewer page faults, a lower peak
+#   and no fewer images/s than 32-256 (benchmarks/bench_cpu_extract.py, docs/pipeline.md). The Shapes encoders
+#   keep EXTRACT_BATCH: the default run's features are those of every earlier version.
+
+
 def extract(encoder, inputs, cache_dir, batch_size=None, device="cpu", **key_parts):
     """Features of all inputs (images or texts), from the cache when present.
 
@@ -61,9 +66,10 @@ def extract(encoder, inputs, cache_dir, batch_size=None, device="cpu", **key_par
     per-key lock (concurrent runs sharing cache_dir wait for one writer); a file that is
     unreadable or was written for other settings is rebuilt, never read.
     Sets larger than shards.MEMMAP_BYTES come back as StoredFeatures (memory-mapped shards, shards.py).
-    batch_size: None = EXTRACT_BATCH.
+    batch_size: None = EXTRACT_BATCH (CPU_IMAGE_BATCH for a real image encoder on a CPU).
     """
-    batch_size = batch_size or EXTRACT_BATCH
+    cpu_images = str(device) == "cpu" and hasattr(encoder, "prepare")
+    batch_size = batch_size or (CPU_IMAGE_BATCH if cpu_images else EXTRACT_BATCH)
     key = feature_key(encoder, inputs, device, **key_parts)
     path = Path(cache_dir) / "features" / f"{key}.pt"
     folder = Path(cache_dir) / "features" / key

@@ -102,3 +102,29 @@ def test_a_run_on_a_full_disk_stops_before_any_extraction(tmp_path, monkeypatch,
         align.main(["--threads", "1", "--epochs", "1", "--cache-dir", str(tmp_path / "c"), "--out", str(tmp_path / "o"),
                     "--no-figures"])
     assert not list((tmp_path / "c" / "features").glob("*.pt"))
+
+
+def test_a_real_image_encoder_on_a_cpu_extracts_in_small_batches(tmp_path):
+    """An encoder with prepare (the real image encoders) on a CPU: batches of CPU_IMAGE_BATCH; others of
+    EXTRACT_BATCH (the Shapes encoders: the default run's batches)."""
+    class Prepared(RandomEncoder):
+        def __init__(self):
+            super().__init__("p", 5, 4, False)
+            self.sizes = []
+
+        def prepare(self, rows, device):
+            return rows
+
+        def encode_prepared(self, rows, device):
+            self.sizes.append(len(rows))
+            return super().encode(rows, device)
+
+        def encode(self, rows, device="cpu"):
+            self.sizes.append(len(rows))
+            return super().encode(rows, device)
+    enc, n = Prepared(), cache.CPU_IMAGE_BATCH * 2 + 3
+    cache.extract(enc, list(range(n)), tmp_path, dataset="d", split="s", modality="image")
+    assert enc.sizes == [cache.CPU_IMAGE_BATCH, cache.CPU_IMAGE_BATCH, 3]
+    plain = Interrupted("q", 5, 4, False)
+    cache.extract(plain, list(range(n)), tmp_path, dataset="d", split="s", modality="image")
+    assert plain.calls == 1 and cache.EXTRACT_BATCH >= n                 # one batch of EXTRACT_BATCH
