@@ -4,7 +4,10 @@ extract() runs an encoder over a set and caches its outputs (features.Features),
 fp16 torch file or, for COCO-scale sets, memory-mapped shards read back as
 StoredFeatures (infra/shards.py). Every file is written atomically under a per-key lock, read with
 torch.load(weights_only=True), and keyed by every setting plus the encoder's weights
-fingerprint, so a changed setting or new weights never read stale features.
+fingerprint, so a changed setting or new weights never read stale features. No finished batch is
+lost: a one-file set keeps each batch until its file replaces them, a sharded set each shard, and
+a rerun says how many it kept. planned_bytes / check_disk say the cache's size on disk before any
+extraction and refuse a disk too small for it.
 """
 import concurrent.futures
 import contextlib
