@@ -128,3 +128,28 @@ def test_a_real_image_encoder_on_a_cpu_extracts_in_small_batches(tmp_path):
     plain = Interrupted("q", 5, 4, False)
     cache.extract(plain, list(range(n)), tmp_path, dataset="d", split="s", modality="image")
     assert plain.calls == 1 and cache.EXTRACT_BATCH >= n                 # one batch of EXTRACT_BATCH
+
+
+def test_on_cuda_the_range_check_runs_on_the_device_before_the_copy_back(tmp_path, monkeypatch):
+    """A Hugging Face image encoder extracting on the (simulated) GPU: every batch is checked where it was made
+    (device tensors, fp32 before the cast), never scanned again on the host; a value beyond fp16 is still
+    one error line."""
+    from PIL import Image
+    from simulated_device import simulated_cuda
+    from test_pipeline import random_dinov2
+
+    from infra import shards
+    seen, real = [], shards.check_fp16
+    monkeypatch.setattr(shards, "check_fp16", lambda f, enc: (seen.append((f.tokens.is_cuda, f.tokens.dtype)),
+                                                              real(f, enc)))
+    g = torch.Generator().manual_seed(0)
+    imgs = [Image.fromarray((torch.rand(40, 50, 3, generator=g) * 255).byte().numpy()) for _ in range(5)]
+    enc = random_dinov2()
+    with simulated_cuda(monkeypatch):
+        f = cache.extract(enc, imgs, tmp_path, batch_size=2, device="cuda", dataset="t", split="a", modality="image")
+        assert not f.tokens.is_cuda and f.tokens.dtype == torch.float16
+        assert seen and all(s == (True, torch.float32) for s in seen), seen       # 3 batches, on the device
+        enc.model.layernorm.bias.data.fill_(1e5)                                   # every token beyond fp16
+        with pytest.raises(RunError, match="beyond 65504"):
+            cache.extract(enc, imgs, tmp_path / "b", batch_size=2, device="cuda", dataset="t", split="b",
+                          modality="image")
