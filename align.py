@@ -258,6 +258,9 @@ def extract_features(args, run, device):
         if isinstance(s, data.BindingSet):
             for kind, caps in s.distractors.items():
                 jobs[split, kind] = (text_enc, caps, split, kind)
+    planned = [cache.planned_bytes(*job[:2], args.cache_dir, device, dataset=args.data, split=job[2],
+                                   modality=job[3]) for job in jobs.values()]
+    cache.check_disk(sum(planned), args.cache_dir, cached=planned.count(0))   # one line; refused when short
     run.features = {key: ext(*job) for key, job in jobs.items()}
     if args.hard_negatives:
         flat, index = run.negative_captions

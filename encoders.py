@@ -71,12 +71,22 @@ IMAGE_PREFIX = {"dinov2": 1, "vit": 1, "deit": 2, "beit": 1, "clip": 1, "clip_vi
 #    pytorch_model.bin that needs code to unpickle is refused, never loaded.
 
 
+def on_device_check(tokens, mask, pooled, encoder):
+    """On CUDA, the cache's range check (shards.check_fp16) on the features where they were computed, before
+    the copy back: the host never scans them (the cache skips its own check: checks_on_device). On a CPU
+    the cache checks each batch as it comes."""
+    if tokens.is_cuda:
+        from infra.shards import check_fp16
+        check_fp16(Features(tokens=tokens, mask=mask, pooled=pooled), encoder)
+
+
 TEXT_POOLING = {"clip": "eos", "clip_text_model": "eos"}  # model_type -> pooling; default masked mean
 POSITIONS_AFTER_PAD = {"roberta", "xlm-roberta", "mpnet"}  # position ids count from pad_token_id + 1
 
 
 class HFImageEncoder:
     """A transformers vision model (DINOv2, ViT, DeiT, BEiT, CLIP vision) -> Features (the token contract)."""
+    checks_on_device = True         # on CUDA, layer_features checks the range before the copy back
 
     def __init__(self, name, model, transform, layer=-1, classifier=None, class_names=None):
         self.name, self.model, self.transform, self.layer = name, model.eval(), transform, layer
@@ -131,6 +141,7 @@ class HFImageEncoder:
         else:
             pooled = patches.mean(1) if self.mean_pooling else h[:, 0]          # BEiT's mean patch, else CLS
         tokens = torch.cat([pooled[:, None], patches], 1)                       # (B, 1 + H*W, D)
+        on_device_check(tokens, None, tokens[:, 0], self)
         tokens = (tokens.half() if half else tokens).cpu()
         return Features(tokens=tokens, mask=torch.ones(tokens.shape[:2], dtype=torch.bool), pooled=tokens[:, 0],
                         grid=(H, W))
@@ -190,6 +201,7 @@ class HFImageEncoder:
 
 class HFTextEncoder:
     """A transformers text model (BERT, RoBERTa, MiniLM, MPNet, CLIP text) -> Features (the token contract)."""
+    checks_on_device = True         # on CUDA, layer_features checks the range before the copy back
 
     def __init__(self, name, model, tokenizer, layer=-1):
         self.name, self.model, self.tokenizer, self.layer = name, model.eval(), tokenizer, layer
@@ -219,15 +231,19 @@ class HFTextEncoder:
         return out, batch["attention_mask"].bool(), special
 
     def layer_features(self, out, real, special, layer):
-        """Features of one layer, on the CPU: pooled over the whole sequence, tokens = the words (the contract)."""
-        h = (out.last_hidden_state if layer in (-1, self.n_layers) else out.hidden_states[layer]).float().cpu()
+        """Features of one layer, on the CPU: pooled over the whole sequence, tokens = the words (the contract).
+        Computed where the model ran; on CUDA checked there and copied back as fp16 (what the cache stores)."""
+        h = (out.last_hidden_state if layer in (-1, self.n_layers) else out.hidden_states[layer]).float()
+        real, special = real.to(h.device), special.to(h.device)
         h = h * real[..., None]                                                 # padding exactly 0, (B, L, D)
         if self.pooling == "eos":                                               # CLIP's EOS = last real token
-            pooled = h[torch.arange(len(h)), real.sum(1) - 1]
+            pooled = h[torch.arange(len(h), device=h.device), real.sum(1) - 1]
         else:
             pooled = h.sum(1) / real.sum(1, keepdim=True)                       # sentence-transformers' mean
         tokens, mask = word_tokens(h, real, special)                            # the token contract
-        return Features(tokens=tokens, mask=mask, pooled=pooled)
+        on_device_check(tokens, mask, pooled, self)
+        half = (lambda x: x.half()) if h.is_cuda else (lambda x: x)
+        return Features(tokens=half(tokens).cpu(), mask=mask.cpu(), pooled=half(pooled).cpu())
 
     def encode(self, texts, device="cpu"):
         return self.layer_features(*self.forward(texts, device), self.layer)

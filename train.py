@@ -263,6 +263,7 @@ def train(method, img, txt, loop, out, device, resume=False, settings=None, nega
         return {"seconds": 0.0, "final_loss": None, "history": []}     # rank 0 trains alone
     print(f"[train] {epochs} epochs x {steps_per_epoch} steps, batch {batch_size}, {opt_cls.__name__} "
           f"lr {lr:g} wd {wd:g}")
+    feed = loader.Feed(img, txt, device)                   # on the device once, or streamed: said in one line
     t0, loss = time.time(), torch.tensor(float("nan"))
     for epoch in range(start, epochs):
         method.train()
@@ -273,7 +274,7 @@ def train(method, img, txt, loop, out, device, resume=False, settings=None, nega
         sums, pending, first = {}, [], 0                             # logs' sums; losses not yet checked
         index_batches = (dd.rows(order[step * batch_size:(step + 1) * batch_size])  # this rank's slice
                          for step in range(steps_per_epoch))
-        batches = loader.batch_loader(img, txt, index_batches, device)
+        batches = feed.batches(index_batches)
         progress = loader.Progress(f"[train] epoch {epoch + 1}:", steps_per_epoch, "steps", every=30, first=10)
         for step, (idx, img_b, txt_b) in enumerate(batches):
             loss, logs = dd.loss(img_b, txt_b)            # method.loss unless split by torchrun

@@ -8,13 +8,10 @@ The cache folder must hold the pretrained tiny encoders and no features (a fresh
 cache's encoders/ folder); the timer starts after the Shapes world is generated, at a barrier.
 """
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("ALIGN_MEMMAP_GB", "0")       # every set sharded ...
-os.environ.setdefault("ALIGN_SHARD_MB", "4")        # ... into 256-row shards (24 per 6000 images)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
@@ -24,7 +21,10 @@ import shapes
 from infra import (
     cache,  # noqa: E402
     distributed,  # noqa: E402
+    shards,  # noqa: E402
 )
+
+shards.MEMMAP_BYTES, shards.SHARD_BYTES = 0, 4 * 2**20     # every set sharded, into 256-row shards (24 per 6000 images)
 
 
 def main():

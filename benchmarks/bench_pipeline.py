@@ -57,11 +57,14 @@ from infra import (
 
 SIZES = {  # rows, tokens, dim of (a); images, model (hidden, layers, heads) of (b); pairs, text layers of (c); (d)
     "tiny": dict(rows=128, T=17, D=32, batch=32, images=4, ext_batch=2, shard_rows=4, hidden=32, layers=2, heads=2,
-                 pairs=24, t_layers=2, t_dim=32, n_img=6, n_txt=24, ev_T=17, ev_D=32, K=32),
+                 pairs=24, t_layers=2, t_dim=32, n_img=6, n_txt=24, ev_T=17, ev_D=32, K=32,
+                 cov_batch=8, pal_batch=16, step_T=17, step_L=8, step_D=32),
     "cpu": dict(rows=2048, T=257, D=256, batch=128, images=48, ext_batch=8, hidden=192, layers=6, heads=3, pairs=300,
-                t_layers=6, t_dim=96, n_img=64, n_txt=320, ev_T=65, ev_D=96, K=128),
+                t_layers=6, t_dim=96, n_img=64, n_txt=320, ev_T=65, ev_D=96, K=128,
+                cov_batch=128, pal_batch=256, step_T=257, step_L=32, step_D=1024),
     "coco": dict(rows=8192, T=257, D=1024, batch=128, images=1024, ext_batch=128, hidden=1024, layers=24, heads=16,
-                 pairs=5000, t_layers=24, t_dim=1024, n_img=1000, n_txt=5000, ev_T=257, ev_D=1024, K=512),
+                 pairs=5000, t_layers=24, t_dim=1024, n_img=1000, n_txt=5000, ev_T=257, ev_D=1024, K=512,
+                 cov_batch=128, pal_batch=256, step_T=257, step_L=32, step_D=1024),
 }
 
 
@@ -208,7 +211,14 @@ def bench_extraction(z, work, device, repeats, sync):
     f_t = rows * m_t / n                                                    # the forward of a shard's rows
     print(f"    host work per shard s    {h_t:10.3f}  [{h_min:.3f}]   {rows} rows x {T} x {D} fp16 (cat, gather, save, "
           f"checksum: the writer thread's); forward per shard s {f_t:.3f}")
+    batch = shard[0]
+    c_t, _ = timed(lambda: shards.check_fp16(batch, enc), repeats, lambda: None)
+    b_t = len(batch) * m_t / n                                              # the forward of one batch
+    print(f"    host ms per batch        {c_t * 1e3:10.2f}   the range check of {len(batch)} rows on the host "
+          f"(a CPU run's; on CUDA it runs on the device before the copy back: 0 host ms); forward per batch ms "
+          f"{b_t * 1e3:.1f}")
     return {"decode_images_s": {"value": n / d_t, "ratio": n / d_t / bound},
+            "host_per_batch_ms": {"value": c_t * 1e3, "ratio": c_t / b_t},
             "host_per_shard_s": {"value": h_t, "ratio": h_t / f_t},
             "model_images_s": {"value": n / m_t, "ratio": n / m_t / bound},
             "pipeline_images_s": {"value": n / p_t, "ratio": n / p_t / bound}}
@@ -326,6 +336,102 @@ def bench_evaluation(z, device, repeats, sync):
     return out
 
 
+H100_FP32 = 67e12   # FLOP/s: an H100 SXM's dense fp32 peak (the methods train in fp32): the strictest bound
+
+
+def step_flops(name, B, T_img, T_txt, D):
+    """FLOPs of one training step of method name at batch B: benchmarks/bench_steps.py's count of its matrix
+    products (forward, and the backward of what is trained; the formulas tests/test_docs.py checks)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_steps
+    H = math.isqrt(T_img - 1)
+    return bench_steps.flops(name, B=B, H=H, W=H, L=T_txt, D_v=D, D_l=D, n_fit=4 * 256)[0]
+
+
+def count_ops(fn):
+    """The aten ops fn() dispatches (each a kernel launch on a GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    n = [0]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            n[0] += 1
+            return func(*args, **(kwargs or {}))
+    with Count():
+        fn()
+    return n[0]
+
+
+def bench_steps(z, work, repeats):
+    """(e) host work per training step at COCO shapes, against the step's FLOPs at an H100's fp32 rate."""
+    import methods
+    B_of, D, T_img, T_txt = {"cov": z["cov_batch"], "pal": z["pal_batch"]}, z["step_D"], z["step_T"], z["step_L"]
+    row_mb = T_img * D * 2 / 2**20
+    print(f"(e) a training step at {T_img} image tokens x {T_txt} words x D {D} (COCO at DINOv2-L / RoBERTa-L: "
+          f"257 x ~15-32 x 1024); GPU time = FLOPs at {H100_FP32 / 1e12:.0f} TFLOP/s (H100 fp32 peak)")
+    # the streamed path's host work: a batch's rows read from memory-mapped shards into one buffer
+    n = 2 * max(B_of.values())
+    old = shards.MEMMAP_BYTES, shards.SHARD_BYTES
+    shards.MEMMAP_BYTES, shards.SHARD_BYTES = 0, 64 * 2**20
+    try:
+        f = cache.extract(RowEncoder(T_img, D), list(range(n)), work / "steps", batch_size=64, dataset="bench",
+                          split="steps", modality="image")
+    finally:
+        shards.MEMMAP_BYTES, shards.SHARD_BYTES = old
+    views = [flat.reshape(-1, T_img, D) for flat in f.tokens_files]
+    starts = f.starts.numpy()
+    one = torch.zeros(1)
+    per_op, _ = timed(lambda: [torch.add(one, one) for _ in range(2000)], repeats, lambda: None)
+    per_op /= 2000                                                           # one small op issued from Python
+    print(f"    issuing one op from Python: {per_op * 1e6:.1f} us on this CPU (a CUDA launch adds ~3-5 us)")
+    out = {}
+    for name, B in B_of.items():
+        g = torch.Generator().manual_seed(0)
+        idx = torch.randperm(n, generator=g)[:B]
+        buffer = np.empty((B, T_img, D), dtype=np.float16)
+
+        def numpy_read(idx=idx, buffer=buffer):                  # the bound: one fancy-index copy per shard
+            rows = np.sort(idx.numpy())
+            s = np.searchsorted(starts, rows, side="right") - 1
+            at = 0
+            for k in np.unique(s):
+                local = rows[s == k] - starts[k]
+                np.take(views[k], local, axis=0, out=buffer[at:at + len(local)])
+                at += len(local)
+        numpy_read()                                             # the pages in the page cache
+        read_t, _ = timed(lambda: f.rows(idx), repeats, lambda: None)     # noqa: B023 (called in this iteration)
+        np_t, _ = timed(numpy_read, repeats, lambda: None)
+        # the step's own host work: its ops (counted at tiny shapes: the same ops) x this CPU's cost to issue one
+        torch.manual_seed(0)
+        m = methods.METHODS[name](16, 16)
+        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3)
+        img, txt = Features(torch.randn(B, 17, 16), torch.ones(B, 17, dtype=torch.bool), torch.randn(B, 16),
+                            (4, 4)), Features(torch.randn(B, 8, 16), torch.ones(B, 8, dtype=torch.bool),
+                                              torch.randn(B, 16))
+
+        def step():
+            loss, _ = m.loss(img, txt)                           # noqa: B023 (called in this iteration)
+            opt.zero_grad()                                      # noqa: B023
+            loss.backward()
+            opt.step()                                           # noqa: B023
+        step()
+        ops = count_ops(step)
+        host_t = ops * per_op                                    # seconds the host spends issuing the step's ops
+        flops = step_flops(name, B, T_img, T_txt, D)
+        gpu_ms = flops / H100_FP32 * 1e3
+        mb = B * row_mb
+        print(f"    {name} batch {B}: {flops / 1e9:7.1f} GFLOP a step = {gpu_ms:6.2f} ms on an H100")
+        print(f"      device-resident: host ms per step {host_t * 1e3:7.2f} ({ops} ops issued; no read, no copy, "
+              f"0 syncs: tests/test_feed.py)")
+        print(f"      streamed:        host ms per step {read_t * 1e3:7.2f} one thread ({mb:.0f} MB of image rows "
+              f"into one buffer), {read_t * 1e3 / loader.READ_WORKERS:.2f} over {loader.READ_WORKERS} reader "
+              f"threads; numpy fancy-index {np_t * 1e3:.2f} ms, ratio {np_t / read_t:.2f}")
+        out[f"{name}_gflop"] = {"value": flops / 1e9, "ratio": 1.0}
+        out[f"{name}_resident_host_ms"] = {"value": host_t * 1e3, "ratio": gpu_ms / (host_t * 1e3)}
+        out[f"{name}_streamed_host_ms"] = {"value": read_t * 1e3, "ratio": np_t / read_t}
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cpu")
@@ -334,7 +440,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=None, help="runs per figure (default 3, --tiny 1)")
     p.add_argument("--work", default=None, help="scratch folder (default: a temporary one, removed after)")
     p.add_argument("--json", default=None, help="also write the figures here")
-    p.add_argument("--only", default="abcd", help="sections to run, e.g. ab")
+    p.add_argument("--only", default="abcde", help="sections to run, e.g. ab")
     args = p.parse_args(argv)
     z = SIZES["coco" if args.coco_size else "tiny" if args.tiny else "cpu"]
     repeats = args.repeats or (1 if args.tiny else 3)
@@ -354,6 +460,8 @@ def main(argv=None):
             figures["layers"] = bench_layers(z, work, args.device, repeats, sync)
         if "d" in args.only:
             figures["evaluation"] = bench_evaluation(z, args.device, repeats, sync)
+        if "e" in args.only:
+            figures["steps"] = bench_steps(z, work, repeats)
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -13,9 +13,10 @@ Steps, each a subprocess of align.py (or a benchmark) with its own exit status a
 4. resume     step 2 again with --resume: the finished run's checkpoint read back onto the device;
 5. torchrun   2 processes (nccl on a GPU, gloo on a CPU): skipped, with its reason, on fewer than two
               GPUs (NCCL refuses two ranks on one GPU);
-6. shards     step 2's PAL with a small ALIGN_MEMMAP_GB (SHARDED: 0.25 GB, 64 MB shards; the train tokens
-              are 0.54 GB), so the features go through COCO's real path: the shard writer on the device,
-              training from memory-mapped shards through the reader threads and the side-stream copy;
+6. shards     step 2's PAL through benchmarks/align_sharded.py (SHARDED: sets above 0.25 GiB to 64 MiB
+              shards; the train tokens are 0.54 GB; --stream: never resident on the GPU), so the features
+              take COCO's streamed path: the shard writer on the device, training from memory-mapped
+              shards through the reader threads, pinned buffers and the side-stream copy;
               its own cache, and at least one shard on disk after it;
 7. pipeline   benchmarks/bench_pipeline.py --device <device> --coco-size (COCO token counts; its --tiny
               on a CPU).
@@ -86,8 +87,8 @@ def write_models(root, tiny):
     return root
 
 
-SHARDED = {False: dict(ALIGN_MEMMAP_GB="0.25", ALIGN_SHARD_MB="64"),     # COCO-shaped: train goes to shards
-           True: dict(ALIGN_MEMMAP_GB="1e-9", ALIGN_SHARD_MB="1e-4")}     # tiny: every set, one batch a shard
+SHARDED = {False: ["--memmap-bytes", str(2**28), "--shard-bytes", str(64 * 2**20)],  # COCO-shaped: train to shards
+           True: ["--memmap-bytes", "1", "--shard-bytes", "107"]}                     # tiny: every set, a batch a shard
 
 
 def steps(args, work, world, models):
@@ -104,9 +105,9 @@ def steps(args, work, world, models):
     why = None if args.device == "cpu" or gpus >= 2 else f"{gpus} GPU(s): NCCL takes one GPU per rank"
     bench = [sys.executable, str(ROOT / "benchmarks" / "bench_pipeline.py"), "--device", args.device,
              *(["--tiny"] if args.tiny else ["--coco-size", "--repeats", "1"])]
-    sharded = ["env", *(f"{k}={v}" for k, v in SHARDED[bool(args.tiny)].items()), *py[:-1],
-               str(work / "cache-shards"), *coco, *dino, "--method", "pal", "--no-figures", *epochs, *quick[2:],
-               *out("shards")]
+    sharded = [sys.executable, str(ROOT / "benchmarks" / "align_sharded.py"), *SHARDED[bool(args.tiny)],
+               "--stream", *py[2:-1], str(work / "cache-shards"), *coco, *dino, "--method", "pal", "--no-figures",
+               *epochs, *quick[2:], *out("shards")]
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(ROOT / "align.py"), "--device", args.device, "--cache-dir", cache, *coco, *dino,
            "--method", "pal", "--no-figures", *epochs, *quick[2:], *out("torchrun")]

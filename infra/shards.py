@@ -25,10 +25,10 @@ from infra.storage import atomic_save, atomic_target, file_crc, load_plain, safe
 #   memory map as StoredFeatures. Tokens are stored RAGGED: row after row, no
 #   padding (captions), so a batch is padded only to its own longest row. An
 #   interrupted extraction resumes at the first unfinished shard.
-MEMMAP_BYTES = int(float(os.environ.get("ALIGN_MEMMAP_GB", "2")) * 2**30)  # larger token caches go to shards
+MEMMAP_BYTES = 2 * 2**30      # larger token caches go to shards (benchmarks/align_sharded.py sets it for a run)
 
 
-SHARD_BYTES = int(float(os.environ.get("ALIGN_SHARD_MB", "256")) * 2**20)   # tokens per shard (whole batches, >= 1)
+SHARD_BYTES = 256 * 2**20     # tokens per shard (whole batches, >= 1)
 
 
 class StoredFeatures:
@@ -69,11 +69,17 @@ class StoredFeatures:
         the batch, shard by shard in file order (rows sorted within a shard); no padding is zeroed
         where every row has the batch's length, and the mapped pages are left to the OS (its page
         cache keeps them for the next epoch)."""
+        return self.rows(idx)
+
+    def rows(self, idx, pinned=False):
+        """self[idx], read into a pinned buffer when pinned (CUDA: copied from there without another copy)."""
         rows = torch.arange(len(self))[idx].reshape(-1)                                        # (B,)
         lengths = self.lengths[rows]
         T = int(lengths.max())
         full = bool((lengths == T).all())                                                        # no padding to zero
-        out = (np.empty if full else np.zeros)((len(rows), T, self.dim), dtype=np.float16)     # (B, T, D)
+        buffer = (torch.empty if full else torch.zeros)((len(rows), T, self.dim), dtype=torch.float16,
+                                                        pin_memory=pinned)                     # (B, T, D)
+        out = buffer.numpy()
         rows_np = rows.numpy()
         shard = np.searchsorted(self.starts_np, rows_np, side="right") - 1                      # (B,) shard of each row
         for s in np.unique(shard).tolist():
@@ -84,7 +90,11 @@ class StoredFeatures:
             for b, r in zip(at[order].tolist(), local[order].tolist()):
                 out[b, :off[r + 1] - off[r]] = flat[off[r]:off[r + 1]]                          # one contiguous copy
         mask = torch.arange(T)[None] < lengths[:, None]
-        return Features(tokens=torch.from_numpy(out), mask=mask, pooled=self.pooled[rows], grid=self.grid)
+        if pinned:
+            mask, pooled = mask.pin_memory(), self.pooled[rows].pin_memory()
+        else:
+            pooled = self.pooled[rows]
+        return Features(tokens=buffer, mask=mask, pooled=pooled, grid=self.grid)
 
     def to(self, device, dtype=torch.float32):
         return self[:].to(device, dtype)
@@ -217,23 +227,32 @@ def encoded_batches(encoder, inputs, starts, stop, batch_size, device):
 
 def check_fp16(f, encoder):
     """Features f as they go into the cache: a value beyond fp16's range (already inf once cast) is
-    one line naming the encoder and its layer, never an inf in the cache and a NaN loss later."""
+    one line naming the encoder and its layer, never an inf in the cache and a NaN loss later.
+    Wherever f is (the real encoders call it on the device, before the copy back), its four counts reach
+    the host in one copy; padding is not looked at."""
+    counts = []
     for name in ("tokens", "pooled"):
         x = getattr(f, name)
-        x = x[f.mask] if name == "tokens" and f.mask is not None else x
-        nan = torch.isnan(x)
-        if nan.any():       # not a range: the model computes NaN (NaN weights: a broken or half-copied file)
-            who = f"{getattr(encoder, 'name', type(encoder).__name__)} (layer {getattr(encoder, 'layer', '?')})"
-            raise RunError(f"{who} gives {int(nan.sum())} {name} value(s) that are NaN: the model's outputs are NaN, "
+        if name == "tokens" and f.mask is not None:
+            x = x.masked_fill(~f.mask.to(x.device)[..., None], 0)           # padding: 0, whatever it held
+        counts += [(x != x).sum(), (x.abs() > FP16_MAX).sum()]            # NaN; inf or beyond fp16 (NaN: not)
+    counts = torch.stack(counts).tolist()                                   # the one copy to the host
+    who = f"{getattr(encoder, 'name', type(encoder).__name__)} (layer {getattr(encoder, 'layer', '?')})"
+    for name, nan, big in (("tokens", *counts[:2]), ("pooled", *counts[2:])):
+        if nan:     # not a range: the model computes NaN (NaN weights: a broken or half-copied file)
+            raise RunError(f"{who} gives {nan} {name} value(s) that are NaN: the model's outputs are NaN, "
                            f"so its weights are (a broken or half-copied file?); copy the model folder again "
                            f"from its download")
-        big = ~torch.isfinite(x) | (x.abs() > FP16_MAX) if x.dtype != torch.float16 else ~torch.isfinite(x)
-        if big.any():
-            raise RunError(f"{getattr(encoder, 'name', type(encoder).__name__)} "
-                           f"(layer {getattr(encoder, 'layer', '?')}) "
-                           f"gives {int(big.sum())} {name} value(s) beyond {FP16_MAX:g}, the largest fp16 value the "
+        if big:
+            raise RunError(f"{who} gives {big} {name} value(s) beyond {FP16_MAX:g}, the largest fp16 value the "
                            f"feature cache stores (they would be inf); pick another --image-layer / --text-layer, "
                            f"or a model whose activations stay in fp16's range")
+
+
+def checked(f, encoder, device):
+    """check_fp16(f) unless the encoder checked its features on the GPU already (checks_on_device)."""
+    if not (getattr(encoder, "checks_on_device", False) and str(device).startswith("cuda")):
+        check_fp16(f, encoder)
 
 
 def write_shard(folder, s, parts, key):
@@ -264,8 +283,13 @@ def write_shards(encoder, inputs, folder, key, plan, shards, batch_size, device,
     encodes shard n + 1, so the device is not idle through the host's work (on the CPU too: np.save and
     the checksum release the GIL); peak RAM ~ 2 shards. writer=False: one after the other, the same files."""
     rows = plan["rows_per_shard"]
+    shards = list(shards)
     todo = [s for s in shards if not shard_done(folder, s, key, log)]           # resume: intact ones kept
+    if len(todo) < len(shards):
+        log(f"[features] {folder.name}: {len(shards) - len(todo)} of {len(shards)} shards kept from before; "
+            f"writing the other {len(todo)}")
     total = sum(min((s + 1) * rows, len(inputs)) - s * rows for s in todo)
+    finished = [len(shards) - len(todo)]
     progress = Progress(f"[features] {folder.name}:", total, log=log, t0=t0)
 
     def encoded(s):                                                               # shard s's batches, fp16
@@ -274,26 +298,40 @@ def write_shards(encoder, inputs, folder, key, plan, shards, batch_size, device,
         parts = [half(first)] if (start == 0 and first is not None) else []
         parts += [half(f) for f in encoded_batches(encoder, inputs, rest, stop, batch_size, device)]
         for f in parts:
-            check_fp16(f, encoder)                                                # before the writer takes it
+            checked(f, encoder, device)                                                 # before the writer takes it
         return s, parts
 
     def written(s):
+        finished[0] += 1
         progress.tag = f"[features] {folder.name}: shard {s + 1}/{plan['n_shards']},"
         progress.update(min((s + 1) * rows, len(inputs)) - s * rows, force=True)
 
+    try:
+        write_all(folder, key, todo, encoded, written, writer)
+    except KeyboardInterrupt:
+        log(f"[features] interrupted: {finished[0]} of {len(shards)} shards of {folder.name} kept in {folder}; "
+            f"the rerun writes the other {len(shards) - finished[0]}")
+        raise
+
+
+def write_all(folder, key, todo, encoded, written, writer):
+    """write_shard for each shard of todo, from encoded(s); each one whole (written(s) called) or not at all."""
     if not writer:
         for s in todo:
             written(write_shard(folder, *encoded(s), key))
         return
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shard-writer") as pool:
         pending = None                                     # the shard being written (its future)
-        for s in todo:
-            s, parts = encoded(s)                          # the forward of shard s, while shard s - 1 is written
-            if pending is not None:
-                written(pending.result())                  # a writer's error is raised here
-            pending = pool.submit(write_shard, folder, s, parts, key)
-        if pending is not None:                            # (on an error above, leaving the pool still
-            written(pending.result())                      # finishes the shard handed over: it is whole)
+        try:
+            for s in todo:
+                s, parts = encoded(s)                      # the forward of shard s, while shard s - 1 is written
+                if pending is not None:
+                    done, pending = pending, None
+                    written(done.result())                 # a writer's error is raised here
+                pending = pool.submit(write_shard, folder, s, parts, key)
+        finally:
+            if pending is not None:                        # (on an error or a Ctrl-C above, the shard handed
+                written(pending.result())                  # over is still finished: it is whole, and counted)
 
 
 FP16_MAX = 65504.0   # the largest finite float16: the cache stores tokens and pooled vectors as fp16

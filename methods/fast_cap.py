@@ -114,12 +114,17 @@ def chunked_cap(Z, A, mask, tau_p, V=None, chunk_elements=None):
     of about chunk_elements (b, T, K) entries (None: CHUNK_ELEMENTS of Z's device: a CPU's cache, or on a GPU
     the whole batch, whose time goes to launching kernels, not to memory traffic). Tokens padded in every
     row of the batch (the image's global slot, choice 2) are dropped first: they weigh 0 anyway.
-    What the chunks need to know of the mask comes to the host in one copy (on a GPU, one sync a call)."""
+    On a CPU what the chunks need to know of the mask is read from it (free there); on a GPU that would be a
+    host sync a call, so there no column is dropped and every chunk masks its padding (a bias of 0 where there
+    is none: the same values)."""
     T = Z.shape[1]
-    real = mask.any(dim=0)                                            # (T,) a token some row has
-    padded = (~mask & real).any(dim=1)                                # (B,) a row with padding among those
-    flags = torch.cat([real, padded]).tolist() if not Z.is_meta else [True] * T + [False] * len(Z)  # one host copy
-    real, padded = flags[:T], tuple(flags[T:])
+    if Z.device.type == "cpu":
+        real = mask.any(dim=0)                                        # (T,) a token some row has
+        padded = (~mask & real).any(dim=1)                            # (B,) a row with padding among those
+        flags = torch.cat([real, padded]).tolist()                    # read on the host (a CPU tensor: no sync)
+        real, padded = flags[:T], tuple(flags[T:])
+    else:                                                             # GPU (or meta): no look at the values
+        real, padded = [True] * T, (not Z.is_meta,) * len(Z)
     if not all(real):
         t = [j for j, r in enumerate(real) if r]
         # a view where it can be

@@ -260,8 +260,10 @@ def test_a_run_killed_mid_extraction_then_two_concurrent_reruns_match_an_uninter
     both finish (one extracts, the other waits for it) with the uninterrupted run's numbers."""
     cache = fresh_cache(tmp_path / "cache", shared)
     log = open(tmp_path / "killed.log", "w")
-    p = subprocess.Popen(align_cmd(cache, tmp_path / "killed", *RUN), cwd=ROOT, stdout=log, stderr=log,
-                         env=env(ALIGN_MEMMAP_GB="1e-9"))
+    sharded = [sys.executable, str(ROOT / "benchmarks" / "align_sharded.py"), "--memmap-bytes", "1",
+               "--shard-bytes", str(256 * 2**20)]                           # every set sharded
+    p = subprocess.Popen(sharded + align_cmd(cache, tmp_path / "killed", *RUN)[2:], cwd=ROOT, stdout=log, stderr=log,
+                         env=env())
     try:
         wait_for(p, lambda: list(cache.glob("features/*/00000.pt")))  # the first set done, the others not yet
     finally:

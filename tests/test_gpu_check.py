@@ -42,13 +42,14 @@ def gpu_check_steps(tmp_path, tiny, world=None, models=None):
 
 
 def test_gpu_check_trains_one_step_through_shards_and_benchmarks_the_pipeline_at_coco_sizes(tmp_path):
-    """Its fixture stayed under ALIGN_MEMMAP_GB (2 GB), so the shard writer on the GPU, training from
-    memory-mapped shards through the reader threads and the side-stream copy (COCO's real path) never
-    ran in it. The shards step sets a small ALIGN_MEMMAP_GB (0.25 GB under its 0.54 GB of train
-    tokens), with its own cache; bench_pipeline runs at COCO token counts."""
+    """Its fixture stayed under shards.MEMMAP_BYTES (2 GiB), so the shard writer on the GPU, training from
+    memory-mapped shards through the reader threads and the side-stream copy (COCO's streamed path) never
+    ran in it. The shards step runs align.py through benchmarks/align_sharded.py with 0.25 GiB (under its
+    0.54 GB of train tokens) and --stream, with its own cache; bench_pipeline runs at COCO token counts."""
     cmds = gpu_check_steps(tmp_path, tiny=False)
     shards_step = cmds["shards"]
-    assert shards_step[:3] == ["env", "ALIGN_MEMMAP_GB=0.25", "ALIGN_SHARD_MB=64"]
+    assert shards_step[1:7] == [str(ROOT / "benchmarks" / "align_sharded.py"), "--memmap-bytes", str(2**28),
+                                "--shard-bytes", str(64 * 2**20), "--stream"]
     assert shards_step[shards_step.index("--cache-dir") + 1] == str(tmp_path / "cache-shards")
     assert "--coco-size" in cmds["pipeline"]
 
@@ -60,17 +61,18 @@ def test_the_shards_step_trains_from_memory_mapped_shards_on_the_simulated_devic
     from simulated_device import simulated_cuda
 
     import align
-    from infra import shards
+    from infra import loader, shards
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import gpu_check
     world = gpu_check.write_world(tmp_path / "data", True)
     models = gpu_check.write_models(tmp_path / "models", True)
     cmd = gpu_check_steps(tmp_path, True, world, models)["shards"]
-    env = dict(a.split("=", 1) for a in cmd[1:cmd.index(sys.executable)])
-    monkeypatch.setattr(shards, "MEMMAP_BYTES", int(float(env["ALIGN_MEMMAP_GB"]) * 2**30))
-    monkeypatch.setattr(shards, "SHARD_BYTES", int(float(env["ALIGN_SHARD_MB"]) * 2**20))
+    monkeypatch.setattr(shards, "MEMMAP_BYTES", int(cmd[cmd.index("--memmap-bytes") + 1]))  # as the wrapper does
+    monkeypatch.setattr(shards, "SHARD_BYTES", int(cmd[cmd.index("--shard-bytes") + 1]))
+    assert "--stream" in cmd
+    monkeypatch.setattr(loader, "RESIDENT_SHARE", 0.0)
     with simulated_cuda(monkeypatch) as counts:
-        align.main(cmd[cmd.index(str(ROOT / "align.py")) + 1:])
+        align.main(cmd[cmd.index("--stream") + 1:])
     assert (tmp_path / "shards" / "metrics.json").exists()
     assert list((tmp_path / "cache-shards").rglob("*.tokens.npy"))
     assert counts["stream"] >= 1 and counts["pin_memory"] >= 1

@@ -96,13 +96,15 @@ def test_bench_pipeline_prints_every_figure_at_a_tiny_size(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for label in ("reader rows/s", "numpy fancy-index rows/s", "loader rows/s", "decode images/s", "model images/s",
                   "pipeline images/s", "layer selection s", "naive layer selection s", "rerun (cached) s",
-                  "scoring alone s", "evaluation", "host work per shard s"):
+                  "scoring alone s", "evaluation", "host work per shard s", "host ms per batch",
+                  "device-resident: host ms per step", "streamed:        host ms per step", "on an H100"):
         assert label in r.stdout, (label, r.stdout)
     host = next(line for line in r.stdout.splitlines() if "host work per shard s" in line)
     assert "4 rows x 257 x 32 fp16" in host and "forward per shard s" in host, host   # next to the forward's time
     figures = json.loads((tmp_path / "out.json").read_text())
-    assert {"reader", "extraction", "layers", "evaluation"} <= set(figures)
-    assert "host_per_shard_s" in figures["extraction"]
+    assert {"reader", "extraction", "layers", "evaluation", "steps"} <= set(figures)
+    assert "host_per_shard_s" in figures["extraction"] and "host_per_batch_ms" in figures["extraction"]
+    assert {"cov_gflop", "pal_resident_host_ms", "pal_streamed_host_ms"} <= set(figures["steps"])
     assert all(v["value"] > 0 and v["ratio"] > 0 for section in figures.values() for v in section.values())
 
 
