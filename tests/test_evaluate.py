@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from conftest import assert_same, random_features
+from recorded import expected
 
 import evaluate as ev
 from features import Features
@@ -52,36 +53,6 @@ def naive_token_score(a, b):
 
 
 # ----------------------------------------------------------------------------- naive retrieval references
-
-def naive_retrieval(S, txt_to_img):
-    """Per-query loops over a full argsort (valid without ties)."""
-    N_img, N_txt = S.shape
-    i2t_rank, ap, p1, p5 = [], [], [], []
-    for i in range(N_img):
-        order = torch.argsort(S[i], descending=True).tolist()
-        rel = [int(txt_to_img[j]) == i for j in order]
-        i2t_rank.append(rel.index(True))
-        hits, total = 0, 0.0
-        for k, r in enumerate(rel, start=1):
-            if r:
-                hits += 1
-                total += hits / k                       # P(k) at each relevant rank
-        ap.append(total / sum(rel))
-        p1.append(float(rel[0]))
-        p5.append(sum(rel[:5]) / 5)
-    t2i_rank = []
-    for j in range(N_txt):
-        order = torch.argsort(S[:, j], descending=True).tolist()
-        t2i_rank.append(order.index(int(txt_to_img[j])))
-    out = {}
-    for name, rank in [("i2t", i2t_rank), ("t2i", t2i_rank)]:
-        for K in (1, 5, 10):
-            out[f"{name}_r{K}"] = 100 * sum(r < K for r in rank) / len(rank)
-    out["rsum"] = sum(out.values())
-    out.update(i2t_map=sum(ap) / N_img, i2t_p1=sum(p1) / N_img, i2t_p5=sum(p5) / N_img,
-               t2i_p1=sum(r == 0 for r in t2i_rank) / N_txt)
-    return out
-
 
 def uneven_captions(N_img, seed=0):
     """Most images with 5 captions, some with 1, 3 or 7, shuffled."""
@@ -139,7 +110,7 @@ def test_retrieval_metrics_match_naive_loops(seed):
     txt_to_img = uneven_captions(30, seed)
     S = torch.randn(30, len(txt_to_img), generator=torch.Generator().manual_seed(seed))
     m = ev.retrieval_metrics(S, txt_to_img, chunk=16)   # small chunk: exercise the chunking
-    ref = naive_retrieval(S, txt_to_img)
+    ref = expected("naive_retrieval", S, txt_to_img)
     assert m.keys() == ref.keys(), f"keys {sorted(m)}, expected {sorted(ref)}"
     for k in ref:
         assert m[k] == pytest.approx(ref[k], abs=1e-5), f"{k} = {m[k]:.5g}, expected {ref[k]:.5g} (the naive loop)"

@@ -11,29 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import random_features
+from recorded import expected
 
 from features import Features
 from methods.losses import info_nce, info_nce_of_logits
 from methods.pal import PAL, anchor_overlap, cap, relative
-
-
-def naive_cos(u, v):
-    dot = sum(a * b for a, b in zip(u, v))
-    return dot / (math.sqrt(sum(a * a for a in u)) * math.sqrt(sum(b * b for b in v)))
-
-
-def naive_p(tokens, mask, A, tau_p, pooling):
-    """p (K,) of one sample by explicit loops over anchors k and real tokens t."""
-    Z = [tokens[t].tolist() for t in range(len(mask)) if mask[t]]
-    p = []
-    for a in A.tolist():
-        r = [naive_cos(z, a) for z in Z]                              # Eq. (3)-(4)
-        if pooling == "cap":
-            e = [math.exp(x / tau_p) for x in r]
-            p.append(sum(ei / sum(e) * x for ei, x in zip(e, r)))      # Eq. (5)-(6)
-        else:
-            p.append(sum(r) / len(r))                                  # mean
-    return torch.tensor(p)
 
 
 def same_rows(got, want, what, atol=1e-5, padded=None):
@@ -63,8 +45,9 @@ def test_pooling_matches_naive_loop(pooling):
         if pooling == "cap":                  # the exercise's own functions, called directly
             p_v_ex = cap(relative(img.tokens[:, 1:], m.A_v), img.mask[:, 1:], 0.3)[0]
             p_l_ex = cap(relative(txt.tokens, m.A_l), txt.mask, 0.3)[0]
-    ref_v = torch.stack([naive_p(img.tokens[b, 1:], img.mask[b, 1:], m.A_v, 0.3, pooling) for b in range(len(img))])
-    ref_l = torch.stack([naive_p(txt.tokens[b], txt.mask[b], m.A_l, 0.3, pooling) for b in range(len(txt))])
+    ref_v = torch.stack([expected("naive_p", img.tokens[b, 1:], img.mask[b, 1:], m.A_v, 0.3, pooling)
+                         for b in range(len(img))])
+    ref_l = torch.stack([expected("naive_p", txt.tokens[b], txt.mask[b], m.A_l, 0.3, pooling) for b in range(len(txt))])
     same_rows(p_v, ref_v, f"image p ({pooling} over the 6 patches, tau_p 0.3)")
     same_rows(p_l, ref_l, f"text p ({pooling} over the words, tau_p 0.3)", padded=[1, 2])
     same_rows(h_l, F.normalize(ref_l, dim=-1), "text h = p / ||p|| (Eq. 7)", padded=[1, 2])
@@ -79,7 +62,7 @@ def test_cap_at_default_tau_p_matches_naive_loop():
     with torch.no_grad():
         p_l = m.pool(txt, "text")
         p_l_ex = cap(relative(txt.tokens, m.A_l), txt.mask, 0.03)[0]        # the exercise's functions
-    ref = torch.stack([naive_p(txt.tokens[b], txt.mask[b], m.A_l, 0.03, "cap") for b in range(len(txt))])
+    ref = torch.stack([expected("naive_p", txt.tokens[b], txt.mask[b], m.A_l, 0.03, "cap") for b in range(len(txt))])
     same_rows(p_l, ref, "text p at tau_p 0.03 (PAL.pool)", padded=[1, 2])
     same_rows(p_l_ex, ref, "cap(relative(Z, A_l), mask, 0.03)[0]", padded=[1, 2])
 
@@ -89,8 +72,7 @@ def test_global_pooling_is_relative_representation_of_one_vector():
     m = PAL(5, 4, K=6, pooling="global", fast=False)
     with torch.no_grad():
         p_v, p_l = m.pool(img, "image"), m.pool(txt, "text")
-    ref_v = torch.tensor([[naive_cos(img.pooled[b].tolist(), a) for a in m.A_v.tolist()] for b in range(len(img))])
-    ref_l = torch.tensor([[naive_cos(txt.pooled[b].tolist(), a) for a in m.A_l.tolist()] for b in range(len(txt))])
+    ref_v, ref_l = expected("cosines", img.pooled, m.A_v), expected("cosines", txt.pooled, m.A_l)
     same_rows(p_v, ref_v, "image p of the global vector (cosines to the anchors)")
     same_rows(p_l, ref_l, "text p of the pooled vector (cosines to the anchors)")
 
@@ -245,7 +227,7 @@ def test_dense_image_is_normalised_per_patch_relative_representation():
     with torch.no_grad():
         d = m.dense_image(img)
     assert d.shape == (3, 6, 7), f"dense_image has shape {tuple(d.shape)}, expected (3, 6, 7): (B, H*W, K)"
-    r = torch.tensor([naive_cos(img.tokens[1, 1 + 4].tolist(), a) for a in m.A_v.tolist()])   # patch 4
+    r = expected("cosines", img.tokens[1, 1 + 4][None], m.A_v)[0]                           # patch 4
     gap = (d[1, 4] - r / r.norm()).abs().max().item()
     assert gap <= 1e-5, (f"patch 4 of image 1 differs by {gap:.3g} from what is expected, its normalised cosines to "
                          f"the anchors {(r / r.norm()).tolist()}")

@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from conftest import random_features, train_with
+from recorded import expected
 from test_real import models  # noqa: F401  (the tiny Hugging Face models fixture)
 
 import align
@@ -73,19 +74,12 @@ def test_neural_collapse_bias_and_norm_change_the_answer():
 
 # ---------------------------------------------------------------- mutual kNN, CKA
 
-def naive_mutual_knn(X, Y, k):
-    def neighbours(Z, i):
-        cos = [(F.cosine_similarity(Z[i], Z[j], dim=0).item(), j) for j in range(len(Z)) if j != i]
-        return {j for _, j in sorted(cos, reverse=True)[:k]}
-    return sum(len(neighbours(X, i) & neighbours(Y, i)) / k for i in range(len(X))) / len(X)
-
-
 def test_mutual_knn_matches_naive_loop():
     g = torch.Generator().manual_seed(0)
     X = torch.randn(25, 5, generator=g)
     Y = torch.cat([X, torch.zeros(25, 2)], 1) + 0.7 * torch.randn(25, 7, generator=g)
     for k in (1, 3, 7):
-        got, want = S.mutual_knn(X, Y, k), naive_mutual_knn(X, Y, k)
+        got, want = S.mutual_knn(X, Y, k), expected("naive_mutual_knn", X, Y, k)
         assert abs(got - want) < 1e-6, f"mutual_knn at k = {k}: {got:.4f}, expected {want:.4f}, the loop's (self excluded)"
 
 
