@@ -196,3 +196,21 @@ def naive_spread(a, H, W):
         cy = sum(w * y for w, (_, y) in zip(row, centres))
         out.append(sum(w * math.hypot(x - cx, y - cy) for w, (x, y) in zip(row, centres)))
     return out
+
+
+def naive_bilinear(logits, Hm, Wm):
+    """(C, H, W) -> (C, Hm, Wm) per output pixel, align_corners=False: source coordinate
+    (y + .5) H / Hm - .5, clamped at 0 (PyTorch's rule), blend of the 4 neighbours."""
+    C, H, W = logits.shape
+    out = torch.zeros(C, Hm, Wm, dtype=torch.float64)
+    for y in range(Hm):
+        sy = max((y + 0.5) * H / Hm - 0.5, 0.0)
+        y0, wy = int(sy), sy - int(sy)
+        y1 = min(y0 + 1, H - 1)
+        for x in range(Wm):
+            sx = max((x + 0.5) * W / Wm - 0.5, 0.0)
+            x0, wx = int(sx), sx - int(sx)
+            x1 = min(x0 + 1, W - 1)
+            out[:, y, x] = ((1 - wy) * (1 - wx) * logits[:, y0, x0] + (1 - wy) * wx * logits[:, y0, x1]
+                            + wy * (1 - wx) * logits[:, y1, x0] + wy * wx * logits[:, y1, x1]).double()
+    return out

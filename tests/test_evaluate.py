@@ -311,24 +311,6 @@ def test_segmentation_with_token_level_method_runs_per_patch():
     want(ev.segmentation(Dense(), img, masks, prompts, 1), "miou_fg", 100, "a token-level method, one patch per image")
 
 
-def naive_bilinear(logits, Hm, Wm):
-    """(C, H, W) -> (C, Hm, Wm) per output pixel, align_corners=False: source coordinate
-    (y + .5) H / Hm - .5, clamped at 0 (PyTorch's rule), blend of the 4 neighbours."""
-    C, H, W = logits.shape
-    out = torch.zeros(C, Hm, Wm, dtype=torch.float64)
-    for y in range(Hm):
-        sy = max((y + 0.5) * H / Hm - 0.5, 0.0)
-        y0, wy = int(sy), sy - int(sy)
-        y1 = min(y0 + 1, H - 1)
-        for x in range(Wm):
-            sx = max((x + 0.5) * W / Wm - 0.5, 0.0)
-            x0, wx = int(sx), sx - int(sx)
-            x1 = min(x0 + 1, W - 1)
-            out[:, y, x] = ((1 - wy) * (1 - wx) * logits[:, y0, x0] + (1 - wy) * wx * logits[:, y0, x1]
-                            + wy * (1 - wx) * logits[:, y1, x0] + wy * wx * logits[:, y1, x1]).double()
-    return out
-
-
 def test_segmentation_upsamples_logits_bilinearly():
     """Random patch logits at a non-integer scale (3x4 grid -> 10x11 masks): the ground truth is the argmax
     of the per-pixel bilinear reference, so the protocol must score 100; nearest upsampling or
@@ -339,7 +321,7 @@ def test_segmentation_upsamples_logits_bilinearly():
     tokens = torch.cat([patches.mean(1, keepdim=True), patches], 1)
     img = Features(tokens=tokens, mask=torch.ones(N, 1 + H * W, dtype=torch.bool), pooled=tokens[:, 0], grid=(H, W))
     logits = F.normalize(patches, dim=-1).view(N, H, W, C).permute(0, 3, 1, 2)     # Cosine vs one-hot prompts
-    masks = torch.stack([naive_bilinear(l, Hm, Wm).argmax(0) for l in logits])     # (N, Hm, Wm)
+    masks = torch.stack([expected("naive_bilinear", l, Hm, Wm).argmax(0) for l in logits])     # (N, Hm, Wm)
     masks[:, 0, :3] = 255                                                           # a few ignored pixels
     prompts = Features.from_vectors(torch.eye(C))
     want(ev.segmentation(Cosine(), img, masks, prompts, 1, batch_size=3), "miou_fg", 100,
@@ -353,27 +335,34 @@ def test_segmentation_upsamples_logits_bilinearly():
 
 def test_segmentation_sums_intersections_and_unions_over_all_batches():
     """Batches of 2 over 5 images whose masks disagree with the prediction differently: mIoU from the
-    intersections and unions of ALL pixels, computed here with the per-pixel bilinear reference."""
+    intersections and unions of ALL pixels. Each image is a 1 x 1 grid, so any upsampling predicts its one
+    patch's class on every pixel: this check reads the sums alone."""
     g = torch.Generator().manual_seed(1)
-    N, C, H, W, Hm, Wm = 5, 3, 2, 3, 5, 7
-    patches = torch.randn(N, H * W, C, generator=g)
-    tokens = torch.cat([patches.mean(1, keepdim=True), patches], 1)
-    img = Features(tokens=tokens, mask=torch.ones(N, 1 + H * W, dtype=torch.bool), pooled=tokens[:, 0], grid=(H, W))
-    logits = F.normalize(patches, dim=-1).view(N, H, W, C).permute(0, 3, 1, 2)
-    pred = torch.stack([naive_bilinear(l, Hm, Wm).argmax(0) for l in logits])     # (N, Hm, Wm)
+    N, C, Hm, Wm = 5, 3, 5, 7
+    patches = torch.randn(N, 1, C, generator=g)
+    tokens = torch.cat([patches, patches], 1)
+    img = Features(tokens=tokens, mask=torch.ones(N, 2, dtype=torch.bool), pooled=tokens[:, 0], grid=(1, 1))
+    pred = patches[:, 0].argmax(-1)[:, None, None].expand(N, Hm, Wm)                 # (N, Hm, Wm)
     masks = torch.randint(0, C, (N, Hm, Wm), generator=g)
     masks[:, :, 0] = 255
     valid = masks != 255
     inter = [int(((pred == c) & (masks == c) & valid).sum()) for c in range(C)]
     union = [int((((pred == c) | (masks == c)) & valid).sum()) for c in range(C)]
+    assert all(union), "(the test's own check) expected every class in the prediction or the truth"
     expect = 100 * sum(i / u for i, u in zip(inter, union)) / C
+    per_image = []
+    for n in range(N):
+        i_n = [int(((pred[n] == c) & (masks[n] == c) & valid[n]).sum()) for c in range(C)]
+        u_n = [int((((pred[n] == c) | (masks[n] == c)) & valid[n]).sum()) for c in range(C)]
+        per_image.append(100 * sum(i / u for i, u in zip(i_n, u_n) if u) / sum(u > 0 for u in u_n))
     prompts = Features.from_vectors(torch.eye(C))
     got = ev.segmentation(Cosine(), img, masks, prompts, 1, batch_size=2)["miou_fg"]
-    assert got == pytest.approx(expect, abs=1e-4), \
-        f"mIoU {got:.4g} over 5 images in batches of 2, expected {expect:.4g} (intersections, unions summed over all)"
-    last = ev.segmentation(Cosine(), img[4:], masks[4:], prompts, 1)["miou_fg"]
-    assert abs(last - expect) > 1, f"(the test's own check) the last batch alone gives {last:.4g}, expected it to " \
-                                   f"differ from {expect:.4g}"
+    assert got == pytest.approx(expect, abs=1e-4), (
+        f"mIoU {got:.4g} over 5 images in batches of 2, expected {expect:.4g}: the set's mIoU is the mean over "
+        f"classes of (intersections summed over every image) / (unions summed over every image); the mean of "
+        f"the per-image mIoUs here is {sum(per_image) / N:.4g}, the last batch's alone "
+        f"{ev.segmentation(Cosine(), img[4:], masks[4:], prompts, 1)['miou_fg']:.4g}")
+    assert abs(sum(per_image) / N - expect) > 1, "(the test's own check) expected the per-image mean to differ"
 
 
 # ----------------------------------------------------------------------------- binding

@@ -80,7 +80,29 @@ def test_mutual_knn_matches_naive_loop():
     Y = torch.cat([X, torch.zeros(25, 2)], 1) + 0.7 * torch.randn(25, 7, generator=g)
     for k in (1, 3, 7):
         got, want = S.mutual_knn(X, Y, k), expected("naive_mutual_knn", X, Y, k)
-        assert abs(got - want) < 1e-6, f"mutual_knn at k = {k}: {got:.4f}, expected {want:.4f}, the loop's (self excluded)"
+        assert abs(got - want) < 1e-6, (f"mutual_knn at k = {k}: {got:.4f}, expected {want:.4f} (m_NN, Fig. 1: the "
+                                        f"mean over rows i of |kNN_X(i) & kNN_Y(i)| / k)")
+
+
+def test_knn_with_duplicate_rows_never_lists_a_row_itself():
+    """12 rows, 6 distinct ones each twice: a row's own index and its twin's tie at cosine 1. A row is never its
+    own neighbour, its twin is its nearest, and m_NN at k = 1 of two spaces with the same twins is 1."""
+    g = torch.Generator().manual_seed(0)
+    X, Y = torch.randn(6, 5, generator=g).repeat(2, 1), torch.randn(6, 7, generator=g).repeat(2, 1)
+    twin = (torch.arange(12) + 6) % 12
+    for k in (1, 3):
+        idx = S.knn_indices(X, k)
+        assert tuple(idx.shape) == (12, k), f"knn_indices(X, {k}) has shape {tuple(idx.shape)}, expected (12, {k})"
+        own = [i for i in range(12) if i in idx[i].tolist()]
+        assert not own, (f"with duplicate rows (row i and row i + 6 equal) rows {own} list themselves among their "
+                         f"{k} nearest neighbours: a row's own cosine 1 ties with its twin's, and the kNN of Fig. 1 is "
+                         f"over the OTHER rows whatever the order of ties")
+        no_twin = [i for i in range(12) if idx[i, 0] != twin[i]]
+        assert not no_twin, (f"with duplicate rows, rows {no_twin}: first neighbour {idx[no_twin[0], 0].item()}, "
+                             f"expected its twin {twin[no_twin[0]].item()} (cosine 1)")
+    got = S.mutual_knn(X, Y, 1)
+    assert got == 1.0, (f"mutual_knn at k = 1 of two spaces with the same duplicate rows is {got:.4f}, expected 1 "
+                        f"(each row's one neighbour is its twin in both)")
 
 
 def test_mutual_knn_identical_and_independent():
@@ -88,6 +110,10 @@ def test_mutual_knn_identical_and_independent():
     X = torch.randn(400, 16, generator=g)
     got = S.mutual_knn(X, X, 10)
     assert got == 1.0, f"mutual_knn of a space with itself is {got:.4f}, expected 1"
+    scales = torch.rand(400, 1, generator=g) * 10 + 0.1
+    got = S.mutual_knn(X, X * scales, 10)
+    assert got == 1.0, (f"mutual_knn of X with each row rescaled by its own positive factor is {got:.4f}, expected 1 "
+                        f"(neighbours by cosine: a row's length does not move them)")
     got = S.mutual_knn(X, 3 * X @ orthogonal(16), 10)
     assert got == 1.0, f"mutual_knn with a rotated, scaled copy is {got:.4f}, expected 1 (cosine neighbours)"
     Y = torch.randn(400, 12, generator=g)
