@@ -167,11 +167,11 @@ EXERCISES = {
 
 # The other exercises whose code an exercise's graded tests also run (grade.py says BLOCKED while one is blank;
 # the sheet's "needs" column; tests/test_exercises.py checks both against what grading finds).
-DEPENDS = {2: [3], 5: [2, 6], 6: [4, 5], 10: [13], 11: [2]}
+DEPENDS = {2: [3], 5: [2, 6], 6: [3, 4, 5], 10: [13], 11: [2]}
 
 # The exercises a run of align.py executes: its method's (training and scoring), then the evaluation's.
 NEEDS = {
-    "pal": [2, 3], "pal_rel": [2, 3], "cov": [2, 4, 5, 6], "text_guided": [2, 6], "filip": [2, 6], "fa": [2],
+    "pal": [2, 3], "pal_rel": [2, 3], "cov": [2, 4, 5, 6], "text_guided": [2, 3, 6], "filip": [2, 6], "fa": [2],
     "linear": [2], "linear_rs": [2, 11], "mlp_rs": [2, 11], "csa": [7], "asif": [12], "mlp": [], "t2c": [],
     "sail": [],
 }

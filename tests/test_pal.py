@@ -26,7 +26,7 @@ def same_rows(got, want, what, atol=1e-5, padded=None):
     note = ""
     if padded is not None and bad:
         note = " (the padded ones)" if set(bad) <= set(padded) else f" (rows {padded} are the padded ones)"
-    assert not bad, f"{what}: rows {bad}{note} differ from the naive loop by up to {diff.max().item():.3g}"
+    assert not bad, f"{what}: rows {bad}{note} differ from the expected values by up to {diff.max().item():.3g}"
 
 
 def text_and_image(B=3, seed=0):
