@@ -214,3 +214,52 @@ def naive_bilinear(logits, Hm, Wm):
             out[:, y, x] = ((1 - wy) * (1 - wx) * logits[:, y0, x0] + (1 - wy) * wx * logits[:, y0, x1]
                             + wy * (1 - wx) * logits[:, y1, x0] + wy * wx * logits[:, y1, x1]).double()
     return out
+
+
+def naive_token_score(a, b):
+    """One (image, text) pair at a time: sum over words of max over regions."""
+    return sum(max(float(q @ w) for q in a) for w in b if w.abs().sum() > 0)
+
+
+def info_nce_directions(s):
+    """(image->text, text->image) cross-entropies of a logit matrix s (B, B) by loops: rows, then columns."""
+    s = s.tolist()
+
+    def cross_entropy(rows):                       # mean over i of -log softmax(rows[i])_i
+        return sum(math.log(sum(math.exp(x) for x in row)) - row[i] for i, row in enumerate(rows)) / len(rows)
+    return cross_entropy(s), cross_entropy([list(col) for col in zip(*s)])
+
+
+def naive_template_average(t, n):
+    """(C*n, K) -> (C, K): each template normalised, averaged over its class's n, normalised again."""
+    C, K = len(t) // n, t.shape[1]
+    out = []
+    for c in range(C):
+        acc = torch.zeros(K)
+        for r in range(n):
+            v = t[c * n + r]
+            acc += v / math.sqrt(float(v @ v))
+        acc /= n
+        out.append(acc / math.sqrt(float(acc @ acc)))
+    return torch.stack(out)
+
+
+def naive_token_class_logits(img, txt, n):
+    """(N, C) class logits of a token-level method: the mean over a class's n templates of the pair's score."""
+    C = len(txt) // n
+    return torch.tensor([[sum(naive_token_score(img[i], txt[c * n + r]) for r in range(n)) / n for c in range(C)]
+                         for i in range(len(img))])
+
+
+def naive_neural_collapse(W, b, feats):
+    """Labels that the cosine classifier gets right but for the first 8 images, and Table 1's three top-1s on them
+    by loops: argmax_i of w_i . f + b_i, of cos(w_i, f), of w_i . f."""
+    C = len(W)
+    cos = lambda u, v: float(u @ v) / (float(u.norm()) * float(v.norm()))
+    labels = torch.tensor([max(range(C), key=lambda i: cos(W[i], f)) for f in feats])
+    labels[:8] = (labels[:8] + 1) % C
+    top1 = lambda score: 100 * sum(max(range(C), key=lambda i: score(i, f)) == int(y)
+                                   for f, y in zip(feats, labels)) / len(labels)
+    return labels, {"linear_top1": top1(lambda i, f: float(W[i] @ f) + float(b[i])),
+                    "cosine_top1": top1(lambda i, f: cos(W[i], f)), "nobias_top1": top1(lambda i, f: float(W[i] @ f))}
+

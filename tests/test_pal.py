@@ -5,7 +5,6 @@ training run on planted data, and analyse() figures.
 The tests of the exercises' functions (relative, cap, info_nce) build PAL with fast=False, so
 they run the paper form, cap(relative(Z, A)); tests/test_fast_forms.py checks the fast form
 against it. Their assertions say what differs, for exercises/grade.py's one line."""
-import math
 
 import pytest
 import torch
@@ -138,27 +137,23 @@ def test_info_nce_is_the_mean_of_both_directions():
     g = torch.Generator().manual_seed(0)
     h_v, h_l = F.normalize(torch.randn(6, 5, generator=g), dim=-1), F.normalize(torch.randn(6, 5, generator=g), dim=-1)
     tau = 0.05
-    s = [[float(h_v[i] @ h_l[j]) / tau for j in range(6)] for i in range(6)]       # s[i][j], image i, caption j
-
-    def cross_entropy(rows):                       # mean over i of -log softmax(rows[i])_i
-        return sum(math.log(sum(math.exp(x) for x in row)) - row[i] for i, row in enumerate(rows)) / len(rows)
-    i2t, t2i = cross_entropy(s), cross_entropy([list(col) for col in zip(*s)])
+    i2t, t2i = expected("info_nce_directions", h_v @ h_l.T / tau)              # image->text, text->image
     assert abs(i2t - t2i) > 0.1, "(the test's own check) expected the two directions to differ here"
     got, want = info_nce(h_v, h_l, tau).item(), (i2t + t2i) / 2
     assert got == pytest.approx(want, rel=1e-5), (
-        f"info_nce = {got:.4f}, expected {want:.4f}, the loop's (image->text alone {i2t:.4f}, "
-        f"text->image alone {t2i:.4f})")
+        f"info_nce = {got:.4f}, expected {want:.4f} (Eq. 8: the mean of image->text, {i2t:.4f} alone, and "
+        f"text->image, {t2i:.4f} alone)")
     got = info_nce_of_logits(h_v @ h_l.T / tau).item()
     assert got == pytest.approx(want, rel=1e-5), (
-        f"info_nce_of_logits = {got:.4f}, expected {want:.4f}, the loop's (rows alone {i2t:.4f}, "
-        f"columns alone {t2i:.4f})")
+        f"info_nce_of_logits = {got:.4f}, expected {want:.4f} (the mean of the rows' cross-entropy, {i2t:.4f} "
+        f"alone, and the columns', {t2i:.4f} alone)")
     # two matrices (FILIP's image->text and text->image similarities): the rows of the first, the columns of the second
-    s2 = [[x * x / 20 for x in row] for row in s]
-    want = (cross_entropy(s) + cross_entropy([list(col) for col in zip(*s2)])) / 2
-    got = info_nce_of_logits(h_v @ h_l.T / tau, torch.tensor(s2)).item()
+    s2 = (h_v @ h_l.T / tau) ** 2 / 20
+    want = (i2t + expected("info_nce_directions", s2)[1]) / 2
+    got = info_nce_of_logits(h_v @ h_l.T / tau, s2).item()
     assert got == pytest.approx(want, rel=1e-5), (
-        f"info_nce_of_logits(logits, logits_t2i) = {got:.4f}, expected {want:.4f}, the loop's (the rows of logits and "
-        f"the columns of logits_t2i)")
+        f"info_nce_of_logits(logits, logits_t2i) = {got:.4f}, expected {want:.4f} (the rows of logits and the "
+        f"columns of logits_t2i)")
 
 
 def test_anchor_overlap_on_planted_top5_sets():

@@ -94,9 +94,9 @@ def test_knn_with_duplicate_rows_never_lists_a_row_itself():
         idx = S.knn_indices(X, k)
         assert tuple(idx.shape) == (12, k), f"knn_indices(X, {k}) has shape {tuple(idx.shape)}, expected (12, {k})"
         own = [i for i in range(12) if i in idx[i].tolist()]
-        assert not own, (f"with duplicate rows (row i and row i + 6 equal) rows {own} list themselves among their "
-                         f"{k} nearest neighbours: a row's own cosine 1 ties with its twin's, and the kNN of Fig. 1 is "
-                         f"over the OTHER rows whatever the order of ties")
+        assert not own, (f"with duplicate rows (row i = row i + 6), rows {own} list themselves among their {k} "
+                         f"nearest neighbours, expected none (Fig. 1's kNN is over the OTHER rows; a row ties with its "
+                         f"twin)")
         no_twin = [i for i in range(12) if idx[i, 0] != twin[i]]
         assert not no_twin, (f"with duplicate rows, rows {no_twin}: first neighbour {idx[no_twin[0], 0].item()}, "
                              f"expected its twin {twin[no_twin[0]].item()} (cosine 1)")
@@ -156,19 +156,12 @@ def test_neural_collapse_check_matches_naive_loop():
     W = torch.randn(6, 5, generator=g) * torch.rand(6, 1, generator=g).add(0.2) * 3
     b = torch.randn(6, generator=g)
     feats = torch.randn(40, 5, generator=g)
-    cos = lambda u, v: float(u @ v) / (float(u.norm()) * float(v.norm()))
-    labels = torch.tensor([max(range(6), key=lambda i: cos(W[i], f)) for f in feats])   # cosine = 100 by design
-    labels[:8] = (labels[:8] + 1) % 6                                                     # ... but for 8 images
-    top1 = lambda score: 100 * sum(max(range(6), key=lambda i: score(i, f)) == int(y)
-                                   for f, y in zip(feats, labels)) / len(labels)
-    expect = {"linear_top1": top1(lambda i, f: float(W[i] @ f) + float(b[i])),
-              "cosine_top1": top1(lambda i, f: cos(W[i], f)),
-              "nobias_top1": top1(lambda i, f: float(W[i] @ f))}
+    labels, expect = expected("naive_neural_collapse", W, b, feats)   # labels: the cosine's argmax but for 8 images
     assert len(set(expect.values())) == 3, f"(the test's own check) {expect}: expected three different figures"
     got = R.neural_collapse_check(W, b, feats, labels)
     assert got.keys() == expect.keys(), f"keys {sorted(got)}, expected {sorted(expect)}"
     for k in expect:
-        assert abs(got[k] - expect[k]) < 1e-4, f"{k} = {got[k]:.2f}, expected {expect[k]:.2f} (the per-image loop)"
+        assert abs(got[k] - expect[k]) < 1e-4, f"{k} = {got[k]:.2f}, expected {expect[k]:.2f} (Table 1's three heads)"
 
 
 # ---------------------------------------------------------------- Fig. 1
