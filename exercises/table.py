@@ -113,8 +113,8 @@ EXERCISES = {
     9: dict(
         title="Mutual kNN between two spaces (Fig. 1)",
         regions=["similarity.py"],
-        tests=["tests/test_recycling.py::test_mutual_knn_identical_and_independent",
-               "tests/test_recycling.py::test_knn_with_duplicate_rows_never_lists_a_row_itself",
+        tests=["tests/test_recycling.py::test_knn_with_duplicate_rows_never_lists_a_row_itself",
+               "tests/test_recycling.py::test_mutual_knn_identical_and_independent",
                "tests/test_recycling.py::test_mutual_knn_matches_naive_loop",
                "tests/test_recycling.py::test_prototype_alignment_head_rows_vs_noisy_means",
                "tests/test_pipeline.py::test_mutual_knn_and_cka_tables_equal_the_pairwise_measures"],
