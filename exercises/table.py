@@ -2,13 +2,14 @@
 
 regions: the files holding its `# EXERCISE N` ... `# END EXERCISE N` markers (the
     marker text says what to write; make_student_copy.py blanks what is between).
-tests:   pytest node ids of the project's OWN tests covering those regions (naive
-    loops, closed forms, planted structures); grade.py runs exactly these.
-hint:    the classic mistakes, printed when a graded test fails.
+tests:   pytest node ids of the project's OWN tests covering those regions (values recorded
+    on fixed inputs, closed forms, planted structures, invariances); grade.py runs exactly these.
+hint:    the classic mistakes, printed when a graded test fails: the symptom and the equation, never the line.
 Grading logic lives only in the tests; nothing here recomputes an answer.
 
 NEEDS says which exercises a run of align.py executes (the method's, the evaluation's, the
-analyses'); refuse_blank_exercises stops a run that needs a still blank one, before any work.
+analyses'); refuse_blank_exercises stops a run that needs a still blank one, before any work (with
+align.py --skip-blank, the evaluation's exercises may be blank: their evaluations are left out).
 """
 import re
 from pathlib import Path
