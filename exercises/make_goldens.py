@@ -5,7 +5,7 @@
 Runs the quick tests of the files that call tests/recorded.py's `expected` with RECORD_GOLDENS set, so each
 call computes its reference (tests/oracles.py, naive loops) and records the value with a fingerprint of its
 inputs; then writes tests/goldens.pt, the file a student copy grades against (it holds values, no code). Rerun it
-after changing a graded test or its fixtures (tests/test_exercises.py checks that the file is current).
+after changing a graded test, its fixtures or an oracle (exercises/INSTRUCTOR.md).
 """
 import os
 import subprocess
