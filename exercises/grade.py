@@ -14,11 +14,10 @@ itself: the tests do.
 
 An exercise's grade is its own. In a student copy, a check of exercise N that also runs a written exercise M
 (table.DEPENDS) and fails while M fails its own checks says so ("... your exercise M, which fails its own
-checks"): fix M
-first. Where the instructor's references are at hand (tests/course_references.py: the reference checkout, which
-also grades a student's copy with --root), the failing check runs again with M's reference in place of the
-student's; what it says then is N's grade, and a check that passes only with the reference says "also fails
-with your exercise M".
+checks"): fix M first. Where the instructor's references are at hand (tests/course_references.py: the reference
+checkout, which also grades a student's copy with --root), the failing check runs again with M's reference in
+place of the student's; what it says then is N's grade, and a check that passes only with the reference says
+"also fails with your exercise M".
 """
 import argparse
 import json
