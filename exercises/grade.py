@@ -12,10 +12,12 @@ exercise that is still blank says "BLOCKED ... blocked by exercise N" (the sheet
 exercises/README.md, gives the order). Exits 1 unless every graded exercise passes. Nothing here checks an answer
 itself: the tests do.
 
-An exercise's grade is its own: a check of exercise N that fails while an exercise it depends on
-(table.DEPENDS) is written runs again with that exercise's reference (tests/course_references.py,
-the oracle forms the tests compare with) in place of the student's; what it says then is N's
-grade, and a check that passes only with the reference says "also fails with your exercise M".
+An exercise's grade is its own. In a student copy, a check of exercise N that also runs a written exercise M
+(table.DEPENDS) and fails while M fails its own checks says so ("... your exercise M, which fails its own
+checks"): fix M first. Where the instructor's references are at hand (tests/course_references.py: the reference
+checkout, which also grades a student's copy with --root), the failing check runs again with M's reference in
+place of the student's; what it says then is N's grade, and a check that passes only with the reference says
+"also fails with your exercise M".
 """
 import argparse
 import json
@@ -47,6 +49,11 @@ def matches(node, table_id):
     return node == table_id or ("[" not in table_id and node.startswith(table_id + "["))
 
 
+def references_dir(root):
+    """The folder holding tests/course_references.py: the graded copy's, else this checkout's; None in a copy."""
+    return next((d for d in (Path(root) / "tests", ROOT / "tests") if (d / "course_references.py").is_file()), None)
+
+
 def run_tests(root, node_ids, timeout=900, references=None):
     """Run the tests in root -> ({node: (outcome, message)}, {test file: import error}, pytest's output tail,
     {node: exercises whose reference it ran}).
@@ -68,7 +75,9 @@ def run_tests(root, node_ids, timeout=900, references=None):
         env.pop("COURSE_REFERENCES", None)
         log = Path(tmp) / "references.log"
         if references:
-            env.update(COURSE_REFERENCES=json.dumps(references), COURSE_REFERENCES_LOG=str(log))
+            env.update(COURSE_REFERENCES=json.dumps(references), COURSE_REFERENCES_LOG=str(log),
+                       PYTHONPATH=os.pathsep.join(filter(None, [str(references_dir(root)),
+                                                                env.get("PYTHONPATH")])))
         proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
         results, broken = {}, {}
         if xml.exists():
@@ -109,6 +118,8 @@ def with_references(root, numbers, results):
     """Run again, with the references of the exercises each depends on (those written, not blank), the failing
     checks of the exercises in numbers -> ({node: (outcome, message)} of that run, {node: exercises it reached})."""
     blank = blank_exercises(root)
+    if references_dir(root) is None:                         # a student copy: no references to run
+        return {}, {}
     plan = {}
     for n in (n for n in numbers if n not in blank):         # (a blank exercise's checks fail at its raise)
         written = [d for d in DEPENDS.get(n, []) if d not in blank]
@@ -130,9 +141,13 @@ def mine(exercises):
 
 def grade(root, numbers):
     """-> [(n, passed, lines)] and the pytest output tail: the exercise's line, then one line per failing check."""
-    ids = [t for n in numbers for t in EXERCISES[n]["tests"]]
+    blank = blank_exercises(root)
+    deps = {d for n in numbers for d in DEPENDS.get(n, []) if d not in blank} if references_dir(root) is None else ()
+    ids = [t for n in [*numbers, *sorted(set(deps) - set(numbers))] for t in EXERCISES[n]["tests"]]
     results, broken, tail, _ = run_tests(root, list(dict.fromkeys(ids)))
     again, used = with_references(root, numbers, results)
+    own_fail = {d for d in deps if any(outcome != "passed" for node, (outcome, _) in results.items()
+                                       for t in EXERCISES[d]["tests"] if matches(node, t))}
     report = []
     for n in numbers:
         ex = EXERCISES[n]
@@ -175,6 +190,8 @@ def grade(root, numbers):
                       for (name, msg), b in zip(failing, blank_in)]
             lines += [f"    {name}: passes with the reference exercise {', '.join(map(str, sorted(d)))}; also fails "
                       f"with {mine(d)}" for name, d in theirs.items()]
+            lines += [f"    these checks also run your exercise {d}, which fails its own checks: the fault may be "
+                      f"there (python exercises/grade.py {d})" for d in DEPENDS.get(n, []) if d in own_fail]
         report.append((n, ok, lines))
     return report, tail
 

@@ -16,9 +16,11 @@ the student's relative + cap; and the parts of the docs that answer an experimen
 `<!-- answers EN ... -->` and `<!-- end answers -->` (docs/results.md's section that answers E3),
 each replaced by one line saying so. Left out: the answers (exercises/answers.md, its template and
 figures, make_answers.py and tests/test_answers.py), tests/test_exercises.py (it holds the answers
-it plants), and .git, .cache, results, __pycache__, .pytest_cache. The copy records the
-exercises it blanked in exercises/this_copy.json. OUT_DIR must not
-exist or be empty, an archive must not exist (a student's work is never overwritten).
+it plants), the references (tests/course_references.py, tests/oracles.py and exercises/make_goldens.py: the
+graded tests read their recorded values, tests/goldens.pt), the instructor's page, and .git, .cache,
+results, __pycache__, .pytest_cache. The copy records the exercises it blanked in exercises/this_copy.json, and
+refuses to run there (a copy has no answers to leave out). OUT_DIR must not exist or be empty, an archive must
+not exist (a student's work is never overwritten).
 """
 import argparse
 import json
@@ -41,6 +43,10 @@ SKIP_FILES = {Path("exercises/answers.md"),     # the experiments' answers, for 
               Path("exercises/make_answers.py"), Path("tests/test_answers.py"),              # ... and their check
               Path("methods/fast_cap.py"),       # PAL's fast CAP computes exercise 3's p: PAPER_CAP instead
               Path("tests/test_exercises.py"),   # the course's own test: it plants each exercise's answer
+              Path("tests/course_references.py"),  # grade.py's references of the exercises (the answers)
+              Path("tests/oracles.py"),          # the graded tests' references as loops: tests/goldens.pt instead
+              Path("exercises/make_goldens.py"),  # ... and what records them
+              Path("exercises/INSTRUCTOR.md"),   # the instructor's page
               Path("exercises/this_copy.json")}  # a copy's own record (below), never carried into another
 START = re.compile(r"^(?P<indent>[ \t]*)# EXERCISE (?P<n>\d+)\b(?P<text>.*)$")
 MORE = re.compile(r"^[ \t]*#   (?P<text>\S.*)$")                # continuation of the marker text
@@ -168,7 +174,9 @@ def paste_back(copy_root, ref_root=ROOT, only=None):
 
 def main(argv=None):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from table import EXERCISES
+    from table import COPY_RECORD, EXERCISES
+    if (ROOT / COPY_RECORD).is_file():              # a student copy: it has no answers to leave out
+        raise RunError("this is a student copy, not the reference checkout: a copy is made from the reference only")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dir", help="folder to write the copy to (must not exist, or be empty), or an archive "
                                    "NAME.tar.gz to write (holding the folder NAME/)")

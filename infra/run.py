@@ -163,7 +163,8 @@ def refuse_blank_exercises(args):
     spec = importlib.util.spec_from_file_location("course_table", root / "exercises" / "table.py")
     table = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(table)
-    table.refuse_blank_exercises(args.method, args.analyses, args.select_layers, root=root)
+    table.refuse_blank_exercises(args.method, args.analyses, args.select_layers, root=root,
+                                 skip_blank=getattr(args, "skip_blank", False))
 
 
 def checked_value(what, value, default):

@@ -54,8 +54,8 @@ MIN_SELECT = 50                                # fewer training pairs: no held-o
 
 def covariances(X, Y, chunk=8192):
     """Step (2): means and (co)variances of paired rows X (N, D_v), Y (N, D_l), in float64 on X's device."""
-    # EXERCISE 7 (CCA): means mu_x (D_v,), mu_y (D_l,) and the covariances S_xx, S_yy, S_xy of the mean-centred
-    #   views, in float64, accumulated over chunks of rows, the sums divided by N - 1 (as torch.cov; N gives the same CCA)
+    # EXERCISE 7 (CCA): means mu_x (D_v,), mu_y (D_l,), covariances S_xx, S_yy, S_xy of the centred views, float64,
+    #   summed over chunks of rows, divided by N - 1 (the tests compare S with torch.cov, which divides by N - 1)
     N, dev = len(X), X.device
     mu_x = sum(X[i:i + chunk].double().sum(0) for i in range(0, N, chunk)) / N   # (D_v,)
     mu_y = sum(Y[i:i + chunk].double().sum(0) for i in range(0, N, chunk)) / N   # (D_l,)

@@ -43,13 +43,14 @@ import torch.nn.functional as F
 
 from . import Method
 from .losses import info_nce_of_logits, score_in_chunks
+from .pal import cap
 
 
 def attend(s, v_ok, tau_a):
     """Eq. (1)-(2) on the scores: a_jp = softmax over the real patches p of s_jp / tau_a, and
-    sum_p a_jp s_jp; s (I, N, T*L), 0 at padded patches; v_ok (I, N) -> (I, T*L), a (I, N, T*L)."""
-    a = (s / tau_a).masked_fill(~v_ok[..., None], float("-inf")).softmax(dim=1)   # Eq. (1), (I, N, T*L)
-    return (a * s).sum(dim=1), a
+    sum_p a_jp s_jp; s (I, N, T*L), 0 at padded patches; v_ok (I, N) -> (I, T*L), a (I, N, T*L).
+    The same masked attention pooling as PAL's CAP (Eq. 5-6 there, exercise 3 of the course), so it is that."""
+    return cap(s, v_ok, tau_a)
 
 
 def real_word_mean(x, w):

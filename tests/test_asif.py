@@ -1,21 +1,11 @@
 """ASIF (methods/asif.py): relative representations against a per-sample Python loop."""
-import math
-
 import torch
 import torch.nn.functional as F
-from conftest import random_features
+from conftest import assert_same, random_features
+from recorded import expected
 
 from features import Features
 from methods.asif import ASIF
-
-
-def naive_relative(x, anchors, k, p):
-    """One sample at a time: cosines, keep the k largest, clamp, power p, L2-normalise."""
-    sims = [float(x @ a) / (x.norm().item() * a.norm().item()) for a in anchors]
-    keep = sorted(range(len(sims)), key=lambda j: -sims[j])[:k]
-    r = [max(sims[j], 0.0) ** p if j in keep else 0.0 for j in range(len(sims))]
-    norm = math.sqrt(sum(v * v for v in r))
-    return torch.tensor([v / norm for v in r])
 
 
 def test_relative_representation_matches_loop():
@@ -25,15 +15,13 @@ def test_relative_representation_matches_loop():
     emb = asif.embed_image(q)
     assert emb.shape == (4, 30), f"embed_image has shape {tuple(emb.shape)}, expected (4, 30): one entry per anchor"
     for b in range(4):
-        ref = naive_relative(q.pooled[b], img.pooled, 7, 3)
-        assert torch.allclose(emb[b], ref, atol=1e-5), \
-            f"image {b}: differs by up to {(emb[b] - ref).abs().max():.3g} from the loop's expected (k 7, p 3) {ref}"
+        ref = expected("naive_relative", q.pooled[b], img.pooled, 7, 3)
+        assert_same(emb[b], ref, f"image {b}'s relative representation (k 7, p 3)", atol=1e-5, rtol=0)
     assert ((emb > 0).sum(1) <= 7).all(), f"up to {(emb > 0).sum(1).max()} non-zero entries per row, expected <= k = 7"
     emb_l = asif.embed_text(txt[:3])
     for b in range(3):
-        ref = naive_relative(txt.pooled[b], txt.pooled, 7, 3)
-        assert torch.allclose(emb_l[b], ref, atol=1e-5), \
-            f"text {b}: differs by up to {(emb_l[b] - ref).abs().max():.3g} from the loop's expected (k 7, p 3) {ref}"
+        ref = expected("naive_relative", txt.pooled[b], txt.pooled, 7, 3)
+        assert_same(emb_l[b], ref, f"text {b}'s relative representation (k 7, p 3)", atol=1e-5, rtol=0)
 
 
 def test_relative_representation_at_the_default_even_power():
@@ -46,10 +34,9 @@ def test_relative_representation_at_the_default_even_power():
         assert asif.p == 8, f"ASIF's default p = {asif.p}, expected 8"
         emb = asif.embed_image(q)
         for b in range(4):
-            ref = naive_relative(q.pooled[b], img.pooled, k, 8)
-            assert torch.allclose(emb[b], ref, atol=1e-5), (
-                f"image {b} at k {k}, p 8: differs by up to {(emb[b] - ref).abs().max():.3g} from the loop's expected "
-                f"{ref} (top-k, clamp at 0, then the power)")
+            ref = expected("naive_relative", q.pooled[b], img.pooled, k, 8)
+            assert_same(emb[b], ref, f"image {b}'s relative representation at k {k}, p 8 (the k largest cosines, "
+                        f"clamped at 0, to the power p, L2-normalised)", atol=1e-5, rtol=0)
 
 
 def test_k_capped_by_anchor_count_and_n_anchors():

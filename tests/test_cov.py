@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 from conftest import assert_same, random_features
+from recorded import expected
 
 from features import Features
 from methods.cov import CoV, DeformableAttention, deformable_sample, max_sum, threshold_mask
@@ -12,46 +13,6 @@ from methods.filip import FILIP
 from methods.text_guided import TextGuided
 
 # ----------------------------------------------------------------------------- naive references
-
-def bilinear_naive(v, x, y):
-    """v (D, H, W); (x, y) in [0,1] image coords; pixel centres at (j+.5)/W; zeros outside."""
-    D, H, W = v.shape
-    px, py = x * W - 0.5, y * H - 0.5          # align_corners=False: continuous pixel index
-    x0, y0 = math.floor(px), math.floor(py)
-    out = torch.zeros(D, dtype=torch.float64)
-    for yi in (y0, y0 + 1):
-        for xi in (x0, x0 + 1):
-            w = (1 - abs(px - xi)) * (1 - abs(py - yi))
-            if 0 <= xi < W and 0 <= yi < H:
-                out += w * v[:, yi, xi].double()
-    return out
-
-
-def deformable_naive(value, loc, A):
-    B, M, Dh, H, W = value.shape
-    Q, P = loc.shape[1], loc.shape[3]
-    out = torch.zeros(B, Q, M, Dh, dtype=torch.float64)
-    for b in range(B):
-        for m in range(M):
-            for q in range(Q):
-                for p in range(P):
-                    x, y = loc[b, q, m, p].tolist()
-                    out[b, q, m] += A[b, q, m, p].item() * bilinear_naive(value[b, m], x, y)
-    return out
-
-
-def max_sum_naive(r, w):
-    I, T = len(r), len(w)
-    S = torch.zeros(I, T, dtype=torch.float64)
-    for i in range(I):
-        regions = [q for q in r[i] if q.abs().sum() > 0]
-        for t in range(T):
-            words = [x for x in w[t] if x.abs().sum() > 0]
-            s = [[float(q.detach() @ x.detach()) for x in words] for q in regions]
-            S[i, t] = (sum(max(row) for row in s) / len(regions)
-                       + sum(max(s[a][b] for a in range(len(regions))) for b in range(len(words))) / len(words))
-    return S
-
 
 def planted(n, H=4, W=4, d_img=16, d_txt=12, C=6, seed=0):
     """Images with 2 concept blocks on noise; captions naming the same concepts."""
@@ -103,7 +64,7 @@ def test_deformable_sample_matches_naive_bilinear_loop():
     A = torch.rand(B, Q, M, P, generator=g)
     out = deformable_sample(value, loc, A)
     assert out.shape == (B, Q, M, Dh), f"deformable_sample has shape {tuple(out.shape)}, expected (B, Q, M, Dh)"
-    assert_same(out.double(), deformable_naive(value, loc, A), "deformable_sample against the per-point bilinear loop "
+    assert_same(out.double(), expected("deformable_naive", value, loc, A), "deformable_sample against the per-point bilinear loop "
                 "(points outside the grid read 0)", atol=1e-5, rtol=1e-5)
 
 
@@ -137,18 +98,9 @@ def test_deformable_attention_init_is_deformable_detr(M):
             for p in range(P):
                 x = ref[q, 0].item() + (p + 1) * c / W
                 y = ref[q, 1].item() + (p + 1) * s / H
-                expect[0, q, m] += bilinear_naive(value[0, m].detach(), x, y) / P
+                expect[0, q, m] += expected("bilinear_naive", value[0, m].detach(), x, y) / P
     assert_same(out, att.out_proj(expect.float().flatten(2)), "DeformableAttention at init against the loop over "
                 "heads and points", atol=1e-5, rtol=1e-5)
-
-
-def naive_mask(scores, eps):
-    """The threshold mask of one row of assign scores (before the softmax), by a loop: hatAttn = the scores
-    min-max normalised to [0, 1]; keep hatAttn >= eps; softmax over the kept patches, 0 elsewhere."""
-    lo, hi = min(scores), max(scores)
-    hat = [(s - lo) / (hi - lo) for s in scores]
-    e = [math.exp(s) if h >= eps else 0.0 for s, h in zip(scores, hat)]
-    return [x / sum(e) for x in e]
 
 
 def test_threshold_mask_matches_loop():
@@ -158,7 +110,7 @@ def test_threshold_mask_matches_loop():
     out = threshold_mask(logits, eps)
     for b in range(3):
         for q in range(5):
-            expect = torch.tensor(naive_mask(logits[b, q].tolist(), eps), dtype=torch.float64)
+            expect = torch.tensor(expected("naive_mask", logits[b, q].tolist(), eps), dtype=torch.float64)
             assert_same(out[b, q], expect, f"threshold_mask row ({b}, {q}) at eps {eps} against the loop")
     assert (out > 0).sum() < out.numel(), f"threshold_mask at eps {eps} keeps every patch, expected it to drop some"
     assert_same(threshold_mask(logits, 0.0), logits.softmax(-1), "threshold_mask at eps 0 (every patch in), "
@@ -213,7 +165,7 @@ def test_max_sum_matches_loop_with_padding():
     r[1, 3] = 0                                   # a padded region
     w[0, 4:] = 0                                  # padded words
     w[2, 1:] = 0
-    assert_same(max_sum(r, w).double(), max_sum_naive(r, w), "max_sum against the loop (region 3 of image 1, "
+    assert_same(max_sum(r, w).double(), expected("max_sum_naive", r, w), "max_sum against the loop (region 3 of image 1, "
                 "words 4-5 of text 0 and 1-5 of text 2 are padding)")
 
 
@@ -258,44 +210,11 @@ def test_cov_conc_loss_is_the_attention_weighted_spread():
                 "uniform attention on a 2 x 2 grid (patch centres at (j + .5) / W)", atol=1e-5, rtol=0)
 
 
-def naive_assign(m, img):
-    """CVSFE's consistent assign attention and threshold mask, one image and one query at a time
-    (deformable=False, so z' = z): attention over the patches = softmax of cos(W z_q, W F_p) / tau with the ONE shared W; threshold mask at eps on the
-    min-max normalised scores, softmax renormalised over the kept patches; r_q = sum_p barAttn_p V F_p. Lists of float64 tensors per image."""
-    F_img = m.P_v(img.patches()).double()                              # (B, N, K)
-    W, V, z = m.W_assign.weight.double(), m.V.weight.double(), m.z.double()
-    attn, attn_bar, r = [], [], []
-    for b in range(len(F_img)):
-        A, A_bar, R = [], [], []
-        for q in range(len(z)):
-            wz = W @ z[q]
-            cos = [float(wz @ (W @ f)) / float(wz.norm() * (W @ f).norm()) for f in F_img[b]]
-            e = [math.exp(c / m.tau) for c in cos]
-            a = [x / sum(e) for x in e]
-            bar = naive_mask([c / m.tau for c in cos], m.eps)
-            A.append(torch.tensor(a, dtype=torch.float64))
-            A_bar.append(torch.tensor(bar, dtype=torch.float64))
-            R.append(sum(bar[p] * (V @ F_img[b, p]) for p in range(len(bar))))
-        attn.append(torch.stack(A)), attn_bar.append(torch.stack(A_bar)), r.append(torch.stack(R))
-    return torch.stack(attn), torch.stack(attn_bar), torch.stack(r)
-
-
-def naive_spread(a, H, W):
-    """L_conc (CDFO spatial concentration) by loops: a (Q, H*W) -> (Q,) sum_p a_p ||p - c||, patch centres ((j+.5)/W, (i+.5)/H)."""
-    centres = [((j + 0.5) / W, (i + 0.5) / H) for i in range(H) for j in range(W)]
-    out = []
-    for row in a.tolist():
-        cx = sum(w * x for w, (x, _) in zip(row, centres))
-        cy = sum(w * y for w, (_, y) in zip(row, centres))
-        out.append(sum(w * math.hypot(x - cx, y - cy) for w, (x, y) in zip(row, centres)))
-    return out
-
-
 def test_regions_match_naive_loop():
     m, (img, _) = small(CoV, deformable=False, eps=0.5), feats()
     with torch.no_grad():
         r, attn, attn_bar = m.regions(img)
-        ref_attn, ref_bar, ref_r = naive_assign(m, img)
+        ref_attn, ref_bar, ref_r = expected("naive_assign", m, img)
     assert_same(attn.double(), ref_attn, "attn (the assign attention, softmax over the patches) against the loop", atol=1e-5, rtol=1e-4)
     assert_same(attn_bar.double(), ref_bar, "attn_bar (the threshold mask) against the loop", atol=1e-5, rtol=1e-4)
     assert_same(r.double(), ref_r, "the regions r = attn_bar V F against the loop", atol=1e-5, rtol=1e-4)
@@ -308,9 +227,9 @@ def test_conc_loss_reads_the_full_softmax_attention():
     m, (img, txt) = small(CoV, deformable=False, use_v2v=False, eps=0.7), feats()
     _, logs = m.loss(img, txt)
     with torch.no_grad():
-        ref_attn, ref_bar, _ = naive_assign(m, img)
-    full = sum(sum(naive_spread(a, 4, 4)) for a in ref_attn) / ref_attn.shape[:2].numel()
-    masked = sum(sum(naive_spread(a, 4, 4)) for a in ref_bar) / ref_bar.shape[:2].numel()
+        ref_attn, ref_bar, _ = expected("naive_assign", m, img)
+    full = sum(sum(expected("naive_spread", a, 4, 4)) for a in ref_attn) / ref_attn.shape[:2].numel()
+    masked = sum(sum(expected("naive_spread", a, 4, 4)) for a in ref_bar) / ref_bar.shape[:2].numel()
     assert abs(full - masked) > 0.01, "(the test's own check) expected the two readings to differ here"
     assert logs["conc"] == pytest.approx(full, rel=1e-4), (
         f"L_conc = {logs['conc']:.4f}, expected {full:.4f}, the spread of the full softmax attention (of the masked "
@@ -339,7 +258,7 @@ def test_filip_score_matches_loop():
     v, w = m.embed_image(img), m.embed_text(txt)
     S = m.score(v, w)
     # FILIP's i2t + t2i is exactly max-sum with every patch as a region
-    torch.testing.assert_close(S.double(), max_sum_naive(v, w))
+    torch.testing.assert_close(S.double(), expected("max_sum_naive", v, w))
 
 
 # ----------------------------------------------------------------------------- invariances, all methods

@@ -110,7 +110,8 @@ def exists_in_repo(ref, name):
 
 
 LEFT_OUT_OF_A_COPY = {"exercises/answers.md", "exercises/answers_template.md", "exercises/answers_figures.json",
-                      "answers.md", "answers_template.md"}   # what make_student_copy.py names as left out
+                      "answers.md", "answers_template.md", "exercises/INSTRUCTOR.md",
+                      "INSTRUCTOR.md"}   # what make_student_copy.py names as left out
 
 
 def test_every_named_md_or_txt_file_is_in_the_repository():

@@ -1,11 +1,11 @@
 """evaluate.py against hand-made cases with known answers and naive per-query loops."""
-import math
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from conftest import assert_same, random_features
+from recorded import expected
 
 import evaluate as ev
 from features import Features
@@ -46,42 +46,7 @@ class TokenLevel(Cosine):
         return sim.max(2).values.sum(-1)
 
 
-def naive_token_score(a, b):
-    """One (image, text) pair at a time: sum over words of max over regions."""
-    return sum(max(float(q @ w) for q in a) for w in b if w.abs().sum() > 0)
-
-
 # ----------------------------------------------------------------------------- naive retrieval references
-
-def naive_retrieval(S, txt_to_img):
-    """Per-query loops over a full argsort (valid without ties)."""
-    N_img, N_txt = S.shape
-    i2t_rank, ap, p1, p5 = [], [], [], []
-    for i in range(N_img):
-        order = torch.argsort(S[i], descending=True).tolist()
-        rel = [int(txt_to_img[j]) == i for j in order]
-        i2t_rank.append(rel.index(True))
-        hits, total = 0, 0.0
-        for k, r in enumerate(rel, start=1):
-            if r:
-                hits += 1
-                total += hits / k                       # P(k) at each relevant rank
-        ap.append(total / sum(rel))
-        p1.append(float(rel[0]))
-        p5.append(sum(rel[:5]) / 5)
-    t2i_rank = []
-    for j in range(N_txt):
-        order = torch.argsort(S[:, j], descending=True).tolist()
-        t2i_rank.append(order.index(int(txt_to_img[j])))
-    out = {}
-    for name, rank in [("i2t", i2t_rank), ("t2i", t2i_rank)]:
-        for K in (1, 5, 10):
-            out[f"{name}_r{K}"] = 100 * sum(r < K for r in rank) / len(rank)
-    out["rsum"] = sum(out.values())
-    out.update(i2t_map=sum(ap) / N_img, i2t_p1=sum(p1) / N_img, i2t_p5=sum(p5) / N_img,
-               t2i_p1=sum(r == 0 for r in t2i_rank) / N_txt)
-    return out
-
 
 def uneven_captions(N_img, seed=0):
     """Most images with 5 captions, some with 1, 3 or 7, shuffled."""
@@ -139,7 +104,7 @@ def test_retrieval_metrics_match_naive_loops(seed):
     txt_to_img = uneven_captions(30, seed)
     S = torch.randn(30, len(txt_to_img), generator=torch.Generator().manual_seed(seed))
     m = ev.retrieval_metrics(S, txt_to_img, chunk=16)   # small chunk: exercise the chunking
-    ref = naive_retrieval(S, txt_to_img)
+    ref = expected("naive_retrieval", S, txt_to_img)
     assert m.keys() == ref.keys(), f"keys {sorted(m)}, expected {sorted(ref)}"
     for k in ref:
         assert m[k] == pytest.approx(ref[k], abs=1e-5), f"{k} = {m[k]:.5g}, expected {ref[k]:.5g} (the naive loop)"
@@ -222,14 +187,10 @@ def test_template_average_matches_naive():
     C, n, K = 3, 4, 5
     t = torch.randn(C * n, K)
     w = ev.template_average(t, n)
+    want = expected("naive_template_average", t, n)
     for c in range(C):
-        acc = torch.zeros(K)
-        for r in range(n):
-            v = t[c * n + r]
-            acc += v / math.sqrt(float(v @ v))
-        acc /= n
-        assert_same(w[c], acc / math.sqrt(float(acc @ acc)), f"class {c}'s embedding (normalise each of its {n} "
-                    f"templates, average, normalise)")
+        assert_same(w[c], want[c], f"class {c}'s embedding (each of its {n} templates normalised, averaged, "
+                    f"normalised)")
 
 
 def test_token_level_class_logits_average_scores_over_templates():
@@ -239,9 +200,10 @@ def test_token_level_class_logits_average_scores_over_templates():
     txt[1, 1] = 0                                # one padded word
     logits = ev.class_logits(TokenLevel(), img, ev.template_average(txt, n), n)
     assert logits.shape == (4, C), f"class_logits has shape {tuple(logits.shape)}, expected (N, C) = (4, {C})"
+    want = expected("naive_token_class_logits", img, txt, n)
     for i in range(4):
         for c in range(C):
-            ref = sum(naive_token_score(img[i], txt[c * n + r]) for r in range(n)) / n
+            ref = float(want[i, c])
             assert float(logits[i, c]) == pytest.approx(ref, abs=1e-5), (
                 f"image {i}, class {c}: logit {float(logits[i, c]):.4f}, expected the mean over its {n} templates' "
                 f"scores is {ref:.4f} (prompts are class-major)")
@@ -340,24 +302,6 @@ def test_segmentation_with_token_level_method_runs_per_patch():
     want(ev.segmentation(Dense(), img, masks, prompts, 1), "miou_fg", 100, "a token-level method, one patch per image")
 
 
-def naive_bilinear(logits, Hm, Wm):
-    """(C, H, W) -> (C, Hm, Wm) per output pixel, align_corners=False: source coordinate
-    (y + .5) H / Hm - .5, clamped at 0 (PyTorch's rule), blend of the 4 neighbours."""
-    C, H, W = logits.shape
-    out = torch.zeros(C, Hm, Wm, dtype=torch.float64)
-    for y in range(Hm):
-        sy = max((y + 0.5) * H / Hm - 0.5, 0.0)
-        y0, wy = int(sy), sy - int(sy)
-        y1 = min(y0 + 1, H - 1)
-        for x in range(Wm):
-            sx = max((x + 0.5) * W / Wm - 0.5, 0.0)
-            x0, wx = int(sx), sx - int(sx)
-            x1 = min(x0 + 1, W - 1)
-            out[:, y, x] = ((1 - wy) * (1 - wx) * logits[:, y0, x0] + (1 - wy) * wx * logits[:, y0, x1]
-                            + wy * (1 - wx) * logits[:, y1, x0] + wy * wx * logits[:, y1, x1]).double()
-    return out
-
-
 def test_segmentation_upsamples_logits_bilinearly():
     """Random patch logits at a non-integer scale (3x4 grid -> 10x11 masks): the ground truth is the argmax
     of the per-pixel bilinear reference, so the protocol must score 100; nearest upsampling or
@@ -368,7 +312,7 @@ def test_segmentation_upsamples_logits_bilinearly():
     tokens = torch.cat([patches.mean(1, keepdim=True), patches], 1)
     img = Features(tokens=tokens, mask=torch.ones(N, 1 + H * W, dtype=torch.bool), pooled=tokens[:, 0], grid=(H, W))
     logits = F.normalize(patches, dim=-1).view(N, H, W, C).permute(0, 3, 1, 2)     # Cosine vs one-hot prompts
-    masks = torch.stack([naive_bilinear(l, Hm, Wm).argmax(0) for l in logits])     # (N, Hm, Wm)
+    masks = torch.stack([expected("naive_bilinear", l, Hm, Wm).argmax(0) for l in logits])     # (N, Hm, Wm)
     masks[:, 0, :3] = 255                                                           # a few ignored pixels
     prompts = Features.from_vectors(torch.eye(C))
     want(ev.segmentation(Cosine(), img, masks, prompts, 1, batch_size=3), "miou_fg", 100,
@@ -382,27 +326,34 @@ def test_segmentation_upsamples_logits_bilinearly():
 
 def test_segmentation_sums_intersections_and_unions_over_all_batches():
     """Batches of 2 over 5 images whose masks disagree with the prediction differently: mIoU from the
-    intersections and unions of ALL pixels, computed here with the per-pixel bilinear reference."""
+    intersections and unions of ALL pixels. Each image is a 1 x 1 grid, so any upsampling predicts its one
+    patch's class on every pixel: this check reads the sums alone."""
     g = torch.Generator().manual_seed(1)
-    N, C, H, W, Hm, Wm = 5, 3, 2, 3, 5, 7
-    patches = torch.randn(N, H * W, C, generator=g)
-    tokens = torch.cat([patches.mean(1, keepdim=True), patches], 1)
-    img = Features(tokens=tokens, mask=torch.ones(N, 1 + H * W, dtype=torch.bool), pooled=tokens[:, 0], grid=(H, W))
-    logits = F.normalize(patches, dim=-1).view(N, H, W, C).permute(0, 3, 1, 2)
-    pred = torch.stack([naive_bilinear(l, Hm, Wm).argmax(0) for l in logits])     # (N, Hm, Wm)
+    N, C, Hm, Wm = 5, 3, 5, 7
+    patches = torch.randn(N, 1, C, generator=g)
+    tokens = torch.cat([patches, patches], 1)
+    img = Features(tokens=tokens, mask=torch.ones(N, 2, dtype=torch.bool), pooled=tokens[:, 0], grid=(1, 1))
+    pred = patches[:, 0].argmax(-1)[:, None, None].expand(N, Hm, Wm)                 # (N, Hm, Wm)
     masks = torch.randint(0, C, (N, Hm, Wm), generator=g)
     masks[:, :, 0] = 255
     valid = masks != 255
     inter = [int(((pred == c) & (masks == c) & valid).sum()) for c in range(C)]
     union = [int((((pred == c) | (masks == c)) & valid).sum()) for c in range(C)]
+    assert all(union), "(the test's own check) expected every class in the prediction or the truth"
     expect = 100 * sum(i / u for i, u in zip(inter, union)) / C
+    per_image = []
+    for n in range(N):
+        i_n = [int(((pred[n] == c) & (masks[n] == c) & valid[n]).sum()) for c in range(C)]
+        u_n = [int((((pred[n] == c) | (masks[n] == c)) & valid[n]).sum()) for c in range(C)]
+        per_image.append(100 * sum(i / u for i, u in zip(i_n, u_n) if u) / sum(u > 0 for u in u_n))
     prompts = Features.from_vectors(torch.eye(C))
     got = ev.segmentation(Cosine(), img, masks, prompts, 1, batch_size=2)["miou_fg"]
-    assert got == pytest.approx(expect, abs=1e-4), \
-        f"mIoU {got:.4g} over 5 images in batches of 2, expected {expect:.4g} (intersections, unions summed over all)"
-    last = ev.segmentation(Cosine(), img[4:], masks[4:], prompts, 1)["miou_fg"]
-    assert abs(last - expect) > 1, f"(the test's own check) the last batch alone gives {last:.4g}, expected it to " \
-                                   f"differ from {expect:.4g}"
+    assert got == pytest.approx(expect, abs=1e-4), (
+        f"mIoU {got:.4g} over 5 images in batches of 2, expected {expect:.4g}: the set's mIoU is the mean over "
+        f"classes of (intersections summed over every image) / (unions summed over every image); the mean of "
+        f"the per-image mIoUs here is {sum(per_image) / N:.4g}, the last batch's alone "
+        f"{ev.segmentation(Cosine(), img[4:], masks[4:], prompts, 1)['miou_fg']:.4g}")
+    assert abs(sum(per_image) / N - expect) > 1, "(the test's own check) expected the per-image mean to differ"
 
 
 # ----------------------------------------------------------------------------- binding

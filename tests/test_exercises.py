@@ -244,9 +244,11 @@ def test_align_refuses_a_run_that_needs_a_blank_exercise(student_copy):
                        cwd=student_copy, capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and r.stdout == "", (r.stdout, r.stderr)
     assert r.stderr.strip().splitlines() == ["error: --method pal needs exercises 1, 2, 3, 10, 13; still blank: "
-                                             "1, 2, 3, 10, 13 (finish them, or run it in a copy that blanks only "
-                                             "yours: python exercises/make_student_copy.py DIR --only 2 3, then "
-                                             "paste your solutions in)"], r.stderr
+                                             "1, 2, 3, 10, 13 (finish them: python exercises/grade.py 1 2 3 10 13 "
+                                             "says what is left; --skip-blank runs without the evaluations that "
+                                             "need 1, 10, 13 (retrieval: 1, classification: 13, segmentation: 10 "
+                                             "and 13))"], r.stderr
+    assert "make_student_copy" not in r.stderr
     assert not (student_copy / "no-cache").exists()               # nothing was started
     copy3 = student_copy.parent / "only3"
     msc.make_copy(copy3, only={3})
@@ -415,6 +417,11 @@ import methods.filip as mf
 mf.token_max = lambda r, w: (r.mean(1) @ w.mean(1).T,) * 2    # exercise 6 done (any form)
 probe("FILIP.loss", lambda: m.loss(img, txt))
 v, w = torch.randn(3, 4, 5, generator=g), torch.randn(2, 3, 5, generator=g)
+import methods.text_guided as mt
+def cap(R, mask, tau):  # exercise 3 done (TextGuided pools with it)
+    a = (R / tau).masked_fill(~mask[..., None], float("-inf")).softmax(1)
+    return (a * R).sum(1), a
+mt.cap = cap
 probe("text_guided_score", lambda: text_guided_score(v, w, 0.1))
 """
 
@@ -448,16 +455,39 @@ def test_a_commented_out_raise_above_a_finished_body_is_not_blank(tmp_path):
     assert table.blank_exercises(tmp_path / "blank3") == {3}
 
 
-def test_the_refusal_in_a_copy_blanking_only_one_exercise_says_finish_it(tmp_path):
+def test_the_refusal_says_finish_it_and_skip_blank_leaves_out_only_the_evaluation(tmp_path):
     msc.make_copy(tmp_path / "only3", only={3})
     assert json.loads((tmp_path / "only3" / "exercises" / "this_copy.json").read_text()) == {"blanked": [3]}
     with pytest.raises(SystemExit) as e:
         table.refuse_blank_exercises("pal", root=tmp_path / "only3")
     assert str(e.value) == ("error: --method pal needs exercises 1, 2, 3, 10, 13; still blank: 3 (finish it: "
                             "python exercises/grade.py 3 says what is left)")
-    msc.make_copy(tmp_path / "only2-3", only={2, 3, 10})    # 10 still blank: a copy of 2 and 3 alone helps
-    with pytest.raises(SystemExit, match="still blank: 2, 3, 10 .*--only 2 3, then"):
-        table.refuse_blank_exercises("pal", root=tmp_path / "only2-3")
+    with pytest.raises(SystemExit, match="still blank: 3 "):          # the method's own: --skip-blank is no way out
+        table.refuse_blank_exercises("pal", root=tmp_path / "only3", skip_blank=True)
+    msc.make_copy(tmp_path / "eval", only={1, 10, 13})              # PAL's own done, the metrics not
+    with pytest.raises(SystemExit, match=r"still blank: 1, 10, 13 .*--skip-blank runs without"):
+        table.refuse_blank_exercises("pal", root=tmp_path / "eval")
+    table.refuse_blank_exercises("pal", root=tmp_path / "eval", skip_blank=True)   # runs
+    msc.make_copy(tmp_path / "only8", only={8})                     # --analyses' exercise: never skipped
+    with pytest.raises(SystemExit, match=r"still blank: 8 "):
+        table.refuse_blank_exercises("pal", analyses=True, root=tmp_path / "only8", skip_blank=True)
+
+
+def test_make_student_copy_refuses_inside_a_copy(tmp_path):
+    copy = tmp_path / "copy"
+    msc.make_copy(copy)
+    r = subprocess.run([sys.executable, "exercises/make_student_copy.py", str(tmp_path / "again"), "--only", "2"],
+                       cwd=copy, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stdout == "", r
+    assert r.stderr.strip().splitlines() == ["error: this is a student copy, not the reference checkout: a copy is "
+                                             "made from the reference only"], r.stderr
+    assert not (tmp_path / "again").exists()
+    said = [str(rel) for rel in msc.project_files(copy) if rel.suffix in (".py", ".md") and str(rel) !=
+            "exercises/make_student_copy.py" and re.search(r"python exercises/make_student_copy\.py|make_student_copy"
+                                                           r"\.py (DIR|~|\S+ --only)", (copy / rel).read_text())]
+    assert not said, f"files of a copy that suggest make_student_copy.py: {said}"
+    for word in ("instructor, in", "--only", "tests/test_exercises.py", "course_references", "shared cache"):
+        assert word not in (copy / "exercises" / "README.md").read_text(), word
 
 
 def test_every_test_starts_from_the_same_random_state():
@@ -637,7 +667,14 @@ def test_a_wrong_dependency_is_graded_as_its_own_exercise(tmp_path):
     assert code == 1, out
     assert "  FAILED  " in lines[3] and "softmax over the anchors" in lines[3], out
     assert "  passed  " in lines[2] and "also fails with your exercise 3: " in lines[2], out
-    assert "  passed  " in lines[6] and "also fails" not in lines[6], out
+    assert "  passed  " in lines[6], out                    # (TextGuided pools with cap: graded with the reference)
+    # the copy's own grader has no references: exercise 2 fails, and says its checks run a failing exercise 3
+    r = subprocess.run([sys.executable, "exercises/grade.py", "2"], cwd=copy, capture_output=True, text=True,
+                       timeout=600)
+    shutil.rmtree(copy / "tests" / "__pycache__", ignore_errors=True)
+    msg = "    these checks also run your exercise 3, which fails its own checks: the fault may be there " \
+          "(python exercises/grade.py 3)"
+    assert r.returncode == 1 and msg in r.stdout.splitlines(), r.stdout
     msc.make_copy(tmp_path / "only3", only={3})
     code, lines, out = grade(tmp_path / "only3", 2)
     assert "  BLOCKED  " in lines[2] and "blocked by exercise 3: " in lines[2], out
@@ -707,8 +744,16 @@ def test_what_the_tests_require_is_in_the_markers():
     """The requirements a graded test checks beyond the equation are in the marker a student reads."""
     assert "raise ValueError" in marker_text(10) and "outside 0..C-1" in marker_text(10)
     assert all(k in marker_text(8) for k in ("linear_top1", "cosine_top1", "nobias_top1"))
-    assert "N - 1" in marker_text(7)
-    assert "dim 0" in EXERCISES[8]["hint"] and "(rows of W, dim -1)" not in EXERCISES[8]["hint"]
+    assert "N - 1" in marker_text(7) and "torch.cov" in marker_text(7) and "same CCA" not in marker_text(7)
+    assert "each class's row w_i" in EXERCISES[8]["hint"] and "dim -1" not in EXERCISES[8]["hint"]
+
+
+def test_hints_name_the_symptom_not_the_line():
+    """No hint writes the fix as code: no -inf to set, no formula to type, no keyword argument to pass."""
+    lines = ("fill_diagonal", "-inf", "A = L_x^-T U", "align_corners=False", "normalise, average, normalise again",
+             "dim=", "masked_fill")
+    found = [(n, w) for n, ex in EXERCISES.items() for w in lines if w in ex["hint"]]
+    assert not found, found
 
 
 # ----------------------------------------------------------------------------- the copy an instructor hands out
@@ -726,7 +771,8 @@ def test_the_copy_to_hand_out_is_an_archive_without_the_answers(tmp_path):
         pal = tar.extractfile("course/methods/pal.py").read().decode()
     assert files == {str(rel) for rel in msc.project_files(ROOT)} | {"exercises/this_copy.json", "methods/fast_cap.py"}
     for left_out in ("exercises/answers.md", "exercises/answers_template.md", "exercises/make_answers.py",
-                     "tests/test_answers.py", "tests/test_exercises.py"):
+                     "tests/test_answers.py", "tests/test_exercises.py", "tests/course_references.py",
+                     "tests/oracles.py", "exercises/make_goldens.py", "exercises/INSTRUCTOR.md"):
         assert left_out not in files, left_out
     assert "raise NotImplementedError('Exercise 3" in pal
     # the docs' part that answers E3 (and links to answers.md) is one line saying it is left out
@@ -765,3 +811,239 @@ def test_a_rerun_after_changing_the_method_code_never_replaces_the_old_results(t
     r = run(tmp_path / "second")
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads((tmp_path / "second" / "config.json").read_text())["identity"]["method_code"] != first
+
+
+# ----------------------------------------------------------------------------- the archive computes no answer
+
+ARCHIVE_PROBE = r'''
+"""In an unpacked archive: import every module, call every function on each exercise's planted inputs, print one
+line per call whose value is that exercise's answer: `ANSWER <exercise> <module>.<function>`."""
+import copy, importlib, inspect, signal, sys, time, warnings
+from pathlib import Path
+import torch
+root = Path.cwd()
+sys.path[:0] = [str(root), str(root / "tests"), str(root / "exercises")]
+warnings.simplefilter("ignore")
+cases = torch.load(sys.argv[1], weights_only=False)         # [(exercise, args, expected)]
+
+def alarm(*_):
+    raise TimeoutError
+signal.signal(signal.SIGALRM, alarm)
+
+
+class NoSubprocess:                                  # a helper that starts a run is no answer: refuse it quickly
+    def __init__(self, *a, **kw):
+        raise OSError("no subprocess in the probe")
+
+
+import os, subprocess                                # noqa: E401
+subprocess.Popen = NoSubprocess
+os.system = os.execv = os.execve = os.fork = NoSubprocess
+
+def as_tensor(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().double()
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return torch.tensor(float(x), dtype=torch.float64)
+    if isinstance(x, (list, tuple)) and x and all(isinstance(v, (int, float)) for v in x):
+        return torch.tensor(x, dtype=torch.float64)
+    return None
+
+def same(got, want):
+    if isinstance(want, dict):
+        return isinstance(got, dict) and got.keys() >= want.keys() and all(same(got[k], v) for k, v in want.items())
+    g, w = as_tensor(got), as_tensor(want)
+    if w is None or g is None or g.shape != w.shape:
+        return False
+    if w.dtype == torch.float64 and w.numel() and not torch.isfinite(w).all():
+        return False
+    return bool(torch.allclose(g, w, rtol=1e-4, atol=1e-5))
+
+def answers(out, want):
+    outs = [out] + (list(out) if isinstance(out, (tuple, list)) and len(out) <= 5 else [])
+    return any(same(o, want) for o in outs)
+
+modules = []
+for path in sorted(root.rglob("*.py")):
+    rel = path.relative_to(root)
+    if any(p.startswith(".") or p in ("results", "__pycache__") for p in rel.parts):
+        continue
+    package = (root / rel.parts[0] / "__init__.py").is_file() and len(rel.parts) > 1
+    if package:                                                   # methods/asif.py -> methods.asif
+        name = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
+    else:                                                         # align.py, tests/test_x.py, exercises/grade.py
+        sys.path.insert(1, str(path.parent))
+        name = path.stem
+    t0 = time.time()
+    try:
+        signal.alarm(20)
+        mod = importlib.import_module(name)
+        signal.alarm(0)
+        modules.append((str(rel), mod))
+    except BaseException as e:
+        signal.alarm(0)
+        print("NOIMPORT", rel, type(e).__name__, str(e)[:200])
+    if time.time() - t0 > 2:
+        print("SLOWIMPORT", rel, f"{time.time() - t0:.1f}s")
+
+
+def functions(mod):
+    for key, obj in vars(mod).items():
+        if inspect.isfunction(obj) and obj.__module__ == mod.__name__ and not key.startswith("test_"):
+            yield key, obj
+        elif inspect.isclass(obj) and obj.__module__ == mod.__name__:
+            for attr, f in vars(obj).items():
+                if isinstance(f, staticmethod):
+                    yield f"{key}.{attr}", f.__func__
+
+n_calls = 0
+for rel, mod in modules:
+    for key, f in list(functions(mod)):
+        if key in ("main", "cli") or key.startswith("_"):
+            continue
+        try:
+            sig = inspect.signature(f)
+        except (TypeError, ValueError):
+            continue
+        for n, args, want in cases:
+            try:
+                sig.bind(*args)
+            except TypeError:
+                continue
+            t0 = time.time()
+            try:
+                signal.alarm(3)
+                out = f(*copy.deepcopy(args))
+                signal.alarm(0)
+                n_calls += 1
+            except BaseException:
+                signal.alarm(0)
+                continue
+            finally:
+                if time.time() - t0 > 1:
+                    print("SLOWCALL", rel, key, n, f"{time.time() - t0:.1f}s")
+            if answers(out, want):
+                print("ANSWER", n, f"{rel}:{key}", flush=True)
+print("CALLS", n_calls)
+'''
+
+
+def planted_cases():
+    """[(exercise, planted inputs, the reference's answer)], in the signatures of the exercises' functions and of
+    the loop forms a test could hold (one sample, lists of floats, (C, H, W) logits)."""
+    import torch.nn.functional as F
+
+    import evaluate
+    import recycling
+    import similarity
+    from methods import cov, filip, losses, pal, structure, text_guided
+    from methods.asif import ASIF
+    from methods.csa import cca, covariances
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g)
+    cases = []
+    S, t2i = r(6, 12), torch.arange(6).repeat_interleave(2)[torch.randperm(12, generator=g)]
+    cases.append((1, (S, t2i), evaluate.retrieval_metrics(S, t2i)))
+    hv, hl, logits = F.normalize(r(5, 4), dim=-1), F.normalize(r(5, 4), dim=-1), r(5, 5)
+    cases += [(2, (hv, hl, 0.1), losses.info_nce(hv, hl, 0.1)), (2, (logits,), losses.info_nce_of_logits(logits))]
+    Z, A, mask = r(3, 5, 4), r(6, 4), torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0]]).bool()
+    R = pal.relative(Z, A)
+    cases += [(3, (Z, A), R), (3, (R, mask, 0.3), pal.cap(R, mask, 0.3)[0]),
+              (3, (Z[0], A), pal.relative(Z[:1], A)[0]),
+              (3, (Z[1], mask[1], A, 0.3, "cap"), pal.cap(R, mask, 0.3)[0][1])]
+    value, loc, Aw = r(2, 2, 3, 4, 5), torch.rand(2, 3, 2, 4, 2, generator=g), torch.rand(2, 3, 2, 4, generator=g)
+    cases.append((4, (value, loc, Aw), cov.deformable_sample(value, loc, Aw)))
+    lg, att = r(2, 3, 7) * 3, r(2, 3, 16).softmax(-1)
+    cases += [(5, (lg, 0.6), cov.threshold_mask(lg, 0.6)),
+              (5, (lg[0, 0].tolist(), 0.6), cov.threshold_mask(lg, 0.6)[0, 0]),
+              (5, (att, (4, 4)), cov.CoV.spread(att, (4, 4))), (5, (att[0], 4, 4), cov.CoV.spread(att, (4, 4))[0])]
+    rr, ww = r(3, 4, 5), r(2, 3, 5)
+    rr[0, 3], ww[1, 2] = 0, 0
+    x = r(3, 2, 3)
+    cases += [(6, (rr, ww), filip.token_max(rr, ww)[0]), (6, (rr, ww), cov.max_sum(rr, ww)),
+              (6, (x, ww), text_guided.real_word_mean(x, ww))]
+    X, Y = r(30, 4), r(30, 3)
+    cov_ref = covariances(X, Y)
+    cases += [(7, (X, Y), cov_ref[2]), (7, tuple(cov_ref[2:]) + (2, 0.1), cca(*cov_ref[2:], 2, 0.1)[2])]
+    W, b, f, lab = r(4, 5), r(4), r(20, 5), torch.randint(0, 4, (20,), generator=g)
+    cases.append((8, (W, b, f, lab), recycling.neural_collapse_check(W, b, f, lab)))
+    Xk, Yk = r(15, 4), r(15, 6)
+    cases += [(9, (Xk, 3), similarity.knn_indices(Xk, 3)), (9, (Xk, Yk, 3), similarity.mutual_knn(Xk, Yk, 3))]
+    pred, gt = torch.randint(0, 3, (2, 5, 6), generator=g), torch.randint(0, 3, (2, 5, 6), generator=g)
+    inter, union = evaluate.iou_counts(pred, gt, 3)
+    lo = r(3, 2, 3)
+    cases += [(10, (pred, gt, 3), inter),
+              (10, (inter.double(), union.double()), evaluate.miou_from_counts(inter, union)),
+              (10, (lo, 5, 7), F.interpolate(lo[None], size=(5, 7), mode="bilinear", align_corners=False)[0])]
+    H1, H2 = r(8, 5), r(8, 6)
+    P, Q = structure.neighbour_distribution(H1, 0.3), structure.neighbour_distribution(H2, 0.3)
+    cases += [(11, (H1, 0.3), P), (11, (P, Q), structure.js_divergence(P, Q)),
+              (11, (H1, H2, 0.3), structure.structure_reg(H1, H2, 0.3))]
+    asif = ASIF(4, 4, k=5, p=3)
+    q, anchors = r(3, 4), r(12, 4)
+    rel = asif.relative(q, F.normalize(anchors, dim=-1))
+    cases += [(12, (q, F.normalize(anchors, dim=-1), 5, 3), rel), (12, (q[0], anchors, 5, 3), rel[0])]
+    emb = r(12, 5)
+    cases.append((13, (emb, 4), evaluate.template_average(emb, 4)))
+    return cases
+
+
+def probe_archive(tmp_path, cases, only=None, plant=None):
+    """Build the archive (blanking only these exercises, if given), unpack it, optionally plant (file, text) in
+    it, run ARCHIVE_PROBE there -> ({exercise: [where it is computed]}, the probe's output)."""
+    import tarfile
+    tmp_path.mkdir(parents=True)
+    archive = tmp_path / "course.tar.gz"
+    msc.make_archive(archive, only=only)
+    with tarfile.open(archive) as tar:
+        tar.extractall(tmp_path, filter="data")
+    copy = tmp_path / "course"
+    if plant:
+        (copy / plant[0]).write_text(plant[1])
+    torch.save(cases, tmp_path / "cases.pt")
+    (tmp_path / "probe.py").write_text(ARCHIVE_PROBE)
+    r = subprocess.run([sys.executable, str(tmp_path / "probe.py"), str(tmp_path / "cases.pt")], cwd=copy,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    found = {}
+    for line in r.stdout.splitlines():
+        if line.startswith("ANSWER "):
+            _, n, where = line.split(" ", 2)
+            found.setdefault(int(n), []).append(where)
+    return found, r.stdout
+
+
+@pytest.mark.slow
+def test_no_module_of_the_archive_computes_an_exercise_answer(tmp_path):
+    """Import every module of the unpacked archive (tests, scripts, benchmarks included) and call every function
+    on each exercise's planted inputs: none returns the answer. The same probe, in an archive whose regions are
+    the reference's, finds every exercise's own functions, and finds the loop references if they shipped."""
+    cases = planted_cases()
+    assert {n for n, _, _ in cases} == set(EXERCISES)
+    found, out = probe_archive(tmp_path / "clean", cases)
+    assert int(out.split("CALLS ")[-1]) > 200, out[-2000:]
+    broken = [l for l in out.splitlines() if l.startswith("NOIMPORT") and "NotImplementedError Exercise" not in l]
+    assert not broken, broken                      # (a script that runs a blank exercise on import is fine)
+    assert not found, f"modules of the archive that compute an exercise's answer: {found}"
+    found, _ = probe_archive(tmp_path / "reference", cases, only=set())
+    methods_only = {12}                              # ASIF.relative: a method, no free function holds it
+    assert set(found) == set(EXERCISES) - methods_only, f"the planted inputs find no answer for " \
+        f"{set(EXERCISES) - methods_only - set(found)}"
+    loops = (ROOT / "tests" / "oracles.py").read_text()
+    found, _ = probe_archive(tmp_path / "planted", cases, plant=("tests/helpers_planted.py", loops))
+    assert {1, 3, 5, 9, 10, 11, 12}.issubset(found), found
+
+
+def test_every_recorded_value_has_its_reference_in_the_reference_checkout():
+    """tests/goldens.pt holds values of the references in tests/oracles.py only, for tests that still call them;
+    the oracles are not in a copy, the recorded values are (exercises/make_goldens.py records them)."""
+    import oracles
+    called = {m for p in (ROOT / "tests").glob("test_*.py") for m in re.findall(r'expected\("(\w+)"', p.read_text())}
+    assert called and all(callable(getattr(oracles, name, None)) for name in called), called
+    table_ = torch.load(ROOT / "tests" / "goldens.pt", weights_only=False)
+    recorded_names = {key.rsplit("::", 1)[1].split("#")[0] for key in table_}
+    assert recorded_names == called, (recorded_names ^ called)
+    files = {key.split("::")[0] for key in table_}
+    assert all((ROOT / f).is_file() for f in files), files
+    shipped = {str(p) for p in msc.project_files(ROOT)}
+    assert "tests/goldens.pt" in shipped and "tests/recorded.py" in shipped and "tests/oracles.py" not in shipped

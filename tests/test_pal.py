@@ -5,35 +5,16 @@ training run on planted data, and analyse() figures.
 The tests of the exercises' functions (relative, cap, info_nce) build PAL with fast=False, so
 they run the paper form, cap(relative(Z, A)); tests/test_fast_forms.py checks the fast form
 against it. Their assertions say what differs, for exercises/grade.py's one line."""
-import math
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import random_features
+from conftest import assert_same, random_features
+from recorded import expected
 
 from features import Features
 from methods.losses import info_nce, info_nce_of_logits
 from methods.pal import PAL, anchor_overlap, cap, relative
-
-
-def naive_cos(u, v):
-    dot = sum(a * b for a, b in zip(u, v))
-    return dot / (math.sqrt(sum(a * a for a in u)) * math.sqrt(sum(b * b for b in v)))
-
-
-def naive_p(tokens, mask, A, tau_p, pooling):
-    """p (K,) of one sample by explicit loops over anchors k and real tokens t."""
-    Z = [tokens[t].tolist() for t in range(len(mask)) if mask[t]]
-    p = []
-    for a in A.tolist():
-        r = [naive_cos(z, a) for z in Z]                              # Eq. (3)-(4)
-        if pooling == "cap":
-            e = [math.exp(x / tau_p) for x in r]
-            p.append(sum(ei / sum(e) * x for ei, x in zip(e, r)))      # Eq. (5)-(6)
-        else:
-            p.append(sum(r) / len(r))                                  # mean
-    return torch.tensor(p)
 
 
 def same_rows(got, want, what, atol=1e-5, padded=None):
@@ -44,7 +25,7 @@ def same_rows(got, want, what, atol=1e-5, padded=None):
     note = ""
     if padded is not None and bad:
         note = " (the padded ones)" if set(bad) <= set(padded) else f" (rows {padded} are the padded ones)"
-    assert not bad, f"{what}: rows {bad}{note} differ from the naive loop by up to {diff.max().item():.3g}"
+    assert not bad, f"{what}: rows {bad}{note} differ from the expected values by up to {diff.max().item():.3g}"
 
 
 def text_and_image(B=3, seed=0):
@@ -63,8 +44,9 @@ def test_pooling_matches_naive_loop(pooling):
         if pooling == "cap":                  # the exercise's own functions, called directly
             p_v_ex = cap(relative(img.tokens[:, 1:], m.A_v), img.mask[:, 1:], 0.3)[0]
             p_l_ex = cap(relative(txt.tokens, m.A_l), txt.mask, 0.3)[0]
-    ref_v = torch.stack([naive_p(img.tokens[b, 1:], img.mask[b, 1:], m.A_v, 0.3, pooling) for b in range(len(img))])
-    ref_l = torch.stack([naive_p(txt.tokens[b], txt.mask[b], m.A_l, 0.3, pooling) for b in range(len(txt))])
+    ref_v = torch.stack([expected("naive_p", img.tokens[b, 1:], img.mask[b, 1:], m.A_v, 0.3, pooling)
+                         for b in range(len(img))])
+    ref_l = torch.stack([expected("naive_p", txt.tokens[b], txt.mask[b], m.A_l, 0.3, pooling) for b in range(len(txt))])
     same_rows(p_v, ref_v, f"image p ({pooling} over the 6 patches, tau_p 0.3)")
     same_rows(p_l, ref_l, f"text p ({pooling} over the words, tau_p 0.3)", padded=[1, 2])
     same_rows(h_l, F.normalize(ref_l, dim=-1), "text h = p / ||p|| (Eq. 7)", padded=[1, 2])
@@ -79,7 +61,7 @@ def test_cap_at_default_tau_p_matches_naive_loop():
     with torch.no_grad():
         p_l = m.pool(txt, "text")
         p_l_ex = cap(relative(txt.tokens, m.A_l), txt.mask, 0.03)[0]        # the exercise's functions
-    ref = torch.stack([naive_p(txt.tokens[b], txt.mask[b], m.A_l, 0.03, "cap") for b in range(len(txt))])
+    ref = torch.stack([expected("naive_p", txt.tokens[b], txt.mask[b], m.A_l, 0.03, "cap") for b in range(len(txt))])
     same_rows(p_l, ref, "text p at tau_p 0.03 (PAL.pool)", padded=[1, 2])
     same_rows(p_l_ex, ref, "cap(relative(Z, A_l), mask, 0.03)[0]", padded=[1, 2])
 
@@ -89,8 +71,7 @@ def test_global_pooling_is_relative_representation_of_one_vector():
     m = PAL(5, 4, K=6, pooling="global", fast=False)
     with torch.no_grad():
         p_v, p_l = m.pool(img, "image"), m.pool(txt, "text")
-    ref_v = torch.tensor([[naive_cos(img.pooled[b].tolist(), a) for a in m.A_v.tolist()] for b in range(len(img))])
-    ref_l = torch.tensor([[naive_cos(txt.pooled[b].tolist(), a) for a in m.A_l.tolist()] for b in range(len(txt))])
+    ref_v, ref_l = expected("cosines", img.pooled, m.A_v), expected("cosines", txt.pooled, m.A_l)
     same_rows(p_v, ref_v, "image p of the global vector (cosines to the anchors)")
     same_rows(p_l, ref_l, "text p of the pooled vector (cosines to the anchors)")
 
@@ -156,27 +137,23 @@ def test_info_nce_is_the_mean_of_both_directions():
     g = torch.Generator().manual_seed(0)
     h_v, h_l = F.normalize(torch.randn(6, 5, generator=g), dim=-1), F.normalize(torch.randn(6, 5, generator=g), dim=-1)
     tau = 0.05
-    s = [[float(h_v[i] @ h_l[j]) / tau for j in range(6)] for i in range(6)]       # s[i][j], image i, caption j
-
-    def cross_entropy(rows):                       # mean over i of -log softmax(rows[i])_i
-        return sum(math.log(sum(math.exp(x) for x in row)) - row[i] for i, row in enumerate(rows)) / len(rows)
-    i2t, t2i = cross_entropy(s), cross_entropy([list(col) for col in zip(*s)])
+    i2t, t2i = expected("info_nce_directions", h_v @ h_l.T / tau)              # image->text, text->image
     assert abs(i2t - t2i) > 0.1, "(the test's own check) expected the two directions to differ here"
     got, want = info_nce(h_v, h_l, tau).item(), (i2t + t2i) / 2
     assert got == pytest.approx(want, rel=1e-5), (
-        f"info_nce = {got:.4f}, expected {want:.4f}, the loop's (image->text alone {i2t:.4f}, "
-        f"text->image alone {t2i:.4f})")
+        f"info_nce = {got:.4f}, expected {want:.4f} (Eq. 8: the mean of image->text, {i2t:.4f} alone, and "
+        f"text->image, {t2i:.4f} alone)")
     got = info_nce_of_logits(h_v @ h_l.T / tau).item()
     assert got == pytest.approx(want, rel=1e-5), (
-        f"info_nce_of_logits = {got:.4f}, expected {want:.4f}, the loop's (rows alone {i2t:.4f}, "
-        f"columns alone {t2i:.4f})")
+        f"info_nce_of_logits = {got:.4f}, expected {want:.4f} (the mean of the rows' cross-entropy, {i2t:.4f} "
+        f"alone, and the columns', {t2i:.4f} alone)")
     # two matrices (FILIP's image->text and text->image similarities): the rows of the first, the columns of the second
-    s2 = [[x * x / 20 for x in row] for row in s]
-    want = (cross_entropy(s) + cross_entropy([list(col) for col in zip(*s2)])) / 2
-    got = info_nce_of_logits(h_v @ h_l.T / tau, torch.tensor(s2)).item()
+    s2 = (h_v @ h_l.T / tau) ** 2 / 20
+    want = (i2t + expected("info_nce_directions", s2)[1]) / 2
+    got = info_nce_of_logits(h_v @ h_l.T / tau, s2).item()
     assert got == pytest.approx(want, rel=1e-5), (
-        f"info_nce_of_logits(logits, logits_t2i) = {got:.4f}, expected {want:.4f}, the loop's (the rows of logits and "
-        f"the columns of logits_t2i)")
+        f"info_nce_of_logits(logits, logits_t2i) = {got:.4f}, expected {want:.4f} (the rows of logits and the "
+        f"columns of logits_t2i)")
 
 
 def test_anchor_overlap_on_planted_top5_sets():
@@ -245,10 +222,9 @@ def test_dense_image_is_normalised_per_patch_relative_representation():
     with torch.no_grad():
         d = m.dense_image(img)
     assert d.shape == (3, 6, 7), f"dense_image has shape {tuple(d.shape)}, expected (3, 6, 7): (B, H*W, K)"
-    r = torch.tensor([naive_cos(img.tokens[1, 1 + 4].tolist(), a) for a in m.A_v.tolist()])   # patch 4
-    gap = (d[1, 4] - r / r.norm()).abs().max().item()
-    assert gap <= 1e-5, (f"patch 4 of image 1 differs by {gap:.3g} from what is expected, its normalised cosines to "
-                         f"the anchors {(r / r.norm()).tolist()}")
+    r = expected("cosines", img.tokens[1, 1 + 4][None], m.A_v)[0]                           # patch 4
+    assert_same(d[1, 4], r / r.norm(), "patch 4 of image 1 (its cosines to the anchors, normalised per patch)",
+                atol=1e-5, rtol=0)
 
 
 def test_analyse_writes_figures_and_returns_overlaps(tmp_path):

@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from conftest import random_features, train_with
+from recorded import expected
 from test_real import models  # noqa: F401  (the tiny Hugging Face models fixture)
 
 import align
@@ -73,20 +74,35 @@ def test_neural_collapse_bias_and_norm_change_the_answer():
 
 # ---------------------------------------------------------------- mutual kNN, CKA
 
-def naive_mutual_knn(X, Y, k):
-    def neighbours(Z, i):
-        cos = [(F.cosine_similarity(Z[i], Z[j], dim=0).item(), j) for j in range(len(Z)) if j != i]
-        return {j for _, j in sorted(cos, reverse=True)[:k]}
-    return sum(len(neighbours(X, i) & neighbours(Y, i)) / k for i in range(len(X))) / len(X)
-
-
 def test_mutual_knn_matches_naive_loop():
     g = torch.Generator().manual_seed(0)
     X = torch.randn(25, 5, generator=g)
     Y = torch.cat([X, torch.zeros(25, 2)], 1) + 0.7 * torch.randn(25, 7, generator=g)
     for k in (1, 3, 7):
-        got, want = S.mutual_knn(X, Y, k), naive_mutual_knn(X, Y, k)
-        assert abs(got - want) < 1e-6, f"mutual_knn at k = {k}: {got:.4f}, expected {want:.4f}, the loop's (self excluded)"
+        got, want = S.mutual_knn(X, Y, k), expected("naive_mutual_knn", X, Y, k)
+        assert abs(got - want) < 1e-6, (f"mutual_knn at k = {k}: {got:.4f}, expected {want:.4f} (m_NN, Fig. 1: the "
+                                        f"mean over rows i of |kNN_X(i) & kNN_Y(i)| / k)")
+
+
+def test_knn_with_duplicate_rows_never_lists_a_row_itself():
+    """12 rows, 6 distinct ones each twice: a row's own index and its twin's tie at cosine 1. A row is never its
+    own neighbour, its twin is its nearest, and m_NN at k = 1 of two spaces with the same twins is 1."""
+    g = torch.Generator().manual_seed(0)
+    X, Y = torch.randn(6, 5, generator=g).repeat(2, 1), torch.randn(6, 7, generator=g).repeat(2, 1)
+    twin = (torch.arange(12) + 6) % 12
+    for k in (1, 3):
+        idx = S.knn_indices(X, k)
+        assert tuple(idx.shape) == (12, k), f"knn_indices(X, {k}) has shape {tuple(idx.shape)}, expected (12, {k})"
+        own = [i for i in range(12) if i in idx[i].tolist()]
+        assert not own, (f"with duplicate rows (row i = row i + 6), rows {own} list themselves among their {k} "
+                         f"nearest neighbours, expected none (Fig. 1's kNN is over the OTHER rows; a row ties with its "
+                         f"twin)")
+        no_twin = [i for i in range(12) if idx[i, 0] != twin[i]]
+        assert not no_twin, (f"with duplicate rows, rows {no_twin}: first neighbour {idx[no_twin[0], 0].item()}, "
+                             f"expected its twin {twin[no_twin[0]].item()} (cosine 1)")
+    got = S.mutual_knn(X, Y, 1)
+    assert got == 1.0, (f"mutual_knn at k = 1 of two spaces with the same duplicate rows is {got:.4f}, expected 1 "
+                        f"(each row's one neighbour is its twin in both)")
 
 
 def test_mutual_knn_identical_and_independent():
@@ -94,6 +110,10 @@ def test_mutual_knn_identical_and_independent():
     X = torch.randn(400, 16, generator=g)
     got = S.mutual_knn(X, X, 10)
     assert got == 1.0, f"mutual_knn of a space with itself is {got:.4f}, expected 1"
+    scales = torch.rand(400, 1, generator=g) * 10 + 0.1
+    got = S.mutual_knn(X, X * scales, 10)
+    assert got == 1.0, (f"mutual_knn of X with each row rescaled by its own positive factor is {got:.4f}, expected 1 "
+                        f"(neighbours by cosine: a row's length does not move them)")
     got = S.mutual_knn(X, 3 * X @ orthogonal(16), 10)
     assert got == 1.0, f"mutual_knn with a rotated, scaled copy is {got:.4f}, expected 1 (cosine neighbours)"
     Y = torch.randn(400, 12, generator=g)
@@ -136,19 +156,12 @@ def test_neural_collapse_check_matches_naive_loop():
     W = torch.randn(6, 5, generator=g) * torch.rand(6, 1, generator=g).add(0.2) * 3
     b = torch.randn(6, generator=g)
     feats = torch.randn(40, 5, generator=g)
-    cos = lambda u, v: float(u @ v) / (float(u.norm()) * float(v.norm()))
-    labels = torch.tensor([max(range(6), key=lambda i: cos(W[i], f)) for f in feats])   # cosine = 100 by design
-    labels[:8] = (labels[:8] + 1) % 6                                                     # ... but for 8 images
-    top1 = lambda score: 100 * sum(max(range(6), key=lambda i: score(i, f)) == int(y)
-                                   for f, y in zip(feats, labels)) / len(labels)
-    expect = {"linear_top1": top1(lambda i, f: float(W[i] @ f) + float(b[i])),
-              "cosine_top1": top1(lambda i, f: cos(W[i], f)),
-              "nobias_top1": top1(lambda i, f: float(W[i] @ f))}
+    labels, expect = expected("naive_neural_collapse", W, b, feats)   # labels: the cosine's argmax but for 8 images
     assert len(set(expect.values())) == 3, f"(the test's own check) {expect}: expected three different figures"
     got = R.neural_collapse_check(W, b, feats, labels)
     assert got.keys() == expect.keys(), f"keys {sorted(got)}, expected {sorted(expect)}"
     for k in expect:
-        assert abs(got[k] - expect[k]) < 1e-4, f"{k} = {got[k]:.2f}, expected {expect[k]:.2f} (the per-image loop)"
+        assert abs(got[k] - expect[k]) < 1e-4, f"{k} = {got[k]:.2f}, expected {expect[k]:.2f} (Table 1's three heads)"
 
 
 # ---------------------------------------------------------------- Fig. 1
