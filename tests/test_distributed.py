@@ -137,7 +137,8 @@ def test_torchrun_two_ranks_match_one_process_for_pal_and_csa(cache, tmp_path):
     """torchrun with 2 ranks (gloo) == one process: PAL splits every global batch of 256 into 2 x 128
     (DDP; every split_loss method takes this path: test_split_step_gives_the_single_process_loss_and_gradients),
     CSA fits on rank 0 once the group has ended. Same metrics (1e-6) and trained parameters (1e-4);
-    rank 0 alone writes and prints (one [config] line); --resume under torchrun finds the finished run."""
+    rank 0 alone writes and prints (one [config] line); --resume under torchrun continues a run stopped after its
+    last checkpoint."""
     (tmp_path / "driver.py").write_text(DRIVER)
     r = subprocess.run([sys.executable, str(tmp_path / "driver.py"), str(ROOT), str(tmp_path / "one"),
                         "--cache-dir", str(cache), *RUN], env=env(), capture_output=True, text=True, timeout=600)
@@ -159,6 +160,7 @@ def test_torchrun_two_ranks_match_one_process_for_pal_and_csa(cache, tmp_path):
         p1, p2 = (aligned.read_weights(p) for p in (tmp_path / "one" / method, out))
         for k in p1:
             torch.testing.assert_close(p2[k].float(), p1[k].float(), rtol=0, atol=1e-4, msg=f"{method} {k}")
+    (tmp_path / "two" / "pal" / "metrics.json").unlink()          # unfinished: stopped before the evaluation
     r = subprocess.run([*TORCHRUN, str(ROOT / "align.py"), "--method", "pal", "--out", str(tmp_path / "two" / "pal"),
                         "--hp", "K=64", "--cache-dir", str(cache), *RUN, "--resume"], env=env(), capture_output=True,
                        text=True, timeout=600)                  # --resume: every rank loads rank 0's checkpoint
