@@ -24,7 +24,7 @@ import torch
 
 from features import Features, autocast, host_batch
 from infra.errors import RunError
-from infra.model_files import IMAGENET_MEAN, IMAGENET_STD, ImagePreprocess
+from model_files import IMAGENET_MEAN, IMAGENET_STD, ImagePreprocess
 
 
 class MapEncoder:

@@ -5,7 +5,7 @@ K anchors / output dim, Q regions, L words, C classes, H x W patch grid.
 
 Read top to bottom: the Hugging Face image and text encoders and their loaders, then
 load_encoders. Around them: the model-folder checks and the image preprocessing in
-infra/model_files.py; the CNNs (torchvision ResNets, EfficientNet-Lite) in cnn_encoders.py; the
+model_files.py; the CNNs (torchvision ResNets, EfficientNet-Lite) in cnn_encoders.py; the
 built-in tiny Shapes encoders in shapes_encoders.py; layer choice and --select-layers in
 layers.py; the token-layout contract every encoder keeps (one table for every family, and the
 special-token rule) in features.py; the feature cache in infra/cache.py.
@@ -26,9 +26,9 @@ import torch.nn as nn
 
 import cnn_encoders
 import features
+import model_files
 from data import BindingSet, PairSet
 from features import TOKEN_RULE, Features, autocast, host_batch, word_positions, word_tokens
-from infra import model_files
 from infra.errors import RunError, first_line, guard
 from infra.storage import code_hash, folder_fingerprint
 from shapes_encoders import ShapesImageEncoder, TinyTextEncoder, load_shapes_encoders

@@ -44,16 +44,12 @@ import encoders  # noqa: E402
 import evaluate  # noqa: E402
 import features
 import layers
+import model_files  # noqa: E402
 import shapes
 import shapes_encoders as se  # noqa: E402
 import similarity  # noqa: E402
 from features import Features  # noqa: E402
-from infra import (
-    cache,  # noqa: E402
-    loader,
-    model_files,
-    shards,
-)
+from infra import cache, loader, shards  # noqa: E402
 
 SIZES = {  # rows, tokens, dim of (a); images, model (hidden, layers, heads) of (b); pairs, text layers of (c); (d)
     "tiny": dict(rows=128, T=17, D=32, batch=32, images=4, ext_batch=2, shard_rows=4, hidden=32, layers=2, heads=2,

@@ -60,7 +60,7 @@ def write_models(root, tiny):
         RobertaTokenizer,
     )
 
-    from infra import model_files
+    import model_files
     torch.manual_seed(0)
     large = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)
     small = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)

@@ -10,5 +10,4 @@ shards       sharded, memory-mapped features when a set is large
 loader       batches from the cache, read ahead; progress lines (stderr, rate, ETA)
 runlog       the run's log.txt in its folder, --quiet
 distributed  torchrun: sharded extraction, data-parallel training
-model_files  real encoders' files on disk: paths, preprocessing, what to download
 """

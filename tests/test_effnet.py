@@ -12,9 +12,9 @@ import torch
 
 import encoders
 import layers
+import model_files
 import shapes
 import shapes_encoders
-from infra import model_files
 
 cnn_encoders = pytest.importorskip("cnn_encoders")
 EfficientNet = pytest.importorskip("efficientnet_lite_pytorch").EfficientNet

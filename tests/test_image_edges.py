@@ -7,7 +7,7 @@ import torch
 from PIL import Image
 
 import data
-from infra import model_files
+import model_files
 
 
 def loaded(path):

@@ -1,4 +1,4 @@
-"""Real model folders (infra/model_files.py, encoders.py): Hugging Face folders saved with
+"""Real model folders (model_files.py, encoders.py): Hugging Face folders saved with
 save_pretrained, each fault planted by hand; every fault is ONE `error:` line naming the folder
 and what to do, when the model loads."""
 import json

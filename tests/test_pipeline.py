@@ -10,10 +10,11 @@ import torch
 
 import encoders
 import layers
+import model_files
 import shapes
 import shapes_encoders as se
 import similarity
-from infra import loader, model_files, shards
+from infra import loader, shards
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from infra import model_files
+import model_files
 
 SIZES = [(500, 500), (512, 512), (224, 224), (640, 480), (480, 640), (333, 517), (517, 333), (800, 301)]
 

@@ -20,10 +20,11 @@ import data
 import encoders
 import eval_sets
 import layers
+import model_files
 import shapes
 import shapes_encoders
 import similarity
-from infra import cache, model_files
+from infra import cache
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = "a an the dog cat man red blue on of in photo sits rides is".split()

@@ -16,9 +16,9 @@ from PIL import Image
 
 import cnn_encoders
 import encoders
+import model_files
 import shapes_encoders
 from features import Features, word_positions, word_tokens
-from infra import model_files
 
 VISION = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32,
               patch_size=8)
