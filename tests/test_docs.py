@@ -344,20 +344,22 @@ def test_every_import_points_down():
 # ---------------------------------------------------------------------------
 # What a reader walks through: the files a default run enters
 # ---------------------------------------------------------------------------
-ENTERED_AT_MOST = 12
+# The paper's path (align, data, shapes, shapes_encoders, encoders, features, methods/pal, fast_cap, losses,
+# train, evaluate: 11), the run folder's files (aligned.py's writers) and infra/'s promises at fixed points
+# (errors.guard, run, cache, storage, loader, distributed, runlog: 7).
+ENTERED_AT_MOST = 19
 
 
 @pytest.mark.slow
-def test_a_default_run_enters_at_most_a_dozen_project_files(cache_dir, tmp_path):
+def test_a_default_run_enters_a_bounded_set_of_project_files(cache_dir, tmp_path):
     """sys.setprofile over align.main (`--epochs 1 --threads 1 --no-figures`, the session's warm cache): the
     project files whose functions the run calls. Bookkeeping is a few calls at fixed points, not a walk."""
     import sys
 
     import align
-    args = align.parse_args(["--epochs", "1", "--threads", "1", "--no-figures", "--eval-images", "32",
-                             "--cache-dir", str(cache_dir), "--out", str(tmp_path / "o")])
-    align.main(align.parse_args([*map(str, ["--epochs", 1, "--threads", 1, "--no-figures", "--eval-images", 8,
-                                            "--cache-dir", cache_dir, "--out", tmp_path / "warm"])]))   # the cache
+    argv = ["--epochs", "1", "--threads", "1", "--no-figures", "--eval-images", "32", "--cache-dir", str(cache_dir)]
+    align.main(argv + ["--out", str(tmp_path / "warm")])                # the cache, warm
+    args = align.parse_args(argv + ["--out", str(tmp_path / "o")])
     root, entered = str(ROOT) + "/", set()
 
     def profile(frame, event, arg):
