@@ -170,12 +170,7 @@ EXERCISES = {
 # the sheet's "needs" column; tests/test_exercises.py checks both against what grading finds).
 DEPENDS = {2: [3], 5: [2, 6], 6: [3, 4, 5], 10: [13], 11: [2]}
 
-# The exercises a run of align.py executes: its method's (training and scoring), then the evaluation's.
-NEEDS = {
-    "pal": [2, 3], "pal_rel": [2, 3], "cov": [2, 4, 5, 6], "text_guided": [2, 3, 6], "filip": [2, 6], "fa": [2],
-    "linear": [2], "linear_rs": [2, 11], "mlp_rs": [2, 11], "csa": [7], "asif": [12], "mlp": [], "t2c": [],
-    "sail": [],
-}
+# The exercises a run of align.py executes: its method's (method_needs: read off its code), then the evaluation's.
 EVALUATION = [1, 10, 13]       # retrieval, segmentation, zero-shot classification (every run evaluates them)
 ANALYSES = [8, 9]              # --analyses: the neural-collapse check and mutual kNN (weight recycling)
 SELECT_MKNN = [9]              # --select-layers mknn
@@ -192,9 +187,21 @@ def blank_exercises(root=ROOT):
     return blank
 
 
+def method_needs(method):
+    """The exercises a method's training and scoring run: those with a region in its own file or in a file of
+    methods/ it imports (the files of its identity's method_code, infra/run.py), so that a new method needs no
+    line here."""
+    import os
+
+    from infra.run import method_files
+    from methods import METHODS
+    files = {os.path.relpath(f, ROOT) for f in method_files(METHODS[method])}
+    return sorted(n for n, ex in EXERCISES.items() if n not in EVALUATION and files & set(ex["regions"]))
+
+
 def run_needs(method, analyses=False, select_layers=None):
     """Sorted exercise numbers a run of align.py with these settings executes."""
-    need = set(NEEDS.get(method, [])) | set(EVALUATION)
+    need = set(method_needs(method)) | set(EVALUATION)
     need |= set(ANALYSES) if analyses else set()
     need |= set(SELECT_MKNN) if select_layers == "mknn" else set()
     return sorted(need)

@@ -96,16 +96,21 @@ class Settings:
 # ---------------------------------------------------------------------------
 # The identity: code, encoders
 # ---------------------------------------------------------------------------
-def method_code(method_cls):
-    """sha256 of the files that define the method: its own file plus every file of methods/ it imports
-    from (methods/__init__.py, losses.py, fast_cap.py), not its siblings."""
+def method_files(method_cls):
+    """The files that define the method: its own file plus every file of methods/ it imports from
+    (methods/__init__.py, losses.py, fast_cap.py, ...), not its siblings."""
     module = sys.modules[method_cls.__module__]
     files = {module.__file__}
     for value in vars(module).values():                      # what it imports from methods/
         name = value.__name__ if inspect.ismodule(value) else getattr(value, "__module__", "") or ""
         if name.startswith("methods") and name in sys.modules:
             files.add(sys.modules[name].__file__)
-    return code_hash(*files)
+    return sorted(files)
+
+
+def method_code(method_cls):
+    """sha256 of the method's files (method_files): the code its results were computed with."""
+    return code_hash(*method_files(method_cls))
 
 
 def encoder_identity(kind, enc):
