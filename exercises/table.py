@@ -7,7 +7,7 @@ tests:   pytest node ids of the project's OWN tests covering those regions (valu
 hint:    the classic mistakes, printed when a graded test fails: the symptom and the equation, never the line.
 Grading logic lives only in the tests; nothing here recomputes an answer.
 
-NEEDS says which exercises a run of align.py executes (the method's, the evaluation's, the
+run_needs says which exercises a run of align.py executes (the method's, the evaluation's, the
 analyses'); refuse_blank_exercises stops a run that needs a still blank one, before any work (with
 align.py --skip-blank, the evaluation's exercises may be blank: their evaluations are left out).
 """
