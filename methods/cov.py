@@ -75,7 +75,7 @@ import torch.nn.functional as F
 
 from . import Method
 from .filip import token_max as max_mean  # S(I,T)'s two terms: FILIP's token-wise max, its Eq. (4)-(5)
-from .losses import info_nce_of_logits, score_in_chunks
+from .losses import LayerNorm, info_nce_of_logits, score_in_chunks
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -229,7 +229,7 @@ class CoV(Method):
         cols = math.ceil(n_regions / rows)
         self.register_buffer("ref", grid_centres(rows, cols)[:n_regions])  # p_q, (Q, 2)
         self.deform = DeformableAttention(dim, n_heads, n_points) if deformable else None
-        self.norm = nn.LayerNorm(dim) if deformable else None     # z' = LN(z + DeformAttn(z))
+        self.norm = LayerNorm(dim) if deformable else None     # z' = LN(z + DeformAttn(z))
         self.W_assign = nn.Linear(dim, dim, bias=False)          # the ONE shared W (consistent assign)
         self.V = nn.Linear(dim, dim, bias=False)                 # value projection (threshold mask)
         self.mask = mask
