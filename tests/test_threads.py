@@ -6,6 +6,7 @@ import torch
 from conftest import random_features
 
 import evaluate
+import train  # noqa: F401  (sets MKL_CBWR before any matrix product, as align.py's run does)
 from features import Features
 from methods import METHODS
 
@@ -14,10 +15,10 @@ THREAD_EXCEPTIONS = {}          # method -> why its CPU numbers depend on the th
 
 def tiny(name):
     torch.manual_seed(0)
-    small = dict(pal=dict(K=16), pal_rel=dict(K=16), cov=dict(dim=16), text_guided=dict(K=16), filip=dict(K=16),
-                 fa=dict(K=16), linear=dict(K=16), linear_rs=dict(K=16), mlp_rs=dict(K=16), sail=dict(K=16, width=2),
+    small = dict(pal=dict(K=64), pal_rel=dict(K=64), cov=dict(dim=128), text_guided=dict(K=64), filip=dict(K=64),
+                 fa=dict(K=64), linear=dict(K=64), linear_rs=dict(K=64), mlp_rs=dict(K=64), sail=dict(K=64, width=2),
                  csa=dict(d=8, ridge=0.1), asif=dict())
-    return METHODS[name](24, 20, **small.get(name, {}))
+    return METHODS[name](96, 64, **small.get(name, {}))
 
 
 def one_run(name, threads):
@@ -25,21 +26,22 @@ def one_run(name, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        img = random_features(64, 1 + 16, 24, grid=(4, 4), seed=1)
-        txt = random_features(64, 7, 20, lengths=[3 + i % 5 for i in range(64)], seed=2)
+        img = random_features(128, 1 + 64, 96, grid=(8, 8), seed=1)   # the Shapes run's sizes: 8 x 8 patches, 96-d
+        txt = random_features(128, 12, 64, lengths=[3 + i % 9 for i in range(128)], seed=2)
         m = tiny(name)
         if m.fit is not None:
             m.fit(Features.from_vectors(img.pooled), Features.from_vectors(txt.pooled))
         if m.loss is not None:
             opt = torch.optim.Adam([p for p in m.parameters() if p.requires_grad], lr=1e-3)
-            for step in range(3):
-                i = torch.arange(step * 16, step * 16 + 16)
+            for step in range(2):
+                i = torch.arange(step * 64, step * 64 + 64)     # a batch of 64: a weight gradient sums 4,096 rows
                 loss, _ = m.loss(img[i], txt[i])
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
         with evaluate.inference(m):
-            S = evaluate.score_matrix(m, evaluate.embed(m.embed_image, img[:12]), evaluate.embed(m.embed_text, txt[:12]))
+            emb = evaluate.embed(m.embed_image, img[:12]), evaluate.embed(m.embed_text, txt[:12])
+            S = evaluate.score_matrix(m, *emb)
         return {k: v.clone() for k, v in m.state_dict().items()}, S
     finally:
         torch.set_num_threads(before)
