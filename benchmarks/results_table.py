@@ -115,16 +115,38 @@ def main():
             values = [[cell(r, g, k) for r in runs] for g, k, _ in columns]
             rows.append((row, values))
             print(f"{row:24s} " + "  ".join(f"{mean_sd(v):>12s}" for v in values), flush=True)
-    print("\n| method | " + " | ".join(c for _, _, c in columns) + " |")
-    print("|---" * (len(columns) + 1) + "|")
-    for row, values in rows:
-        print(f"| {row} | " + " | ".join(mean_sd(v) for v in values) + " |")
+    print()
+    print(markdown({"columns": [c for _, _, c in columns], "rows": dict(rows)}))
     command = f"python benchmarks/results_table.py {' '.join(sys.argv[1:])}"
     print(f"\nmean ± sd over seeds {args.seeds}; every trained method {args.epochs} epochs; command: {command}")
     table = {"command": command, "seeds": args.seeds, "columns": [c for _, _, c in columns],
              "rows": {row: [[round(x, 4) for x in v] for v in values] for row, values in rows}}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "table.json").write_text(json.dumps(table, indent=1))   # what docs/ is checked against
+
+
+def markdown(table):
+    """The markdown table of a table.json ({"columns", "rows": {row: [[per seed] per column]}}), as docs/ holds it."""
+    lines = ["| method | " + " | ".join(table["columns"]) + " |", "|---" * (len(table["columns"]) + 1) + "|"]
+    lines += [f"| {row} | " + " | ".join(mean_sd(v) for v in values) + " |" for row, values in table["rows"].items()]
+    return "\n".join(lines)
+
+
+def differences(table, base, columns=("RSum", "zero-shot top-1", "seg mIoU-fg", "binding")):
+    """Each row against the row `base`, task by task: the mean ± sd of the per-seed differences (the same seed
+    on both sides) and that mean in units of its sd, so a task's gain is read against its own seed spread."""
+    idx = [table["columns"].index(c) for c in columns]
+    lines = ["| against " + base + " | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for row, values in table["rows"].items():
+        if row == base:
+            continue
+        cells = []
+        for i in idx:
+            d = [a - b for a, b in zip(values[i], table["rows"][base][i])]
+            sd = statistics.stdev(d) if len(d) > 1 else 0.0
+            cells.append(f"{statistics.fmean(d):+.1f} ± {sd:.1f}" + (f" ({statistics.fmean(d) / sd:+.1f} sd)" if sd else ""))
+        lines.append(f"| {row} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def mean_sd(values):
