@@ -20,6 +20,7 @@ import evaluate  # noqa: E402
 from features import Features  # noqa: E402
 from infra import distributed, loader, storage  # noqa: E402
 from infra.errors import RunError  # noqa: E402
+from methods.csa import image_ids  # noqa: E402
 from negatives import contrastive_scale, hard_negative_loss
 
 
@@ -126,7 +127,7 @@ def print_choice(choice):
 def held_out_pairs(pooled, share=0.2, max_images=1000, seed=0):
     """(val, fit) pair indices: a seeded `share` of the distinct images (distinct pooled rows; at most
     max_images) held out with all their pairs, so no image is on both sides."""
-    _, image = torch.unique(pooled, dim=0, return_inverse=True)                 # (N,) image id of each pair
+    image = image_ids(pooled)                                                   # (N,) image id of each pair
     n_img = int(image.max()) + 1
     perm = torch.randperm(n_img, generator=torch.Generator().manual_seed(seed))
     is_val = torch.zeros(n_img, dtype=torch.bool)

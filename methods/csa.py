@@ -157,12 +157,23 @@ class CSA(Method):
 def held_out_split(X, held_out=0.2, max_held_out=2000, seed=0):
     """(val, fit) pair indices of choice 3: a seeded `held_out` share of the distinct images (distinct rows
     of X; at most max_held_out) held out with all their pairs."""
-    _, image = torch.unique(X, dim=0, return_inverse=True)                      # (N,) image id of each pair
+    image = image_ids(X)                                                        # (N,) image id of each pair
     n_img = int(image.max()) + 1
     perm = torch.randperm(n_img, generator=torch.Generator().manual_seed(seed)).to(X.device)
     is_val = torch.zeros(n_img, dtype=torch.bool, device=X.device)
     is_val[perm[:min(max(2, int(held_out * n_img)), max_held_out)]] = True
     return is_val[image].nonzero().squeeze(1), (~is_val[image]).nonzero().squeeze(1)
+
+
+def image_ids(X):
+    """(N,) the image of each pair: equal rows of X are one image, numbered in order of first appearance (so
+    with every row distinct the ids are 0, 1, ..., N - 1)."""
+    _, image = torch.unique(X, dim=0, return_inverse=True)                      # ids in sorted-row order
+    first = torch.full((int(image.max()) + 1,), len(X), device=X.device).scatter_reduce(
+        0, image, torch.arange(len(X), device=X.device), "amin")               # each id's first pair
+    rank = torch.empty_like(first)
+    rank[first.argsort()] = torch.arange(len(first), device=X.device)
+    return rank[image]
 
 
 def reciprocal_ranks(s, same):
