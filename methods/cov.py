@@ -137,7 +137,8 @@ def other_reading(logits, eps, reading):
     keep = attn_hat >= eps
     if reading == "paper":
         return attn_hat * keep                                         # barAttn = hatAttn [hatAttn >= eps]
-    return logits.masked_fill(~keep, float("-inf")).softmax(-1)        # renormalised softmax, (..., N)
+    kept = x * keep                                                    # the softmax on the kept patches
+    return kept / kept.sum(-1, keepdim=True)                           # renormalised over them, (..., N)
 
 
 def max_sum(r, w):
