@@ -217,7 +217,13 @@ def parse_hp(method_cls, items):
         if value in method_cls.hp_words.get(name, ()):   # a word a numeric hp also takes
             hp[name] = value
             continue
-        value = checked_value(f"--hp {item}: {method_cls.__name__}'s {name}", value, params[name].default)
+        default = params[name].default
+        if default in method_cls.hp_words.get(name, ()):  # a word default (CSA's ridge "auto"): else a number
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise RunError(f"--hp {item}: {method_cls.__name__}'s {name} takes a number or "
+                               f"{' / '.join(method_cls.hp_words[name])} (the default is {default!r})")
+            default = 0.0
+        value = checked_value(f"--hp {item}: {method_cls.__name__}'s {name}", value, default)
         spec = method_cls.ranges.get(name)
         if spec is not None and value is not None and not in_range(value, spec):
             raise RunError(f"--hp {item}: {method_cls.__name__} takes {name} {describe(spec)}")

@@ -93,3 +93,15 @@ def test_loop_settings_that_overflow_are_refused_in_one_line(tmp_path, capsys, f
     assert text.startswith(f"error: {flags[0]}") and says in text and "\n" not in text, text
     assert "[features]" not in capsys.readouterr().out
     assert not (tmp_path / "c").exists(), "the refused run read or wrote the cache"
+
+
+def test_a_word_default_takes_a_number_or_its_word():
+    """CSA's ridge defaults to the word "auto": --hp ridge=0.1 is a number, ridge=auto the word, anything else
+    one line naming both."""
+    from infra.errors import RunError
+    from infra.run import parse_hp
+    from methods.csa import CSA
+    assert parse_hp(CSA, ["ridge=0.1"]) == {"ridge": 0.1} and parse_hp(CSA, ["ridge=1"]) == {"ridge": 1.0}
+    assert parse_hp(CSA, ["ridge=auto"]) == {"ridge": "auto"}
+    with pytest.raises(RunError, match="takes a number or auto"):
+        parse_hp(CSA, ["ridge=abc"])
