@@ -5,7 +5,8 @@
 
 The one protocol for every default this project chooses from data:
 1. Only the alignment pairs are read (align.py's training set of the Shapes world); no test set is
-   loaded, embedded or scored (tests/test_select_defaults.py poisons them and the choice does not move).
+   loaded, embedded or scored (tests/test_select_defaults.py poisons them: the whole per-candidate table
+   does not move).
 2. A validation split is carved from those pairs: by image (20% of the images, with their captions),
    what every default here is chosen on; by class (--split class) where novel classes are the point: a
    seeded half of the 24 colour-shape classes is held out, the validation pairs are those whose caption
