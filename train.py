@@ -73,7 +73,7 @@ def fit_or_train(method, img, txt, loop, out, device, resume=False, settings=Non
             return result                   # torchrun: rank 0 fits alone, the others leave before the fit
         if distributed.rank() == 0:
             vectors = lambda f: Features.from_vectors(f.pooled).to(device)
-            reads = {"patches": img} if getattr(method, "fit_reads_patches", False) else {}  # held-out images only
+            reads = {"patches": img} if method.fit_reads_patches else {}  # held-out images only
             method.fit(vectors(img), vectors(txt), **reads)
         distributed.broadcast_state(method)
         result = {"seconds": round(time.time() - t0, 2), "final_loss": None}
@@ -81,7 +81,7 @@ def fit_or_train(method, img, txt, loop, out, device, resume=False, settings=Non
             keep_choice(method.choice, out, result)
     if method.loss is not None:
         val = None
-        if getattr(method, "holds_out", 0) and negatives is None:   # SAIL: stops on held-out pairs
+        if method.holds_out and negatives is None:   # SAIL: stops on held-out pairs
             val_idx, fit_idx = held_out_pairs(img.pooled, method.holds_out)
             val = validation_set(img, txt, val_idx)
             print(f"[validation] {len(val_idx)} of {len(img)} alignment pairs held out ({len(val[0])} images), "
