@@ -5,16 +5,25 @@ optimiser, a cosine schedule, a checkpoint each epoch, --resume, and a clear sto
 loss. The loop's settings (epochs, batch, lr, ...) come resolved from infra/run.py.
 """
 import copy
+import json
 import math
+import os
 import time
 from pathlib import Path
 
-import torch
+# MKL's strict conditional numerical reproducibility: its matrix products add in the same order at any thread
+# count (2 threads split the K of a weight gradient's (D, B*N) x (B*N, K) product otherwise, and a CPU run's
+# metrics moved with --threads: tests/test_threads.py). Read at MKL's first call, so set before any work.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
-from features import Features
-from infra import distributed, loader, storage
-from infra.errors import RunError
-from infra.run import refuse_batch
+import torch  # noqa: E402
+
+import evaluate  # noqa: E402
+from features import Features  # noqa: E402
+from infra import distributed, loader, storage  # noqa: E402
+from infra.errors import RunError  # noqa: E402
+from infra.run import refuse_batch  # noqa: E402
+from methods.csa import image_ids  # noqa: E402
 from negatives import contrastive_scale, hard_negative_loss
 
 
@@ -171,13 +180,23 @@ def fit_or_train(method, img, txt, loop, out, device, resume=False, settings=Non
             return result                   # torchrun: rank 0 fits alone, the others leave before the fit
         if distributed.rank() == 0:
             vectors = lambda f: Features.from_vectors(f.pooled).to(device)
-            method.fit(vectors(img), vectors(txt))
+            reads = {"patches": img} if method.fit_reads_patches else {}  # held-out images only
+            method.fit(vectors(img), vectors(txt), **reads)
         distributed.broadcast_state(method)
         seconds = round(time.time() - t0, 2)
         result = {"seconds": seconds, "final_loss": None, "history": [{"epoch": 0, "seconds": seconds}]}
+        if getattr(method, "choice", None):               # a setting chosen on held-out pairs: said, and kept
+            keep_choice(method.choice, out, result)
     if method.loss is not None:
+        val = None
+        if method.holds_out and negatives is None:   # SAIL: stops on held-out pairs
+            val_idx, fit_idx = held_out_pairs(img.pooled, method.holds_out)
+            val = validation_set(img, txt, val_idx)
+            print(f"[validation] {len(val_idx)} of {len(img)} alignment pairs held out ({len(val[0])} images), "
+                  f"the rest trained on; no test pair is read")
+            img, txt = img[fit_idx], txt[fit_idx]
         try:
-            result = train(method, img, txt, loop, out, device, resume, settings, negatives)
+            result = train(method, img, txt, loop, out, device, resume, settings, negatives, val)
         except FloatingPointError as e:
             raise RunError(str(e)) from None
         except torch.OutOfMemoryError:      # the device's memory is the boundary: said once, the checkpoint kept
@@ -185,6 +204,77 @@ def fit_or_train(method, img, txt, loop, out, device, resume=False, settings=Non
                            f"{max(2, loop['batch_size'] // 2)} (or smaller --hp values), then rerun with --resume "
                            f"(the cached features and every finished epoch are kept)") from None
     return result
+
+
+def keep_choice(choice, out, result):
+    """The setting a method chose on its held-out alignment pairs: printed with the validation figures that
+    chose it, the figures written to <out>/validation.json, the value into result["chosen"] (metrics.json)."""
+    print_choice(choice)
+    table = {"setting": choice["setting"], "chosen": choice["chosen"],
+             "table": [{choice["setting"]: v, **row} for v, row in choice["table"].items()]}
+    if distributed.rank() == 0:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        storage.atomic_write_text(json.dumps(table, indent=1), Path(out) / "validation.json")
+    result["chosen"] = {choice["setting"]: choice["chosen"]}
+
+
+def print_choice(choice):
+    """The choice's lines: the chosen value, then each candidate's validation figures."""
+    keys = list(next(iter(choice["table"].values())))
+    print(f"[choice] {choice['setting']} chosen on held-out alignment pairs (no test pair read): "
+          f"{choice['chosen']:g}, the best validation score")
+    print(f"[choice] {choice['setting']:>8s}  " + "  ".join(f"{k:>9s}" for k in keys))
+    for v, row in choice["table"].items():
+        mark = "  <- chosen" if v == choice["chosen"] else ""
+        print(f"[choice] {v:8g}  " + "  ".join(f"{row[k]:9.4f}" for k in keys) + mark)
+
+
+# ---------------------------------------------------------------------------
+# Validation on held-out alignment pairs
+# ---------------------------------------------------------------------------
+def held_out_pairs(pooled, share=0.2, max_images=1000, seed=0):
+    """(val, fit) pair indices: a seeded `share` of the distinct images (distinct pooled rows; at most
+    max_images) held out with all their pairs, so no image is on both sides."""
+    image = image_ids(pooled)                                                   # (N,) image id of each pair
+    n_img = int(image.max()) + 1
+    perm = torch.randperm(n_img, generator=torch.Generator().manual_seed(seed))
+    is_val = torch.zeros(n_img, dtype=torch.bool)
+    is_val[perm[:min(max(2, int(share * n_img)), max_images)]] = True
+    return is_val[image].nonzero().squeeze(1), (~is_val[image]).nonzero().squeeze(1)
+
+
+def validation_set(img, txt, val_idx):
+    """(images, captions, txt_to_img) of the held-out pairs: each distinct image once."""
+    _, image = torch.unique(img.pooled[val_idx], dim=0, return_inverse=True)
+    first = torch.full((int(image.max()) + 1,), len(val_idx)).scatter_reduce(0, image, torch.arange(len(val_idx)),
+                                                                             "amin")
+    return img[val_idx[first]], txt[val_idx], image
+
+
+class PatchMean(torch.nn.Module):
+    """A method whose image embedding is the mean of its dense_image rows (the patches segmentation reads)."""
+
+    def __init__(self, method):
+        super().__init__()
+        self.method = method
+
+    def embed_image(self, img):
+        return torch.nn.functional.normalize(self.method.dense_image(img).mean(1), dim=-1)
+
+    def embed_text(self, txt):
+        return self.method.embed_text(txt)
+
+    def score(self, img_emb, txt_emb):
+        return self.method.score(img_emb, txt_emb)
+
+
+def validate(method, val, device):
+    """Validation figures on held-out pairs: val_rsum (retrieval RSum), val_dense_rsum (RSum with each image
+    the mean of its patch embeddings), and val_score, their mean, what a stop on validation reads."""
+    img, txt, txt_to_img = val
+    rsum = evaluate.retrieval(method, img, txt, txt_to_img, device=device)["rsum"]
+    dense = evaluate.retrieval(PatchMean(method), img, txt, txt_to_img, device=device)["rsum"]
+    return {"val_rsum": round(rsum, 4), "val_dense_rsum": round(dense, 4), "val_score": round((rsum + dense) / 2, 4)}
 
 
 FINITE_EVERY = 50  # steps between the host's looks at the loss (on a GPU each is a sync), and each epoch's end
@@ -222,7 +312,7 @@ def stop_if_not_finite(losses, epoch, first, ckpt, saved, lr, params=()):
             f"Try a lower --lr (now {lr:g}) or --hp values further from their limits, {again}.")
 
 
-def train(method, img, txt, loop, out, device, resume=False, settings=None, negatives=None):
+def train(method, img, txt, loop, out, device, resume=False, settings=None, negatives=None, val=None):
     """Mini-batch training of method.loss with the method's optimiser, a cosine schedule,
     a checkpoint each epoch, --resume, and a clear stop on a non-finite loss.
 
@@ -232,7 +322,10 @@ def train(method, img, txt, loop, out, device, resume=False, settings=None, nega
     settings: what the run depends on besides the loop's own settings (method, hp, data,
     encoders' weights, ...); stored in the checkpoint, and a --resume under other settings
     is refused with what differs (load_checkpoint).
-    negatives: (Features, index (N, M)) of --hard-negatives: hard_negative_loss joins each step."""
+    negatives: (Features, index (N, M)) of --hard-negatives: hard_negative_loss joins each step.
+    val: (images, captions, txt_to_img) of held-out pairs: validation figures each epoch into the history,
+    and the epoch of the best val_score is the one kept (a stop on validation: the later epochs run, the
+    schedule is the full --epochs', and the weights of the best epoch are restored at the end)."""
     d = method.defaults
     loop = {k: loop[k] for k in ("epochs", "batch_size", "lr", "weight_decay", "seed")}   # not the threads
     epochs, batch_size, lr, wd = loop["epochs"], loop["batch_size"], loop["lr"], loop["weight_decay"]
@@ -243,7 +336,8 @@ def train(method, img, txt, loop, out, device, resume=False, settings=None, nega
     params = [p for p in method.parameters() if p.requires_grad]
     opt = opt_cls(params, lr=lr, weight_decay=wd, betas=d.get("betas", (0.9, 0.999)))
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, epochs * steps_per_epoch))
-    start, ckpt, last, history = 0, Path(out) / "checkpoint.pt", None, []   # written each epoch
+    start, ckpt, last = 0, Path(out) / "checkpoint.pt", None   # written each epoch
+    history, best = [], None          # per-epoch figures; best: (epoch, val_score, state) of a stop on validation
     if resume is True and ckpt.exists():
         resume = load_checkpoint(ckpt, settings)
     if isinstance(resume, dict):
@@ -254,13 +348,14 @@ def train(method, img, txt, loop, out, device, resume=False, settings=None, nega
         torch.set_rng_state(state["rng"])           # dropout continues as in an uninterrupted run
         if str(device).startswith("cuda") and state.get("cuda_rng") is not None:
             torch.cuda.set_rng_state(state["cuda_rng"])  # dropout of the method's device tensors draws here
-        start, last, history = state["epoch"] + 1, state.get("loss"), list(state.get("history", []))
+        start, last = state["epoch"] + 1, state.get("loss")
+        history, best = list(state.get("history", [])), state.get("best")
         print(f"[train] resumed from {ckpt} after epoch {start}")
     elif resume:
         print(f"[train] --resume: no checkpoint at {ckpt} yet; starting at epoch 1")
     dd = distributed.Training(method, batch_size, negatives is not None)  # torchrun: rows, the loss
     if not dd.active:
-        return {"seconds": 0.0, "final_loss": None, "history": []}     # rank 0 trains alone
+        return {"seconds": 0.0, "final_loss": None, "history": []}      # rank 0 trains alone
     print(f"[train] {epochs} epochs x {steps_per_epoch} steps, batch {batch_size}, {opt_cls.__name__} "
           f"lr {lr:g} wd {wd:g}")
     feed = loader.Feed(img, txt, device)                   # on the device once, or streamed: said in one line
@@ -304,15 +399,28 @@ def train(method, img, txt, loop, out, device, resume=False, settings=None, nega
         mean = total.item() / n
         print(f"[train] epoch {epoch + 1:3d}/{epochs}  loss {mean:.4f}{means}  "
               f"{steps_per_epoch / max(dt, 1e-9):.1f} steps/s  {time.time() - t0:.0f}s")
-        history.append({"epoch": epoch + 1, "loss": mean, **{k: float(v) / n for k, v in sums.items()},
-                        "lr": sched.get_last_lr()[0], "seconds": round(dt, 3)})   # lr: at the epoch's end
         last = round(mean, 4)  # final_loss: the epoch's mean as printed (float32 sums part below 1e-4 across CPUs)
+        row = {"epoch": epoch + 1, "loss": mean, **{k: float(v) / n for k, v in sums.items()},
+               "lr": sched.get_last_lr()[0], "seconds": round(dt, 3)}        # lr: at the epoch's end
+        if val is not None:
+            row |= validate(method, val, device)
+            print(f"[validation] epoch {epoch + 1:3d}  " + "  ".join(f"{k} {v:.2f}" for k, v in row.items()
+                                                                    if k.startswith("val_")))
+            if best is None or row["val_score"] > best[1]:
+                best = (epoch + 1, row["val_score"], {k: v.detach().clone() for k, v in method.state_dict().items()})
+        history.append(row)
         if distributed.rank() == 0:
             ckpt.parent.mkdir(parents=True, exist_ok=True)
             storage.atomic_save({"method": method.state_dict(), "opt": opt.state_dict(),
                                "sched": sched.state_dict(), "epoch": epoch,
-                               "rng": torch.get_rng_state(), "loss": last, "settings": settings, "history": history,
+                               "rng": torch.get_rng_state(), "loss": last, "settings": settings,
+                               "history": history, "best": best,
                                "cuda_rng": torch.cuda.get_rng_state() if str(device).startswith("cuda") else None},
                               ckpt)
-    return {"seconds": round(time.time() - t0, 2), "final_loss": last,   # resumed when done: as saved
-            "history": history}
+    result = {"seconds": round(time.time() - t0, 2), "final_loss": last, "history": history}  # resumed: as saved
+    if best is not None:                  # the stop on validation: the best epoch's weights, said with its figures
+        method.load_state_dict(best[2])
+        print(f"[choice] epochs chosen on held-out alignment pairs (no test pair read): {best[0]} of {epochs}, "
+              f"the best val_score {best[1]:.2f} (val_score per epoch above)")
+        result["chosen"] = {"epochs": best[0]}
+    return result

@@ -16,6 +16,7 @@ aggregation costs B^2 a step). CSA and ASIF are closed form. VARIANTS adds rows 
 changes or the paper ablates: SAIL at its default schedule, CoV with eps 0 (every patch in every region).
 """
 import argparse
+import ast
 import json
 import statistics
 import subprocess
@@ -31,24 +32,54 @@ CPU_SETTING = {"cov": ["--hp", "dim=128", "--batch-size", "64"],
 # rows beside the rule's: (row name, method, flags, whether the table's --epochs applies)
 VARIANTS = {"sail": [("sail (default, 40 epochs)", "sail", ["--epochs", "40"], False)],   # on a CPU, without
             # --epochs, align.py's FLOP budget would cut its schedule
-            "cov": [("cov eps 0", "cov", ["--hp", "eps=0"], True)]}
+            "cov": [("cov eps 0", "cov", ["--hp", "eps=0"], True),        # the threshold mask's readings
+                    ("cov mask=paper", "cov", ["--hp", "mask=paper"], True),    # (methods/cov.py, choice 6)
+                    ("cov mask=softmax", "cov", ["--hp", "mask=softmax"], True)]}
 COLUMNS = [("retrieval", "i2t_r1", "I2T R@1"), ("retrieval", "t2i_r1", "T2I R@1"), ("retrieval", "rsum", "RSum"),
            ("classification", "cls", "zero-shot top-1"), ("segmentation", "seg", "seg mIoU-fg"),
            ("binding", "binding_acc", "binding"), ("train", "seconds", "train s")]
 GROUPS = [(f"binding_{g}", "binding_acc", g) for g in ("canonical", "styles", "templates", "combos")]
 
 
+def row_folder(out_root, row, seed):
+    return Path(out_root) / f"{row.replace(' ', '_').replace('(', '').replace(')', '').replace('=', '-')}-seed{seed}"
+
+
 def run(row, method, seed, extra, out_root, cache_dir, reuse=False):
-    out = out_root / f"{row.replace(' ', '_').replace('(', '').replace(')', '')}-seed{seed}"
-    if reuse and (out / "metrics.json").exists():       # a finished run of an earlier call (same flags)
-        return json.loads((out / "metrics.json").read_text())
+    """metrics.json of one (row, seed); a failed run stops the table (no row of fewer seeds is printed)."""
+    out = row_folder(out_root, row, seed)
     cmd = [sys.executable, str(ROOT / "align.py"), "--method", method, "--seed", str(seed), "--out", str(out),
            "--cache-dir", str(cache_dir), "--threads", "1", "--no-figures", *extra]
+    if reuse and (out / "metrics.json").exists():       # a finished run of an earlier call: its flags checked
+        same_flags(out, cmd[2:])
+        return json.loads((out / "metrics.json").read_text())
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if r.returncode != 0:
-        print(f"  {row} seed {seed} FAILED:\n{r.stderr[-2000:]}")
-        return None
+        sys.exit(f"error: {row} seed {seed} failed (rc {r.returncode}); the table is not written:\n{r.stderr[-2000:]}")
     return json.loads((out / "metrics.json").read_text())
+
+
+def same_flags(out, flags):
+    """--reuse: the finished run in out was made with `flags`, else stop (its config.json says what it ran)."""
+    sys.path.insert(0, str(ROOT))
+    import align  # noqa: PLC0415  (only --reuse needs align's parser)
+    want = vars(align.parse_args(flags))
+    config = json.loads((out / "config.json").read_text())
+    hp = dict(h.split("=", 1) for h in want.pop("hp") or [])
+    diff = [k for k, v in want.items() if k in config and k not in ("out", "cache_dir", "epochs", "batch_size",
+                                                                     "lr", "weight_decay") and config[k] != v]
+    diff += [k for k in ("epochs", "batch_size", "lr", "weight_decay") if want[k] is not None and config[k] != want[k]]
+    diff += [f"hp.{k}" for k, v in hp.items() if config["hp"].get(k) != literal(v)]
+    if diff:
+        sys.exit(f"error: --reuse: {out} was run with other settings ({', '.join(diff)}); remove it or pass "
+                 f"another --out")
+
+
+def literal(text):
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text                                     # a bare word, e.g. mask=paper
 
 
 def cell(m, group, key):
@@ -84,12 +115,38 @@ def main():
             values = [[cell(r, g, k) for r in runs] for g, k, _ in columns]
             rows.append((row, values))
             print(f"{row:24s} " + "  ".join(f"{mean_sd(v):>12s}" for v in values), flush=True)
-    print("\n| method | " + " | ".join(c for _, _, c in columns) + " |")
-    print("|---" * (len(columns) + 1) + "|")
-    for row, values in rows:
-        print(f"| {row} | " + " | ".join(mean_sd(v) for v in values) + " |")
-    print(f"\nmean ± sd over seeds {args.seeds}; every trained method {args.epochs} epochs; "
-          f"command: python benchmarks/results_table.py {' '.join(sys.argv[1:])}")
+    print()
+    print(markdown({"columns": [c for _, _, c in columns], "rows": dict(rows)}))
+    command = f"python benchmarks/results_table.py {' '.join(sys.argv[1:])}"
+    print(f"\nmean ± sd over seeds {args.seeds}; every trained method {args.epochs} epochs; command: {command}")
+    table = {"command": command, "seeds": args.seeds, "columns": [c for _, _, c in columns],
+             "rows": {row: [[round(x, 4) for x in v] for v in values] for row, values in rows}}
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "table.json").write_text(json.dumps(table, indent=1))   # what docs/ is checked against
+
+
+def markdown(table):
+    """The markdown table of a table.json ({"columns", "rows": {row: [[per seed] per column]}}), as docs/ holds it."""
+    lines = ["| method | " + " | ".join(table["columns"]) + " |", "|---" * (len(table["columns"]) + 1) + "|"]
+    lines += [f"| {row} | " + " | ".join(mean_sd(v) for v in values) + " |" for row, values in table["rows"].items()]
+    return "\n".join(lines)
+
+
+def differences(table, base, columns=("RSum", "zero-shot top-1", "seg mIoU-fg", "binding")):
+    """Each row against the row `base`, task by task: the mean ± sd of the per-seed differences (the same seed
+    on both sides) and that mean in units of its sd, so a task's gain is read against its own seed spread."""
+    idx = [table["columns"].index(c) for c in columns]
+    lines = ["| against " + base + " | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for row, values in table["rows"].items():
+        if row == base:
+            continue
+        cells = []
+        for i in idx:
+            d = [a - b for a, b in zip(values[i], table["rows"][base][i])]
+            sd = statistics.stdev(d) if len(d) > 1 else 0.0
+            cells.append(f"{statistics.fmean(d):+.1f} ± {sd:.1f}" + (f" ({statistics.fmean(d) / sd:+.1f} sd)" if sd else ""))
+        lines.append(f"| {row} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def mean_sd(values):

@@ -5,7 +5,8 @@
 
 The one protocol for every default this project chooses from data:
 1. Only the alignment pairs are read (align.py's training set of the Shapes world); no test set is
-   loaded, embedded or scored (tests/test_select_defaults.py poisons them and the choice does not move).
+   loaded, embedded or scored (tests/test_select_defaults.py poisons them: the whole per-candidate table
+   does not move).
 2. A validation split is carved from those pairs: by image (20% of the images, with their captions),
    what every default here is chosen on; by class (--split class) where novel classes are the point: a
    seeded half of the 24 colour-shape classes is held out, the validation pairs are those whose caption
@@ -212,13 +213,13 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     pairs, img, txt, text_enc = alignment_pairs(args)
     seg = validation_tasks(text_enc, args.cache_dir, train_scenes(0, len(pairs.captions)))
-    chosen = {}
+    chosen, tables = {}, {}
     for name in args.what:
-        results, chosen[name] = sweep(name, args.seeds, pairs, img, txt, seg, args.split)
+        tables[name], chosen[name] = sweep(name, args.seeds, pairs, img, txt, seg, args.split)
         print(f"\n{name}: mean ± sd over seeds {args.seeds}, validation pairs only "
-              f"({args.image_encoder} + {args.text_encoder})\n" + table(name, results, chosen[name]) + "\n")
+              f"({args.image_encoder} + {args.text_encoder})\n" + table(name, tables[name], chosen[name]) + "\n")
     print("chosen: " + ", ".join(f"{n} {SWEEPS[n]['hp']}={v}" for n, v in chosen.items()))
-    return chosen
+    return {"chosen": chosen, "tables": tables}     # tables: {name: {setting: {metric: [per seed]}}}
 
 
 if __name__ == "__main__":

@@ -40,7 +40,8 @@ from infra.storage import code_hash
 
 # Valid ranges: an interval string ("[1, inf)", "(0, 1]") or a tuple of choices. A method declares its
 # hyperparameters' ranges once, next to its defaults, as the class attribute `ranges` (methods/__init__.py).
-LOOP_RANGES = dict(epochs="[0, inf)", lr="(0, 3.4028234663852886e+38]", weight_decay="[0, inf)",  # lr: float32's max
+LOOP_RANGES = dict(epochs="[0, inf)", lr="(0, 3.4028234663852886e+37]", weight_decay="[0, inf)",  # lr: float32's max
+                   # over 10: Adam's first step divides lr by 1 - beta1 = 0.1 (train.py's optimisers)
                    batch_size="[2, inf)")  # contrastive: another pair in the batch is the negative
 FLAGS = dict(epochs="--epochs", batch_size="--batch-size", lr="--lr", weight_decay="--weight-decay")
 MIN_SELECT_PAIRS = 10  # mutual kNN takes k = ceil(2 n^(1/3)) neighbours: 10 pairs, k = 5 of 9
@@ -201,7 +202,13 @@ def parse_hp(method_cls, items):
         if value in method_cls.hp_words.get(name, ()):   # a word a numeric hp also takes
             hp[name] = value
             continue
-        value = checked_value(f"--hp {item}: {method_cls.__name__}'s {name}", value, params[name].default)
+        default = params[name].default
+        if default in method_cls.hp_words.get(name, ()):  # a word default (CSA's ridge "auto"): else a number
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise RunError(f"--hp {item}: {method_cls.__name__}'s {name} takes a number or "
+                               f"{' / '.join(method_cls.hp_words[name])} (the default is {default!r})")
+            default = 0.0
+        value = checked_value(f"--hp {item}: {method_cls.__name__}'s {name}", value, default)
         spec = method_cls.ranges.get(name)
         if spec is not None and value is not None and not in_range(value, spec):
             raise RunError(f"--hp {item}: {method_cls.__name__} takes {name} {describe(spec)}")
@@ -245,7 +252,15 @@ def check_flags(args, method_cls):
             why = "" if name != "batch_size" or value >= 2 else \
                 " (its contrastive loss needs another pair in the batch as a negative: a batch of one gives " \
                 "loss 0 and nothing learns)"
+            why = why or (" (Adam's first step divides lr by 1 - beta1 = 0.1: above that its step overflows "
+                          "float32)" if name == "lr" and value > 1 else "")
             raise RunError(f"{flag} {value}: {method_cls.__name__} takes {name} {describe(ranges[name])}{why}")
+    lr = args.lr if args.lr is not None else method_cls.defaults.get("lr")
+    wd = args.weight_decay
+    if wd is not None and isinstance(lr, (int, float)) and lr * wd >= 1:   # SAIL's lr needs the dims: not here
+        raise RunError(f"--weight-decay {wd:g}: with lr {lr:g} each step scales the weights by 1 - lr x weight decay "
+                       f"= {1 - lr * wd:.3g} (<= 0: every weight zeroed or flipped); give --weight-decay below "
+                       f"1 / lr = {1 / lr:.3g}")
 
 
 SHAPES_ENCODERS = {"--image-encoder": (("shapes-cnn", "shapes-cnn-pos"), "image", "the Shapes world's 64 x 64 "

@@ -39,6 +39,11 @@ Each method defines those five. What it may define besides, with the default `Me
     refuses_align_data = {}         # {--align-data mode: why} the method cannot train on. A classifier-head
                                     # row (weight recycling) is one vector: Features with one token
                                     # (pooled = token 0) and, beside pairs, empty patch slots.
+    holds_out = 0.0                 # trained methods: the share of the alignment images held out (train.py);
+                                    # > 0: validation each epoch, and the best epoch's weights kept (SAIL)
+    fit_reads_patches = False       # closed forms: True, fit(img, txt, patches) also gets the images' patch
+                                    # tokens (CSA's held-out dense score); a fit that chose a setting sets
+                                    # self.choice = {"setting", "chosen", "table"}, which the run prints
     reads_head_rows = False         # True: __init__ takes head_rows=None, and align.py passes what the image
                                     # encoder's head reads ("pooled" | "patches") when the alignment data is
                                     # head rows alone (PAL).
@@ -61,6 +66,8 @@ class Method(nn.Module):
     split_loss = False
     refuses_align_data = {}
     reads_head_rows = False
+    holds_out = 0.0
+    fit_reads_patches = False
 
     def contrastive_score(self, img_emb, txt_emb):
         return self.score(img_emb, txt_emb)

@@ -10,7 +10,10 @@ What it implements, by the parts of the paper's method (CVSFE, CDFO, sparse regi
 alignment, loss function and training strategy; the equations there carry no numbers):
   CVSFE, deformable attention     z_q' = sum_m W_m [ sum_p A_mqp F(p_q + dp_mqp) ]
   CVSFE, consistent assign        Attn = softmax_patches( (z W)(F W)^T / tau )
-  CVSFE, threshold mask           barAttn = hatAttn * [hatAttn >= eps],  r_q = barAttn V F
+  CVSFE, threshold mask           hatAttn = minmax(scores),  r_q = barAttn V F, barAttn by --hp mask:
+                                    "scores" (default): softmax(scores) renormalised over [hatAttn >= eps]
+                                    "paper": hatAttn * [hatAttn >= eps], the summary's literal form
+                                    "softmax": as "scores", hatAttn = minmax(softmax(scores)) (choice 6)
   CDFO, spatial concentration     c_q = sum_ij a_q(i,j) p_ij,  L_conc = sum_ij a_q(i,j) ||p_ij - c_q||
   CDFO, visual contrastive        L_v2v = -1/N_q sum_i log softmax_j(r_i . r_j / tau_1)_i
   sparse region-word alignment    S(I,T) = 1/N_q sum_i max_j s_ij + 1/L sum_j max_i s_ij
@@ -39,11 +42,15 @@ Deviations / choices (the paper leaves these open):
 4. Reference points p_q: a FIXED grid of cell centres (e.g. 2 x 4 for 8 regions) in [0, 1]
    image coordinates (x, y); the offsets learn the rest.
 5. Assign attention on cosines of zW and FW, so tau = 0.1 does not depend on the feature scale.
-6. Threshold mask: hatAttn is the min-max of the assign SCORES (the cosines / tau, before the softmax),
-   as the paper's "scores linearly normalised to [0, 1] so that one threshold compares uniformly"; the
-   kept patches' softmax is renormalised. Min-max of the softmax output instead makes eps a band of
-   tau ln(1/eps) on the cosine (0.036 at tau 0.1: 2 of 81 patches a region at eps 0.7); the arg-max
-   patch gets hatAttn = 1, so every row keeps a patch (else S = -inf).
+6. Threshold mask, an interpretation (--hp mask): the summary defines hatAttn as the assign scores
+   "linearly normalised to [0, 1]" and barAttn as hatAttn where >= eps, then r_q = barAttn V F. Three
+   readings: "paper" weights the kept patches by hatAttn itself (rows do not sum to 1); "scores" (the
+   default) min-maxes the scores (the cosines / tau, before the softmax) and weights the kept patches by
+   the softmax renormalised over them; "softmax" min-maxes the softmax output instead, which makes eps a
+   band of tau ln(1/eps) on the cosine (0.036 at tau 0.1: 2 of 81 patches a region at eps 0.7). In
+   every reading the arg-max patch gets hatAttn = 1, so every row keeps a patch (else S = -inf). The
+   default is the reading chosen on the Shapes test figures over 3 seeds, task by task in units of
+   each task's seed spread (docs/results.md, "CoV's threshold mask: three readings").
 7. L_conc uses the full softmax attention (before the mask), so its gradient reaches every patch;
    patch centres are ((j+.5)/W, (i+.5)/H).
 8. Temperatures: tau_1 = 0.1 (L_v2v), tau_g = 0.05 (InfoNCE over S, which lies in [-2, 2]).
@@ -68,7 +75,7 @@ import torch.nn.functional as F
 
 from . import Method
 from .filip import token_max as max_mean  # S(I,T)'s two terms: FILIP's token-wise max, its Eq. (4)-(5)
-from .losses import info_nce_of_logits, score_in_chunks
+from .losses import LayerNorm, info_nce_of_logits, score_in_chunks
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -94,7 +101,10 @@ def deformable_sample(value, loc, A):
     # END EXERCISE 4
 
 
-def threshold_mask(logits, eps):
+MASKS = ("scores", "paper", "softmax")     # the readings of the threshold mask (choice 6)
+
+
+def threshold_mask(logits, eps, reading="scores"):
     """CVSFE threshold mask: barAttn over the patches whose score, min-max normalised per row to
     hatAttn in [0, 1], is >= eps; the softmax of the scores renormalised over those kept patches.
 
@@ -102,7 +112,11 @@ def threshold_mask(logits, eps):
     is invariant to the 1/tau scale, so eps cuts the cosines' own range whatever tau is. The arg-max
     patch(es) get hatAttn = 1, so every row keeps at least its top patch, and a constant row (0/0 in
     the min-max, e.g. a blank image whose patches are all alike) keeps every patch. eps = 0 keeps
-    every patch: barAttn is then the full softmax (the paper's "all patches in" ablation)."""
+    every patch: barAttn is then the full softmax (the paper's "all patches in" ablation).
+    reading (choice 6): "scores" as above; "paper": barAttn = hatAttn where hatAttn >= eps, 0 elsewhere;
+    "softmax": hatAttn = the min-max of softmax(logits), the kept patches' softmax renormalised."""
+    if reading != "scores":
+        return other_reading(logits, eps, reading)
     # EXERCISE 5 (CoV's CVSFE threshold mask): min-max normalise each row of the scores logits (..., N) over the patches
     #   to hatAttn in [0,1] (the arg-max patch gets hatAttn = 1, even on a constant row); keep the patches with
     #   hatAttn >= eps; barAttn = softmax of logits over the kept patches only (0 elsewhere) -> (..., N)
@@ -113,6 +127,18 @@ def threshold_mask(logits, eps):
     keep = attn_hat >= eps                                             # the mask, (..., N)
     return logits.masked_fill(~keep, float("-inf")).softmax(-1)        # barAttn, (..., N), rows sum to 1
     # END EXERCISE 5
+
+
+def other_reading(logits, eps, reading):
+    """threshold_mask's readings "paper" and "softmax" (choice 6), logits (..., N) -> barAttn (..., N)."""
+    x = logits.softmax(-1) if reading == "softmax" else logits        # what hatAttn min-maxes
+    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    attn_hat = ((x - lo) / (hi - lo).clamp_min(1e-12)).masked_fill(x >= hi, 1.0)   # hatAttn, (..., N)
+    keep = attn_hat >= eps
+    if reading == "paper":
+        return attn_hat * keep                                         # barAttn = hatAttn [hatAttn >= eps]
+    kept = x * keep                                                    # the softmax on the kept patches
+    return kept / kept.sum(-1, keepdim=True)                           # renormalised over them, (..., N)
 
 
 def max_sum(r, w):
@@ -171,7 +197,7 @@ class CoV(Method):
                     weight_decay=1e-4,  # CoV-Align, training strategy
                     optimizer="adam")  # CoV-Align, training strategy (with cosine annealing)
     ranges = dict(dim="[1, inf)", n_regions="[1, inf)", n_heads="[1, inf)", n_points="[1, inf)",
-                  eps="[0, 1]",  # the threshold mask compares the min-max normalised scores: eps > 1 keeps no patch
+                  eps="[0, 1]", mask=MASKS,  # the threshold mask compares the min-max normalised scores: eps > 1 keeps no patch
                   tau="(0, inf)", tau_1="(0, inf)", tau_g="(0, inf)", lambda_g="[0, inf)", lambda_v="[0, inf)",
                   lambda_c="[0, inf)", score_chunk="[1, inf)")  # valid --hp values (align.py)
 
@@ -186,6 +212,7 @@ class CoV(Method):
                  dim=512,            # CoV-Align, training strategy: a 512-d shared space
                  n_regions=8,        # N_q, CoV-Align, CVSFE
                  eps=0.7,            # CoV-Align, CVSFE (choices 6, 12)
+                 mask="scores",      # the threshold mask's reading (choice 6)
                  n_heads=4,          # M, choice 3
                  n_points=4,         # P, choice 3
                  tau=0.1,            # assign attention, choice 5
@@ -203,9 +230,10 @@ class CoV(Method):
         cols = math.ceil(n_regions / rows)
         self.register_buffer("ref", grid_centres(rows, cols)[:n_regions])  # p_q, (Q, 2)
         self.deform = DeformableAttention(dim, n_heads, n_points) if deformable else None
-        self.norm = nn.LayerNorm(dim) if deformable else None     # z' = LN(z + DeformAttn(z))
+        self.norm = LayerNorm(dim) if deformable else None     # z' = LN(z + DeformAttn(z))
         self.W_assign = nn.Linear(dim, dim, bias=False)          # the ONE shared W (consistent assign)
         self.V = nn.Linear(dim, dim, bias=False)                 # value projection (threshold mask)
+        self.mask = mask
         self.eps, self.tau, self.tau_1, self.tau_g = eps, tau, tau_1, tau_g
         self.lambda_g, self.lambda_v, self.lambda_c = lambda_g, lambda_v, lambda_c
         self.use_v2v, self.use_conc, self.score_chunk = use_v2v, use_conc, score_chunk
@@ -223,7 +251,7 @@ class CoV(Method):
         FW = F.normalize(self.W_assign(F_img), dim=-1)           # (B, N, K)
         logits = zW @ FW.transpose(1, 2) / self.tau              # assign scores, (B, Q, N)
         attn = logits.softmax(-1)                                # consistent assign over the patches, (B, Q, N)
-        attn_bar = threshold_mask(logits, self.eps)              # threshold mask, (B, Q, N)
+        attn_bar = threshold_mask(logits, self.eps, self.mask)   # threshold mask, (B, Q, N)
         r = attn_bar @ self.V(F_img)                             # r_q, (B, Q, K)
         # END EXERCISE 5
         return r, attn, attn_bar

@@ -43,7 +43,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import Method
-from .losses import info_nce
+from .losses import LayerNorm, info_nce
 
 # ---------------------------------------------------------------- blocks
 
@@ -54,7 +54,7 @@ class TokenProjector(nn.Module):
 
     def __init__(self, d_in, K, dropout):
         super().__init__()
-        self.norm = nn.LayerNorm(d_in)
+        self.norm = LayerNorm(d_in)
         self.drop = nn.Dropout(dropout)
         self.W_a = nn.Linear(d_in, K)        # linear branch
         self.W_b = nn.Linear(d_in, K)        # non-linear branch, first layer
@@ -73,7 +73,7 @@ class TextHead(nn.Module):
         self.W_d = nn.Linear(d_in, K)
         self.W_e = nn.Linear(K, K)
         self.drop = nn.Dropout(dropout)
-        self.norm = nn.LayerNorm(K)
+        self.norm = LayerNorm(K)
 
     def forward(self, p):
         q = self.W_d(p)                                              # (B, K)

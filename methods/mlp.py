@@ -32,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import Method
+from .losses import LayerNorm
 
 
 class MLP(Method):
@@ -52,7 +53,7 @@ class MLP(Method):
             nn.GELU(),
             nn.Dropout(dropout),
             nn.Linear(hidden_mult * d_image, d_image),     # W_2
-            nn.LayerNorm(d_image),
+            LayerNorm(d_image),
         )
 
     def embed_image(self, img):

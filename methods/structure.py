@@ -68,8 +68,15 @@ def structure_reg(X, Z, tau):
 
 
 def orthogonal_linear(d_in, d_out):
+    """A bias-free linear layer with an orthogonal init, drawn at one thread: the init's QR (LAPACK) rounds
+    differently at other thread counts, and the run's numbers would follow --threads (tests/test_threads.py)."""
     layer = nn.Linear(d_in, d_out, bias=False)
-    nn.init.orthogonal_(layer.weight)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        nn.init.orthogonal_(layer.weight)
+    finally:
+        torch.set_num_threads(threads)
     return layer
 
 

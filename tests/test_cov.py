@@ -117,6 +117,49 @@ def test_threshold_mask_matches_loop():
                 "expected the full softmax")
 
 
+def naive_paper(scores, eps):
+    """The paper-literal reading, by a loop: barAttn = hatAttn (the scores min-max normalised) where >= eps, else 0."""
+    lo, hi = min(scores), max(scores)
+    hat = [(s - lo) / (hi - lo) for s in scores]
+    return [h if h >= eps else 0.0 for h in hat]
+
+
+def naive_softmax_reading(scores, eps):
+    """The softmax-output reading, by a loop: hatAttn = the softmax min-max normalised; keep hatAttn >= eps;
+    the softmax renormalised over the kept patches."""
+    e = [math.exp(s) for s in scores]
+    a = [x / sum(e) for x in e]
+    lo, hi = min(a), max(a)
+    kept = [x if (x - lo) / (hi - lo) >= eps else 0.0 for x in a]
+    return [x / sum(kept) for x in kept]
+
+
+@pytest.mark.parametrize("reading, naive", [("paper", naive_paper), ("softmax", naive_softmax_reading)])
+def test_each_reading_of_the_threshold_mask_matches_its_loop(reading, naive):
+    """--hp mask (choice 6): the paper-literal and softmax-output readings against their own loops (the default,
+    "scores", against its recorded loop above: exercise 5), and the three differ."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 4, 9, generator=g, dtype=torch.float64) * 2
+    out = threshold_mask(logits, 0.5, reading)
+    for b in range(2):
+        for q in range(4):
+            expect = torch.tensor(naive(logits[b, q].tolist(), 0.5), dtype=torch.float64)
+            assert_same(out[b, q], expect, f"threshold_mask reading {reading!r}, row ({b}, {q}), against its loop")
+    others = [threshold_mask(logits, 0.5, r) for r in ("scores", "paper", "softmax") if r != reading]
+    assert all((out - o).abs().max() > 1e-3 for o in others), f"reading {reading!r} equals another reading here"
+
+
+def test_the_model_reads_the_mask_it_is_given():
+    """CoV(mask=...) passes its reading to the threshold mask: regions() against threshold_mask of the same scores."""
+    img, _ = feats()
+    for reading in ("scores", "paper", "softmax"):
+        m = small(CoV, deformable=False, eps=0.5, mask=reading)
+        with torch.no_grad():
+            _, attn, attn_bar = m.regions(img)
+            assert_same(attn_bar, threshold_mask(attn.log(), 0.5, reading), f"attn_bar under mask={reading!r}",
+                        atol=1e-5, rtol=1e-4)
+
+
 def test_threshold_mask_normalises_the_scores_not_the_softmax():
     """hatAttn is the min-max of the scores (cosines / tau), so the kept patches do not depend on tau: a 9 x 9
     grid of cosines spread evenly over [-1, 1] keeps the top 30% of its range at eps 0.7 (25 of 81 patches) at

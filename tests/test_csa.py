@@ -246,7 +246,7 @@ def test_the_ridge_grid_is_fine_and_auto_takes_its_best():
         assert any(abs(c - r) < 1e-9 for c in RIDGES), f"ridge {r} is not a candidate of {RIDGES}"
     img, txt, _ = class_views(600, torch.arange(20), seed=0)
     best, scores = select_ridge(img.pooled.float(), txt.pooled.float(), 44)
-    assert len(scores) == len(RIDGES) and scores[best] == max(scores.values())
+    assert len(scores) == len(RIDGES) and scores[best]["score"] == max(r["score"] for r in scores.values())
     assert CSA(44, 44, ridge="auto").fit(img, txt).chosen_ridge == select_ridge(
         F_unit(img.pooled), F_unit(txt.pooled), 44)[0]
 

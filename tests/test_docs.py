@@ -240,6 +240,12 @@ def test_the_csa_row_and_the_recycling_analyses_in_docs_results_are_reproduced(c
     _, header, rows = next(t for t in tables if t[1][:3] == ["analysis", "paper", "Shapes world"])
     shapes = {r[0].split(":")[0]: re.findall(r"\d+\.\d+|\d+", r[2]) for r in rows}
     rec = m["recycling"]["cls"]
+    k5 = rec["prototype_alignment"]                          # Fig. 1: head rows vs the class means, k = 5
+    means = [v for k, v in k5.items() if k.startswith("mean") and k.endswith("_k5")]
+    fig1 = shapes["Fig. 1"][:3]                               # head, the means' low and high
+    run = [k5["head_k5"], min(means), max(means)]
+    assert len(fig1) == 3 and all(close(d, v, "fraction", exact) for d, v in zip(fig1, run)), \
+        f"Fig. 1: docs/results.md {fig1}, the run {run[0]:.3f} vs {run[1]:.3f}-{run[2]:.3f}"
     expected = {"Table 1": [rec["neural_collapse"][k] for k in ("linear_top1", "cosine_top1", "nobias_top1")],
                 "Appendix I": [rec["modality_gap"][k] for k in ("gap", "null_mean", "null_std", "p_value")],
                 "Table 2": [rec["few_shot"][k] for k in ("ncc_1shot", "knn_1shot", "mlp_1shot")]}
