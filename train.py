@@ -395,12 +395,13 @@ def train(method, img, txt, loop, out, device, resume=False, settings=None, nega
         stop_if_not_finite(pending, epoch, first, ckpt, epoch > start or start > 0, lr, params)  # ... and at the
         # end, with every trained parameter: nothing non-finite is saved
         dt, n = time.time() - t_epoch, max(1, steps_per_epoch)
-        means = "".join(f"  {k} {float(v) / n:.4f}" for k, v in sums.items())
+        terms = {k: float(v) / n for k, v in sums.items()}          # the method's logs: one host read each
+        means = "".join(f"  {k} {v:.4f}" for k, v in terms.items())
         mean = total.item() / n
         print(f"[train] epoch {epoch + 1:3d}/{epochs}  loss {mean:.4f}{means}  "
               f"{steps_per_epoch / max(dt, 1e-9):.1f} steps/s  {time.time() - t0:.0f}s")
         last = round(mean, 4)  # final_loss: the epoch's mean as printed (float32 sums part below 1e-4 across CPUs)
-        row = {"epoch": epoch + 1, "loss": mean, **{k: float(v) / n for k, v in sums.items()},
+        row = {"epoch": epoch + 1, "loss": mean, **terms,
                "lr": sched.get_last_lr()[0], "seconds": round(dt, 3)}        # lr: at the epoch's end
         if val is not None:
             row |= validate(method, val, device)
