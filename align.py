@@ -369,25 +369,37 @@ def main(argv=None):
         img, txt, negs = alignment_data(args, run, device)
         method = make_method(args, method_cls, settings.hp, img, txt, device)
         train.resolve_loop(settings, method, img, txt, cores)   # epochs, batch, lr, threads
-        config = settings.config(method, alignment_pairs=len(img))
-        config["model"] = aligned.model_config(args, settings.identity, run.image_encoder, run.text_encoder,
-                                               (img.pooled.shape[-1], txt.pooled.shape[-1]))   # what load() rebuilds
-        print(config_line(config))                      # the whole of it: out/config.json
-        if distributed.rank() == 0:
-            storage.atomic_write_text(json.dumps(config, indent=2, default=str), out / "config.json")
+        config = write_config(settings, method, run, img, txt)   # config.json, as resolved
         # -> training
         metrics = {"train": train.fit_or_train(method, img, txt, settings.loop, out, device, resume,
                                                settings.identity, negs)}
-        history = metrics["train"].pop("history", [])   # per epoch: history.csv, not metrics.json
         if not distributed.finish():                    # torchrun: the group ends; rank 0 goes on alone
             return {}
-        aligned.save_weights(method, out / "model.safetensors")        # + config.json's "model": aligned.load
-        aligned.write_history(history, out / "history.csv")
+        save_method(method, metrics["train"].pop("history", []), out)   # model.safetensors, history.csv
         # -> evaluation -> results (metrics.json last: it marks the run finished)
         metrics |= evaluate_all(method, run, args, out, device)
         write_metrics(metrics, config, run, args, out, device)
     print(f"[done] results in {out}/")
     return metrics
+
+
+def write_config(settings, method, run, img, txt):
+    """config.json with every setting as resolved, the identity, and "model": what aligned.load rebuilds the
+    method from; its [config] line printed."""
+    config = settings.config(method, alignment_pairs=len(img))
+    config["model"] = aligned.model_config(settings.args, settings.identity, run.image_encoder, run.text_encoder,
+                                           (img.pooled.shape[-1], txt.pooled.shape[-1]))
+    print(config_line(config))                          # the whole of it: out/config.json
+    if distributed.rank() == 0:
+        storage.atomic_write_text(json.dumps(config, indent=2, default=str), settings.out / "config.json")
+    return config
+
+
+def save_method(method, history, out):
+    """The trained method: model.safetensors (aligned.load reads it with config.json's "model") and its
+    per-epoch history.csv (not metrics.json)."""
+    aligned.save_weights(method, out / "model.safetensors")
+    aligned.write_history(history, out / "history.csv")
 
 
 def config_line(config):
