@@ -75,7 +75,8 @@ import torch.nn.functional as F
 
 from . import Method
 from .filip import token_max as max_mean  # S(I,T)'s two terms: FILIP's token-wise max, its Eq. (4)-(5)
-from .losses import LayerNorm, info_nce_of_logits, score_in_chunks
+from .layernorm import LayerNorm
+from .losses import info_nce_of_logits, score_in_chunks
 
 # ----------------------------------------------------------------------------- helpers
 

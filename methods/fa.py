@@ -43,7 +43,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import Method
-from .losses import LayerNorm, info_nce
+from .layernorm import LayerNorm
+from .losses import info_nce
 
 # ---------------------------------------------------------------- blocks
 

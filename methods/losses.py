@@ -11,7 +11,6 @@ whose per-pair tensors do not fit at once, in chunks of pairs.
 LayerNorm: nn.LayerNorm whose gradients do not depend on the CPU thread count.
 """
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 
@@ -48,13 +47,3 @@ def score_in_chunks(pair_score, img_emb, txt_emb, limit):
         for t in range(0, T, ct):
             S[i:i + ci, t:t + ct] = pair_score(img_emb[i:i + ci], txt_emb[t:t + ct])
     return S
-
-
-
-class LayerNorm(nn.LayerNorm):
-    """nn.LayerNorm with its affine step written out (normalise, then * weight + bias): the same function and
-    state_dict, but the gradients of weight and bias come from autograd's sums, which add in the same order
-    at any CPU thread count; the fused CPU kernel's gamma / beta gradients do not (tests/test_threads.py)."""
-
-    def forward(self, x):
-        return F.layer_norm(x, self.normalized_shape, eps=self.eps) * self.weight + self.bias

@@ -42,7 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import Method
-from .losses import LayerNorm
+from .layernorm import LayerNorm
 
 
 class StarMLP(nn.Module):
