@@ -10,7 +10,8 @@ Steps, each a subprocess of align.py (or a benchmark) with its own exit status a
               x 1024), text encoder a RoBERTa-large-shaped model (1024 wide, COCO-length captions);
 3. analyses   `--method pal --analyses` on the same folder with a BEiT-L-shaped classifier (197 tokens
               x 1024, a head with class names) and a EuroSAT-layout classification set;
-4. resume     step 2 again with --resume: the finished run's checkpoint read back onto the device;
+4. resume     step 2 again with --resume, its metrics.json removed first (a run stopped before its evaluation):
+              the checkpoint read back onto the device;
 5. torchrun   2 processes (nccl on a GPU, gloo on a CPU): skipped, with its reason, on fewer than two
               GPUs (NCCL refuses two ranks on one GPU);
 6. shards     step 2's PAL through benchmarks/align_sharded.py (SHARDED: sets above 0.25 GiB to 64 MiB
@@ -151,6 +152,8 @@ def main(argv=None):
             rows.append((name, "FAIL", 0.0, "no time left"))
             continue
         t = time.time()
+        if name == "resume":                                   # unfinished: a finished run is never resumed into
+            (work / "cov" / "metrics.json").unlink(missing_ok=True)
         try:
             r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=left)
             ok = r.returncode == 0 and (expect is None or expect.exists())

