@@ -18,8 +18,8 @@ QUICK = ("--eval-images", "20", "--no-figures", "--threads", "1")
 
 
 def poisoned_world(cache_dir):
-    """The Shapes world with every set but the alignment pairs poisoned: test images noise, captions reversed,
-    labels rolled, segmentation images flipped."""
+    """The Shapes world with every set but the alignment pairs poisoned: test images noise, captions reversed
+    (their image links flipped), classification images flipped and labels rolled."""
     world = dict(shapes.cached_world(cache_dir))
     g = torch.Generator().manual_seed(0)
     test = world["test"]

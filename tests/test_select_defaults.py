@@ -7,6 +7,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import select_defaults as sd  # noqa: E402
+from test_held_out_choice import poisoned_world  # noqa: E402
 
 import shapes  # noqa: E402
 from infra import cache  # noqa: E402
@@ -59,13 +60,7 @@ def test_the_choice_never_reads_the_test_set(cache_dir, monkeypatch):
     of a set but "train" (and the validation prompts) is ever extracted."""
     args = ["--what", "csa", "--seeds", "0", "--cache-dir", str(cache_dir)]
     clean = sd.main(args)
-    world = dict(shapes.cached_world(cache_dir))
-    g = torch.Generator().manual_seed(0)
-    test = world["test"]
-    world["test"] = type(test)(torch.randint(0, 256, test.images.shape, dtype=torch.uint8, generator=g),
-                               list(reversed(test.captions)), test.txt_to_img.flip(0))
-    world["cls"] = type(world["cls"])(world["cls"].images.flip(0), world["cls"].labels.roll(1),
-                                      world["cls"].class_names)
+    world = poisoned_world(cache_dir)
     monkeypatch.setattr(shapes, "cached_world", lambda *a, **k: world)
     splits = []
     real_extract = cache.extract
