@@ -158,8 +158,9 @@ def start(args, device):
               f"[threads] 1 for the encoders and feature extraction; training on all {cores} cores "
               f"when a step's forward has >= {train.BIG_STEP_GFLOP:g} GFLOP of matrix products, "
               f"else on 1 (--threads N: N throughout)")
-    distributed.setup(device)                       # under torchrun: join the other ranks
-    distributed.same_everywhere("arguments", vars(args))
+    if distributed.LAUNCHED:                        # under torchrun: join the other ranks
+        distributed.setup(device)
+        distributed.same_everywhere("arguments", vars(args))
     return cores
 
 
@@ -373,7 +374,7 @@ def main(argv=None):
         # -> training
         metrics = {"train": train.fit_or_train(method, img, txt, settings.loop, out, device, resume,
                                                settings.identity, negs)}
-        if not distributed.finish():                    # torchrun: the group ends; rank 0 goes on alone
+        if distributed.LAUNCHED and not distributed.finish():   # torchrun: the group ends; rank 0 goes on alone
             return {}
         save_method(method, metrics["train"].pop("history", []), out)   # model.safetensors, history.csv
         # -> evaluation -> results (metrics.json last: it marks the run finished)
@@ -390,7 +391,7 @@ def write_config(settings, method, run, img, txt):
     config["model"] = aligned.model_config(settings.args, settings.identity, run.image_encoder, run.text_encoder,
                                            (img.pooled.shape[-1], txt.pooled.shape[-1]))
     print(config_line(config))                          # the whole of it: out/config.json
-    if distributed.rank() == 0:
+    if distributed.RANK == 0:
         storage.atomic_write_text(json.dumps(config, indent=2, default=str), settings.out / "config.json")
     return config
 
@@ -447,7 +448,7 @@ def cli():
     try:
         main(args)
     except SystemExit as stop:
-        if distributed.world() > 1:                 # torchrun: leave without the group's destructors
+        if distributed.WORLD > 1:                 # torchrun: leave without the group's destructors
             distributed.leave(stop)
         raise
     except KeyboardInterrupt:

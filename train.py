@@ -154,7 +154,8 @@ def resolve_loop(settings, method, img, txt, cores):
         settings.loop = given
     else:
         settings.loop = plan_loop(given, method, len(img))       # a batch it cannot train on stops here
-        distributed.check_batch(method, settings.loop["batch_size"], a.hard_negatives)
+        if distributed.WORLD > 1:
+            distributed.check_batch(method, settings.loop["batch_size"], a.hard_negatives)
         if settings.device == "cpu":
             gflop, budgeted, line = cpu_default(a.epochs, a.batch_size, method, img, txt)
             if line:
@@ -164,7 +165,8 @@ def resolve_loop(settings, method, img, txt, cores):
             settings.threads["train_threads"] = torch.get_num_threads()
             print(f"[threads] training on {settings.threads['train_threads']} (a step's forward: {gflop:.2f} "
                   f"GFLOP of matrix products)")
-    distributed.same_everywhere("settings", {**settings.identity, **settings.loop, **settings.threads})
+    if distributed.WORLD > 1:
+        distributed.same_everywhere("settings", {**settings.identity, **settings.loop, **settings.threads})
 
 
 # ---------------------------------------------------------------------------
@@ -176,13 +178,14 @@ def fit_or_train(method, img, txt, loop, out, device, resume=False, settings=Non
     the fit's seconds), which align.py writes to history.csv."""
     t0, result = time.time(), {"seconds": 0.0, "final_loss": None, "history": []}
     if method.fit is not None:  # closed forms are global: pooled vectors, never a whole token cache
-        if distributed.world() > 1 and method.loss is None and not distributed.end_group():
+        if distributed.WORLD > 1 and method.loss is None and not distributed.end_group():
             return result                   # torchrun: rank 0 fits alone, the others leave before the fit
-        if distributed.rank() == 0:
+        if distributed.RANK == 0:
             vectors = lambda f: Features.from_vectors(f.pooled).to(device)
             reads = {"patches": img} if method.fit_reads_patches else {}  # held-out images only
             method.fit(vectors(img), vectors(txt), **reads)
-        distributed.broadcast_state(method)
+        if distributed.WORLD > 1:
+            distributed.broadcast_state(method)
         seconds = round(time.time() - t0, 2)
         result = {"seconds": seconds, "final_loss": None, "history": [{"epoch": 0, "seconds": seconds}]}
         if getattr(method, "choice", None):               # a setting chosen on held-out pairs: said, and kept
@@ -212,7 +215,7 @@ def keep_choice(choice, out, result):
     print_choice(choice)
     table = {"setting": choice["setting"], "chosen": choice["chosen"],
              "table": [{choice["setting"]: v, **row} for v, row in choice["table"].items()]}
-    if distributed.rank() == 0:
+    if distributed.RANK == 0:
         Path(out).mkdir(parents=True, exist_ok=True)
         storage.atomic_write_text(json.dumps(table, indent=1), Path(out) / "validation.json")
     result["chosen"] = {choice["setting"]: choice["chosen"]}
@@ -353,9 +356,12 @@ def train(method, img, txt, loop, out, device, resume=False, settings=None, nega
         print(f"[train] resumed from {ckpt} after epoch {start}")
     elif resume:
         print(f"[train] --resume: no checkpoint at {ckpt} yet; starting at epoch 1")
-    dd = distributed.Training(method, batch_size, negatives is not None)  # torchrun: rows, the loss
-    if not dd.active:
-        return {"seconds": 0.0, "final_loss": None, "history": []}      # rank 0 trains alone
+    step_loss, rows = method.loss, (lambda idx: idx)       # one process: the method's loss on the whole batch
+    if distributed.WORLD > 1:                               # torchrun: this rank's rows, the loss over all ranks'
+        dd = distributed.Training(method, batch_size, negatives is not None)
+        if not dd.active:
+            return {"seconds": 0.0, "final_loss": None, "history": []}  # rank 0 trains alone
+        step_loss, rows = dd.loss, dd.rows
     print(f"[train] {epochs} epochs x {steps_per_epoch} steps, batch {batch_size}, {opt_cls.__name__} "
           f"lr {lr:g} wd {wd:g}")
     feed = loader.Feed(img, txt, device)                   # on the device once, or streamed: said in one line
@@ -367,12 +373,12 @@ def train(method, img, txt, loop, out, device, resume=False, settings=None, nega
         t_epoch = time.time()
         total = torch.zeros((), dtype=torch.float64, device=device)  # the epoch's loss, summed on the device
         sums, pending, first = {}, [], 0                             # logs' sums; losses not yet checked
-        index_batches = (dd.rows(order[step * batch_size:(step + 1) * batch_size])  # this rank's slice
+        index_batches = (rows(order[step * batch_size:(step + 1) * batch_size])  # this rank's slice
                          for step in range(steps_per_epoch))
         batches = feed.batches(index_batches)
         progress = loader.Progress(f"[train] epoch {epoch + 1}:", steps_per_epoch, "steps", every=30, first=10)
         for step, (idx, img_b, txt_b) in enumerate(batches):
-            loss, logs = dd.loss(img_b, txt_b)            # method.loss unless split by torchrun
+            loss, logs = step_loss(img_b, txt_b)          # method.loss unless split by torchrun
             if negatives is not None:             # --hard-negatives: L = L_method + L_hn (never split)
                 j = negatives[1][idx]                                           # (B, M), -1 = none
                 neg = loader.batch_to(negatives[0][j.clamp(min=0).flatten()], device)
@@ -410,7 +416,7 @@ def train(method, img, txt, loop, out, device, resume=False, settings=None, nega
             if best is None or row["val_score"] > best[1]:
                 best = (epoch + 1, row["val_score"], {k: v.detach().clone() for k, v in method.state_dict().items()})
         history.append(row)
-        if distributed.rank() == 0:
+        if distributed.RANK == 0:
             ckpt.parent.mkdir(parents=True, exist_ok=True)
             storage.atomic_save({"method": method.state_dict(), "opt": opt.state_dict(),
                                "sched": sched.state_dict(), "epoch": epoch,

@@ -40,7 +40,7 @@ def main():
     t0 = time.time()
     for enc, inputs, modality in ((image, train.images, "image"), (text, train.captions, "text")):
         cache.extract(enc, inputs, args.cache_dir, dataset="shapes", split="train", modality=modality)
-    print(f"[bench] {distributed.world()} rank(s) x {args.threads} thread(s): 6000 images + 6000 captions "
+    print(f"[bench] {distributed.WORLD} rank(s) x {args.threads} thread(s): 6000 images + 6000 captions "
           f"extracted in {time.time() - t0:.1f}s")
     distributed.finish()
 

@@ -76,7 +76,7 @@ def extract(encoder, inputs, cache_dir, batch_size=None, device="cpu", **key_par
     key = feature_key(encoder, inputs, device, **key_parts)
     path = Path(cache_dir) / "features" / f"{key}.pt"
     folder = Path(cache_dir) / "features" / key
-    if distributed.world() > 1:                             # torchrun: every rank calls extract() in the same order
+    if distributed.WORLD > 1:                               # torchrun: every rank calls extract() in the same order
         return extract_ranks(encoder, inputs, path, folder, key, batch_size, device, cache_dir)
     saved = safe_load(path, expect_key=key)                 # a renamed file is complete: no lock to read it
     if saved is not None:
@@ -159,7 +159,7 @@ def extract_ranks(encoder, inputs, path, folder, key, batch_size, device, cache_
     small enough for one file is extracted by rank 0 while the others wait; a large set is planned
     by rank 0, then rank r writes shards r, r + N, r + 2N, ... (each written once, atomically, and
     skipped when done before: a rerun resumes), and every rank maps the finished shards."""
-    r, n = distributed.rank(), distributed.world()
+    r, n = distributed.RANK, distributed.WORLD
     lock = file_lock(Path(cache_dir) / "locks" / f"{key}.lock") if r == 0 else contextlib.nullcontext()
     with lock:
         kind, plan, first = None, None, None

@@ -4,8 +4,9 @@
 
 PyTorch's own engine, nothing home-made: torchrun starts the processes (ranks) and sets
 RANK / WORLD_SIZE / LOCAL_RANK; torch.distributed connects them (NCCL on GPUs, gloo on
-CPUs); DistributedDataParallel (DDP) averages the gradients. Without torchrun every function
-here is a no-op and align.py runs as one process.
+CPUs); DistributedDataParallel (DDP) averages the gradients. Without torchrun nothing here is
+called: align.py, train.py and cache.py read WORLD and RANK, and call in only when LAUNCHED
+(torchrun started this process) or WORLD > 1; align.py runs as one process.
 
 What each stage does under N ranks (docs/scaling.md):
 1. Extraction (cache.extract): the ranks write disjoint cache shards (shard s by rank
@@ -67,19 +68,13 @@ from infra.errors import RunError
 TIMEOUT = timedelta(minutes=30)   # the longest a collective waits (choice 5)
 _print = builtins.print
 _ended = None                     # after end_group(): True on rank 0 (it goes on alone), False elsewhere
-
-
-def world():
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def rank():
-    return dist.get_rank() if world() > 1 else 0
+LAUNCHED = os.environ.get("WORLD_SIZE", "1").strip() not in ("", "0", "1")   # by torchrun (check_environment)
+WORLD, RANK = 1, 0                # the group's size and this process's rank: set by setup(), 1 and 0 after end_group()
 
 
 def say(msg):
     """A line about this rank's own work: prefixed with the rank when there are several."""
-    _print(f"[rank {rank()}] {msg}" if world() > 1 else msg, flush=True)
+    _print(f"[rank {RANK}] {msg}" if WORLD > 1 else msg, flush=True)
 
 
 def check_environment():
@@ -97,35 +92,37 @@ def check_environment():
 
 def setup(device):
     """Join the ranks torchrun started (no-op without torchrun). device: "cuda" or "cpu"."""
+    global WORLD, RANK
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return
     if device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # "cuda" is now this rank's GPU
     # a rank waits at a barrier while rank 0 extracts a small set or fits (choice 5)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=TIMEOUT)
-    if rank() > 0:
+    WORLD, RANK = dist.get_world_size(), dist.get_rank()
+    if RANK > 0:
         builtins.print = lambda *a, **k: None                  # rank 0 speaks for the run (choice 4)
-    print(f"[distributed] {world()} ranks ({dist.get_backend()}); rank 0 evaluates and writes the results")
+    print(f"[distributed] {WORLD} ranks ({dist.get_backend()}); rank 0 evaluates and writes the results")
 
 
 def finish():
     """End the group after training: True on rank 0, which goes on alone (evaluation, results)."""
-    if world() == 1:
+    if WORLD == 1:
         return _ended is not False                              # a rank > 0 that left before training: False
     return end_group()
 
 
 def end_group():
     """All ranks leave the group now; True on rank 0. Rank 0 then runs as one process."""
-    global _ended
-    r = rank()
+    global _ended, WORLD, RANK
+    r = RANK
     # a barrier first: a rank that tears the group down while another still has gloo work in flight
     # aborts at exit ("terminate called without an active exception", seen once in CI under load);
     # a rank that did not train waits here for rank 0 (within TIMEOUT)
     dist.barrier()
     dist.destroy_process_group()
     builtins.print = _print
-    _ended = r == 0
+    WORLD, RANK, _ended = 1, 0, r == 0
     return _ended
 
 
@@ -144,38 +141,38 @@ def leave(stop):
 def same_everywhere(what, settings):
     """Stop every rank with one line when the ranks' settings differ (choice 5). settings: a
     dict of plain values; compared by hash first, so equal settings cost one small gather."""
-    if world() == 1:
+    if WORLD == 1:
         return
     text = json.dumps(settings, sort_keys=True, default=str)
-    digests = [None] * world()
+    digests = [None] * WORLD
     dist.all_gather_object(digests, hashlib.sha1(text.encode()).hexdigest())
     if len(set(digests)) == 1:
         return
-    everyone = [None] * world()
+    everyone = [None] * WORLD
     dist.all_gather_object(everyone, settings)
     diff = [f"{k}: " + ", ".join(f"{s.get(k)!r} on rank {r}" for r, s in enumerate(everyone))
             for k in sorted(set().union(*everyone), key=str) if len({repr(s.get(k)) for s in everyone}) > 1]
-    raise RunError(f"the {world()} ranks were started with different {what} ({'; '.join(diff)}); "
+    raise RunError(f"the {WORLD} ranks were started with different {what} ({'; '.join(diff)}); "
                    f"start every rank with the same command")
 
 
 def check_batch(method, batch_size, hard_negatives=False):
     """Refuse a global batch smaller than the number of ranks for a method that would be split
     (choice 6): a rank with no rows has nothing to embed."""
-    if world() > 1 and split_blocker(method, hard_negatives) is None and batch_size < world():
-        raise RunError(f"a global batch of {batch_size} pair(s) on {world()} ranks: each rank takes a slice of "
-                       f"every batch and would get none; use --batch-size {world()} or more (and at least as "
+    if WORLD > 1 and split_blocker(method, hard_negatives) is None and batch_size < WORLD:
+        raise RunError(f"a global batch of {batch_size} pair(s) on {WORLD} ranks: each rank takes a slice of "
+                       f"every batch and would get none; use --batch-size {WORLD} or more (and at least as "
                        f"many alignment pairs), or fewer ranks")
 
 
 def barrier():
-    if world() > 1:
+    if WORLD > 1:
         dist.barrier()
 
 
 def broadcast(obj):
     """Rank 0's obj on every rank (a small picklable value)."""
-    if world() == 1:
+    if WORLD == 1:
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=0)
@@ -185,7 +182,7 @@ def broadcast(obj):
 def broadcast_state(module):
     """Rank 0's buffers and parameters on every rank, whatever their shapes (ASIF's anchors are
     set by fit()): the closed-form fit runs on rank 0 only."""
-    if world() == 1:
+    if WORLD == 1:
         return
     shapes = broadcast({k: (tuple(v.shape), v.dtype) for k, v in module.state_dict().items()})
     for name, (shape, dtype) in shapes.items():
@@ -212,7 +209,7 @@ class AllGather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):
-        parts = [torch.empty_like(x) for _ in range(world())]
+        parts = [torch.empty_like(x) for _ in range(WORLD)]
         dist.all_gather(parts, x.contiguous())
         return torch.stack(parts)                              # (N, B_max, ...)
 
@@ -220,7 +217,7 @@ class AllGather(torch.autograd.Function):
     def backward(ctx, grad):
         grad = grad.contiguous()
         dist.all_reduce(grad)                                  # sum over the ranks' (identical) losses
-        return grad[rank()]
+        return grad[RANK]
 
 
 def gather_rows(x):
@@ -229,7 +226,7 @@ def gather_rows(x):
     zero-padded to the largest (token-level embeddings pad words with exact zeros, as evaluate.py
     pads batches), then each rank's real rows are kept."""
     shape = torch.tensor(x.shape, device=x.device)
-    shapes = [torch.empty_like(shape) for _ in range(world())]
+    shapes = [torch.empty_like(shape) for _ in range(WORLD)]
     dist.all_gather(shapes, shape)
     top = torch.stack(shapes).amax(0).tolist()                 # the largest size of every dim
     pad = [p for d in reversed(range(x.dim())) for p in (0, top[d] - x.shape[d])]
@@ -273,7 +270,7 @@ class Training:
     split (the global batch sliced across ranks, DDP summing the gradients), or rank 0 alone."""
 
     def __init__(self, method, batch_size, hard_negatives=False):
-        self.loss, self.n, self.ddp = method.loss, world(), None
+        self.loss, self.n, self.ddp = method.loss, WORLD, None
         self.active = True                                     # does this rank train?
         if self.n == 1:
             return
@@ -292,4 +289,4 @@ class Training:
 
     def rows(self, idx):
         """This rank's slice of the global batch idx (B,): near-equal parts, in rank order."""
-        return idx if self.ddp is None else torch.tensor_split(idx, self.n)[rank()]
+        return idx if self.ddp is None else torch.tensor_split(idx, self.n)[RANK]

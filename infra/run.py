@@ -137,7 +137,8 @@ def before_any_work(args, method_cls):
     hp = parse_hp(method_cls, args.hp)
     refuse_blank_exercises(args)
     check_flags(args, method_cls)
-    distributed.check_environment()
+    if distributed.LAUNCHED:                        # WORLD_SIZE > 1: torchrun's, or one left in a shell
+        distributed.check_environment()
     device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise RunError("--device cuda, but torch sees no CUDA GPU here; use --device cpu (or auto)")
@@ -338,7 +339,7 @@ def begin(settings):
     written once here, so a folder that cannot be written stops the run now, not after the work). An
     unfinished run's checkpoint stays: --resume compares it (train.resume_state); a run that never
     wrote one is simply restarted."""
-    if distributed.rank() != 0:
+    if distributed.RANK != 0:
         return
     config = dict(vars(settings.args), identity=settings.identity, device=settings.device)
     try:
@@ -354,7 +355,7 @@ def begin(settings):
 def held(out):
     """--out held for this run (storage.hold_folder) by rank 0: a second run on it stops at once."""
     import contextlib
-    return storage.hold_folder(out, "--out") if distributed.rank() == 0 else contextlib.nullcontext()
+    return storage.hold_folder(out, "--out") if distributed.RANK == 0 else contextlib.nullcontext()
 
 
 # ---------------------------------------------------------------------------

@@ -184,7 +184,7 @@ from infra import cache, distributed, shards
 shards.MEMMAP_BYTES, shards.SHARD_BYTES = 0, 104                     # every set sharded, one batch of 8 per shard
 distributed.setup("cpu")
 kill_after = int(os.environ.get("KILL_RANK1_AFTER", "0"))            # rank 1 dies after writing this many shards
-if kill_after and distributed.rank() == 1:
+if kill_after and distributed.RANK == 1:
     said, n = distributed.say, [0]
     def say(msg):
         said(msg)
@@ -273,7 +273,7 @@ def rank_alone(r, port, out):
     if dd.active:
         time.sleep(5)                                                # rank 0's lone fit, past the timeout
     (out / f"rank{r}.json").write_text(json.dumps(dict(active=dd.active, goes_on=distributed.finish(),
-                                                       world=distributed.world())))
+                                                       world=distributed.WORLD)))
 
 
 @pytest.mark.slow
