@@ -7,7 +7,7 @@
 Writes into <out>: config.json (every setting as resolved, the run's identity, and "model": what rebuilds
 the method), checkpoint.pt (each epoch, for --resume), model.safetensors (the method's state_dict; load it
 with aligned.load(<out>)), history.csv (per epoch), log.txt, figures, results.csv, and metrics.json last: a
-folder with metrics.json holds a finished run, which no later run replaces (infra/run.py). Every
+folder with metrics.json holds a finished run, which no later run replaces (infra/folder.py). Every
 refusal comes before any long work. align.py knows a method only through methods/__init__.py.
 """
 import argparse
@@ -31,7 +31,7 @@ import negatives
 import recycling
 import shapes
 import train
-from infra import cache, distributed, runlog, storage
+from infra import cache, distributed, folder, storage
 from infra import run as runs
 from infra.errors import RunError, guard
 from methods import METHODS
@@ -158,7 +158,7 @@ def start(args, device):
               f"[threads] 1 for the encoders and feature extraction; training on all {cores} cores "
               f"when a step's forward has >= {train.BIG_STEP_GFLOP:g} GFLOP of matrix products, "
               f"else on 1 (--threads N: N throughout)")
-    if distributed.LAUNCHED:                        # under torchrun: join the other ranks
+    if os.environ.get("WORLD_SIZE", "1") != "1":    # under torchrun: join the other ranks (a stray one: refused)
         distributed.setup(device)
         distributed.same_everywhere("arguments", vars(args))
     return cores
@@ -358,12 +358,12 @@ def main(argv=None):
     method_cls = METHODS[args.method]
     settings = runs.before_any_work(args, method_cls)   # every refusal that needs no work; --out chosen
     device, out, cores = settings.device, settings.out, start(args, settings.device)
-    with runs.held(out), runlog.run_log(out, getattr(args, "quiet", False)):   # one run at a time in --out; its log.txt
+    with folder.held(out), folder.run_log(out, getattr(args, "quiet", False)):   # --out: one run at a time; log.txt
         # data -> frozen features
         run = load_inputs(args, device)                 # every input read whole, under one guard each
         settings.read_inputs(run.image_encoder, run.text_encoder, run.sets)   # the run's identity
         resume = train.resume_state(settings)           # a checkpoint of another identity stops here
-        runs.begin(settings)                            # config.json: --out is this run's
+        folder.begin(settings)                            # config.json: --out is this run's
         extract_features(args, run, device)
         encoders.check_features_vary(args, run)           # a layer whose pooled vector ignores its input
         # -> the method and its loop's settings, resolved once
@@ -374,7 +374,7 @@ def main(argv=None):
         # -> training
         metrics = {"train": train.fit_or_train(method, img, txt, settings.loop, out, device, resume,
                                                settings.identity, negs)}
-        if distributed.LAUNCHED and not distributed.finish():   # torchrun: the group ends; rank 0 goes on alone
+        if distributed.JOINED and not distributed.finish():   # torchrun: the group ends; rank 0 goes on alone
             return {}
         save_method(method, metrics["train"].pop("history", []), out)   # model.safetensors, history.csv
         # -> evaluation -> results (metrics.json last: it marks the run finished)
@@ -388,7 +388,7 @@ def write_config(settings, method, run, img, txt):
     """config.json with every setting as resolved, the identity, and "model": what aligned.load rebuilds the
     method from; its [config] line printed."""
     config = settings.config(method, alignment_pairs=len(img))
-    config["model"] = aligned.model_config(settings.args, settings.identity, run.image_encoder, run.text_encoder,
+    config["model"] = folder.model_config(settings.args, settings.identity, run.image_encoder, run.text_encoder,
                                            (img.pooled.shape[-1], txt.pooled.shape[-1]))
     print(config_line(config))                          # the whole of it: out/config.json
     if distributed.RANK == 0:
@@ -399,8 +399,8 @@ def write_config(settings, method, run, img, txt):
 def save_method(method, history, out):
     """The trained method: model.safetensors (aligned.load reads it with config.json's "model") and its
     per-epoch history.csv (not metrics.json)."""
-    aligned.save_weights(method, out / "model.safetensors")
-    aligned.write_history(history, out / "history.csv")
+    folder.save_weights(method, out / "model.safetensors")
+    folder.write_history(history, out / "history.csv")
 
 
 def config_line(config):
@@ -432,9 +432,9 @@ def write_metrics(metrics, config, run, args, work, device):
     metrics["layers"] = {"image": config["image_layer"], "text": config["text_layer"]}
     if args.analyses:
         metrics["recycling"] = recycling.recycling_analyses(run, args, device)
-    aligned.write_flat(metrics, work / "results.csv")            # one unit, rounded: beside metrics.json
+    folder.write_flat(metrics, work / "results.csv")            # one unit, rounded: beside metrics.json
     storage.atomic_write_text(json.dumps(metrics, indent=2), work / "metrics.json")
-    with runlog.shown():                                        # even under --quiet
+    with folder.shown():                                        # even under --quiet
         print(evaluate.results_table({k: v for k, v in metrics.items() if k != "recycling"}))
 
 
@@ -452,7 +452,7 @@ def cli():
             distributed.leave(stop)
         raise
     except KeyboardInterrupt:
-        out = runs.out_folder(args)                 # the unfinished run's folder: -2, ... only skip finished ones
+        out = folder.out_folder(args)                 # the unfinished run's folder: -2, ... only skip finished ones
         print(f"\ninterrupted: finished work is kept (cached features, and {out}/checkpoint.pt after each finished "
               f"epoch); rerun the same command with --resume to go on from there", file=sys.stderr)
         sys.exit(130)

@@ -5,7 +5,7 @@
     scores = model.zero_shot(["a.png", "b.png"], ["red circle", "blue square"])   # (2, 2)
     order = model.search(["a.png", "b.png"], "a red circle").argsort(descending=True)
 
-A run folder holds what rebuilds its method (align.py writes both, rank 0, before metrics.json):
+A run folder holds what rebuilds its method (infra/folder.py writes both, rank 0, before metrics.json):
     model.safetensors   the method's state_dict (safetensors: tensors only, nothing to unpickle)
     config.json "model" {method, hp (the __init__ keywords), dims [D_v, D_l], image_encoder, text_encoder,
                          image_layer, text_layer, cache_dir, templates}
@@ -48,84 +48,6 @@ def check_own_modules(names=("data", "train", "layers", "features", "encoders", 
 
 
 check_own_modules()
-
-
-# ---------------------------------------------------------------------------
-# The run folder's model files (align.py writes them, load reads them)
-# ---------------------------------------------------------------------------
-def model_config(args, identity, image_enc, text_enc, dims):
-    """config.json's "model": what rebuilds the method and its encoders from the run folder alone (hp: the
-    __init__ keywords as the run passed them, the identity's hp.*)."""
-    hp = {k[3:]: v for k, v in identity.items() if k.startswith("hp.")}
-    return dict(method=args.method, hp=hp, dims=list(dims), image_encoder=image_enc.name, text_encoder=text_enc.name,
-                image_layer=image_enc.layer, text_layer=text_enc.layer,
-                cache_dir=str(Path(args.cache_dir).resolve()), templates=templates_of(args.data))
-
-
-def templates_of(data_name):
-    """The zero-shot templates of the run's data: the Shapes world's own, else CLIP's one prompt."""
-    if data_name == "shapes":
-        import shapes
-        return list(shapes.TEMPLATES)
-    return ["a photo of a {}."]
-
-
-def save_weights(method, path):
-    """method.state_dict() as safetensors (each tensor its own contiguous copy: tied tensors are stored twice)."""
-    from safetensors.torch import save_file
-
-    from infra import storage
-    state = {k: v.detach().cpu().contiguous().clone() for k, v in method.state_dict().items()}
-    with storage.atomic_target(path) as tmp:
-        save_file(state, str(tmp), metadata={"format": "pt"})
-
-
-def write_history(history, path):
-    """history.csv: one row per epoch, the columns every key of the rows in their first order (epoch, loss, the
-    method's logs, lr, seconds, and whatever a later row adds); floats to 6 significant digits."""
-    import csv
-    import io
-
-    from infra import storage
-    columns = list(dict.fromkeys(k for row in history for k in row))
-    text = io.StringIO()
-    w = csv.DictWriter(text, columns, lineterminator="\n")
-    w.writeheader()
-    for row in history:
-        w.writerow({k: f"{v:.6g}" if isinstance(v, float) else v for k, v in row.items()})
-    storage.atomic_write_text(text.getvalue(), path)
-
-
-PERCENT_GROUPS = ("retrieval", "classification", "segmentation", "binding")   # evaluate.py: percent or fractions
-FRACTIONS = ("i2t_map", "i2t_p1", "i2t_p5", "t2i_p1")                        # in [0, 1]: x 100 here
-
-
-def flat_metrics(metrics):
-    """[(name, value, unit)] of a metrics.json dict, one row per number, names joined by "/": every evaluation
-    figure in percent (the weight-recycling fractions x 100), rounded to 2 decimals; the rest as it is (4
-    decimals). metrics.json keeps evaluate.py's values untouched; this is the view beside it."""
-    rows = []
-
-    def walk(prefix, v):
-        if isinstance(v, dict):
-            for k, x in v.items():
-                walk(f"{prefix}/{k}" if prefix else str(k), x)
-        elif isinstance(v, (int, float)) and not isinstance(v, bool):
-            name = prefix.rsplit("/", 1)[-1]
-            if prefix.startswith(PERCENT_GROUPS):
-                rows.append((prefix, round(100 * v if name in FRACTIONS else v, 2), "%"))
-            else:
-                rows.append((prefix, round(v, 4) if isinstance(v, float) else v,
-                             "s" if name == "seconds" else ""))
-    walk("", metrics)
-    return rows
-
-
-def write_flat(metrics, path):
-    """results.csv: flat_metrics as metric,value,unit rows."""
-    from infra import storage
-    lines = ["metric,value,unit"] + [f"{n},{v},{u}" for n, v, u in flat_metrics(metrics)]
-    storage.atomic_write_text("\n".join(lines) + "\n", path)
 
 
 def read_weights(folder):
@@ -177,6 +99,7 @@ def rebuild(folder, model=None, state=None):
 
 def legacy_model(config):
     """config.json's "model" for a run written before it had one: from the identity (hp as given)."""
+    from infra.folder import templates_of
     ident = config["identity"]
     hp = {k[3:]: v for k, v in ident.items() if k.startswith("hp.")}
     return dict(method=ident["method"], hp=hp, dims=config.get("dims"), image_encoder=ident["image_encoder"],
@@ -344,6 +267,7 @@ def finished_runs(paths):
 
 def table(a):
     """Finished runs in one table: run, method, data, seed, epochs and the key figures (all: --metrics all)."""
+    from infra.folder import flat_metrics
     runs = finished_runs(a.paths)
     if not runs:
         raise SystemExit(f"error: no finished run (a folder with metrics.json) in {' '.join(a.paths)}")

@@ -5,8 +5,9 @@
 PyTorch's own engine, nothing home-made: torchrun starts the processes (ranks) and sets
 RANK / WORLD_SIZE / LOCAL_RANK; torch.distributed connects them (NCCL on GPUs, gloo on
 CPUs); DistributedDataParallel (DDP) averages the gradients. Without torchrun nothing here is
-called: align.py, train.py and cache.py read WORLD and RANK, and call in only when LAUNCHED
-(torchrun started this process) or WORLD > 1; align.py runs as one process.
+called: align.py calls setup() only when WORLD_SIZE is set (torchrun's, or one left in a shell:
+refused), and align.py, train.py and cache.py read WORLD and RANK and call in only when JOINED or
+WORLD > 1; align.py runs as one process.
 
 What each stage does under N ranks (docs/scaling.md):
 1. Extraction (cache.extract): the ranks write disjoint cache shards (shard s by rank
@@ -68,7 +69,7 @@ from infra.errors import RunError
 TIMEOUT = timedelta(minutes=30)   # the longest a collective waits (choice 5)
 _print = builtins.print
 _ended = None                     # after end_group(): True on rank 0 (it goes on alone), False elsewhere
-LAUNCHED = os.environ.get("WORLD_SIZE", "1").strip() not in ("", "0", "1")   # by torchrun (check_environment)
+JOINED = False                    # setup() joined the ranks torchrun started
 WORLD, RANK = 1, 0                # the group's size and this process's rank: set by setup(), 1 and 0 after end_group()
 
 
@@ -91,15 +92,16 @@ def check_environment():
 
 
 def setup(device):
-    """Join the ranks torchrun started (no-op without torchrun). device: "cuda" or "cpu"."""
-    global WORLD, RANK
+    """Join the ranks torchrun started (no-op without torchrun), after check_environment. device: "cuda" or "cpu"."""
+    global WORLD, RANK, JOINED
+    check_environment()
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return
     if device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # "cuda" is now this rank's GPU
     # a rank waits at a barrier while rank 0 extracts a small set or fits (choice 5)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=TIMEOUT)
-    WORLD, RANK = dist.get_world_size(), dist.get_rank()
+    WORLD, RANK, JOINED = dist.get_world_size(), dist.get_rank(), True
     if RANK > 0:
         builtins.print = lambda *a, **k: None                  # rank 0 speaks for the run (choice 4)
     print(f"[distributed] {WORLD} ranks ({dist.get_backend()}); rank 0 evaluates and writes the results")

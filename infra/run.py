@@ -1,26 +1,15 @@
-"""A run's settings, what its results depend on, and the folder it writes: checked before any work.
+"""A run's settings and what its results depend on: checked before any work.
 
     settings = before_any_work(args, method_cls)       # flags, --hp, device, paths, --out: refusals, no work
     settings.read_inputs(image_enc, text_enc, sets)    # the run's identity: code, weights, data, layers
-    begin(settings)                                    # config.json into --out, before the features
+    folder.begin(settings)                             # config.json into --out, before the features
     train.resolve_loop(settings, method, img, txt, cores)   # epochs, batch, lr, threads as they run
-    (model.safetensors, history.csv, metrics.json last: align.main writes them; metrics.json marks the run done)
-
-The run folder has one rule, kept by its layout rather than by checks: results are never replaced.
-A run writes straight into --out (each file written beside its target and renamed onto it, so a
-rename never leaves the folder's file system). metrics.json, written last, marks a finished run:
-  - a new or empty --out is taken;
-  - a finished run in --out is never replaced: the run is refused, naming a free --out;
-  - an unfinished run (a checkpoint.pt, kept after a Ctrl-C or a failure) is continued by --resume
-    when the identity matches, and otherwise refused: no command but deleting it removes a checkpoint;
-  - anything else in --out (a file of your own, a data or model folder) is refused.
-With no --out, a run goes into results/<method>-<data>-seed<seed>, or -2, -3, ... when that holds a
-finished run (version folders: a rerun never collides with an earlier one).
 
 The identity of a run (what its results depend on) is computed once, in read_inputs: every setting
 that changes a number, the code of the method and of the encoders (sha256 of their files), the
 encoders' weights and layers, the data. --resume compares it with the checkpoint's; the feature
-cache keys each set by the encoder's part of it (infra/cache.py: code, weights, layer).
+cache keys each set by the encoder's part of it (infra/cache.py: code, weights, layer); the run
+folder's rule (infra/folder.py: results never replaced) is checked here, before any work.
 """
 import argparse
 import ast
@@ -34,7 +23,7 @@ from pathlib import Path
 import torch
 
 import data
-from infra import distributed, storage
+from infra import folder, storage
 from infra.errors import RunError
 from infra.storage import code_hash
 
@@ -45,7 +34,6 @@ LOOP_RANGES = dict(epochs="[0, inf)", lr="(0, 3.4028234663852886e+37]", weight_d
                    batch_size="[2, inf)")  # contrastive: another pair in the batch is the negative
 FLAGS = dict(epochs="--epochs", batch_size="--batch-size", lr="--lr", weight_decay="--weight-decay")
 MIN_SELECT_PAIRS = 10  # mutual kNN takes k = ceil(2 n^(1/3)) neighbours: 10 pairs, k = 5 of 9
-FINISHED = "metrics.json"   # written last: its presence marks a finished run
 
 
 @dataclass
@@ -132,13 +120,11 @@ def resolved_layer(enc):
 # ---------------------------------------------------------------------------
 def before_any_work(args, method_cls):
     """Every refusal that needs no work, in one call: --hp, a student copy's blank exercises, the flags
-    against their ranges and the method's interface, the environment, the device, the paths and --out.
+    against their ranges and the method's interface, the device, the paths and --out (the environment: align.start).
     Returns the run's Settings."""
     hp = parse_hp(method_cls, args.hp)
     refuse_blank_exercises(args)
     check_flags(args, method_cls)
-    if distributed.LAUNCHED:                        # WORLD_SIZE > 1: torchrun's, or one left in a shell
-        distributed.check_environment()
     device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise RunError("--device cuda, but torch sees no CUDA GPU here; use --device cpu (or auto)")
@@ -149,9 +135,9 @@ def before_any_work(args, method_cls):
     data.check_root(args.data, args.data_root)      # a wrong --data-root, before the encoders load or pretrain
     check_shapes_encoders(args)
     storage.check_writable(args.cache_dir, "--cache-dir")
-    out = out_folder(args)
+    out = folder.out_folder(args)
     storage.check_writable(out, "--out", create=False)   # its nearest existing folder: a folder, writable
-    check_out(out, args)
+    folder.check_out(out, args)
     return Settings(args, method_cls, hp, device, out)
 
 
@@ -280,82 +266,6 @@ def check_shapes_encoders(args):
         if name in names:
             raise RunError(f"{flag} {name} (the default) knows only {knows}, not the {args.data} data in "
                            f"{args.data_root}; pass {flag} a real encoder, e.g. {flag} {use}")
-
-
-# ---------------------------------------------------------------------------
-# The run folder
-# ---------------------------------------------------------------------------
-def out_folder(args):
-    """--out, else results/<method>-<data>-seed<seed>, or its first version (-2, -3, ...) that holds no
-    finished run."""
-    if args.out:
-        return Path(args.out)
-    base, n = Path(f"results/{args.method}-{args.data}-seed{args.seed}"), 1
-    while is_ours(folder := base if n == 1 else Path(f"{base}-{n}")) and (folder / FINISHED).exists():
-        n += 1
-    return folder
-
-
-def is_ours(folder):
-    """folder holds a run of this program (its config.json carries an identity)."""
-    try:
-        return "identity" in json.loads((Path(folder) / "config.json").read_text())
-    except (OSError, ValueError, TypeError):
-        return False
-
-
-def free_name(out):
-    n = 2
-    while Path(f"{out}-{n}").exists():
-        n += 1
-    return f"{out}-{n}"
-
-
-def check_out(out, args):
-    """--out is a new or empty folder, or an unfinished run of this program that --resume continues;
-    anything else is refused here, before any work, and nothing in it is ever removed."""
-    out = Path(out)
-    if os.path.lexists(out) and not out.is_dir():
-        what = "a link to nowhere" if out.is_symlink() else "a file"
-        raise RunError(f"--out {out} is {what}, not a folder; pass --out a new folder")
-    if not out.exists() or not any(out.iterdir()):
-        if args.resume:
-            print(f"[run] --resume: {out} holds no run yet; starting one")
-        return
-    if not is_ours(out):
-        first = sorted(p.name for p in out.iterdir())[0]
-        raise RunError(f"--out {out} holds files this program did not write ({first}, ...: a folder of your own, "
-                       f"data or a model?); pass --out a new or empty folder, e.g. --out {free_name(out)}")
-    if (out / FINISHED).exists():
-        raise RunError(f"--out {out} holds a finished run; results are never replaced: pass another --out "
-                       f"(e.g. --out {free_name(out)}), or delete {out} yourself")
-    if (out / "checkpoint.pt").exists() and not args.resume:
-        raise RunError(f"--out {out} holds an unfinished run and its checkpoint (kept); add --resume to continue "
-                       f"it, or pass another --out (e.g. --out {free_name(out)})")
-
-
-def begin(settings):
-    """Take --out for this run, before the features: config.json with the identity (the folder is
-    written once here, so a folder that cannot be written stops the run now, not after the work). An
-    unfinished run's checkpoint stays: --resume compares it (train.resume_state); a run that never
-    wrote one is simply restarted."""
-    if distributed.RANK != 0:
-        return
-    config = dict(vars(settings.args), identity=settings.identity, device=settings.device)
-    try:
-        settings.out.mkdir(parents=True, exist_ok=True)
-        for half in settings.out.glob("*.tmp[0-9]*"):       # a write killed before its rename: never a result
-            half.unlink()
-        storage.atomic_write_text(json.dumps(config, indent=2, default=str), settings.out / "config.json")
-    except OSError as e:
-        raise RunError(f"--out {settings.out} cannot be written ({e.strerror or e}); pass --out a folder you "
-                       f"can write to") from None
-
-
-def held(out):
-    """--out held for this run (storage.hold_folder) by rank 0: a second run on it stops at once."""
-    import contextlib
-    return storage.hold_folder(out, "--out") if distributed.RANK == 0 else contextlib.nullcontext()
 
 
 # ---------------------------------------------------------------------------

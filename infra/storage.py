@@ -3,8 +3,8 @@
 Every file this project writes (feature caches, checkpoints, the tiny encoders' weights, config
 and metrics) goes through atomic_save / atomic_write_text: written beside its target and renamed
 onto it, so a reader sees the old file or the new one, never half of one. safe_load reads one back
-with torch.load(weights_only=True) and its checksum verified; file_lock and hold_folder keep two
-runs from writing the same key or --out at once; a full disk is said in one line (write_failure).
+with torch.load(weights_only=True) and its checksum verified; file_lock keeps two runs from writing
+the same key at once (infra/folder.py holds --out with open_lock); a full disk is said in one line (write_failure).
 """
 import contextlib
 import errno
@@ -14,9 +14,7 @@ import pickle
 import re
 import shutil
 import stat
-import sys
 import tempfile
-import time
 import zlib
 from pathlib import Path
 
@@ -228,38 +226,6 @@ def open_lock(path):
     what = "a link" if Path(path).is_symlink() else "not a regular file"
     raise RunError(f"{path} is {what} where this run keeps its lock file (a folder copied with tar or "
                    f"rsync -a keeps links); remove it (rm {path}), then rerun")
-
-
-@contextlib.contextmanager
-def hold_folder(folder, flag):
-    """Hold `folder` (an output folder) for this run: a second run given the same folder stops at
-    once with one line naming the run that holds it, instead of mixing its files with this one's.
-    The lock file (<parent>/.<name>.lock, beside the folder: nothing is written into it) says who
-    holds it; the kernel releases the lock when a process dies, so a killed run never blocks the
-    next. A no-op where fcntl is missing (Windows)."""
-    try:
-        import fcntl
-    except ImportError:
-        yield
-        return
-    folder, real = Path(folder), Path(folder).resolve()
-    real.parent.mkdir(parents=True, exist_ok=True)
-    with open_lock(real.parent / f".{real.name}.lock") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "another process"
-            raise RunError(f"{flag} {folder} is in use by a run still going ({holder}); wait for it to "
-                           f"finish, or pass another {flag}") from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(sys.argv)}\n")
-        f.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def check_writable(folder, flag, create=True):

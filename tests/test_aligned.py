@@ -14,6 +14,7 @@ from conftest import random_features
 
 import aligned
 import evaluate
+from infra import folder
 from methods import METHODS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +40,7 @@ def test_every_method_round_trips_through_safetensors_and_its_config(name, tmp_p
         opt = torch.optim.SGD([p for p in method.parameters() if p.requires_grad], lr=0.1)
         method.loss(img, txt)[0].backward()
         opt.step()
-    aligned.save_weights(method, tmp_path / "model.safetensors")
+    folder.save_weights(method, tmp_path / "model.safetensors")
     import inspect
     hp = {n: p.default for n, p in inspect.signature(type(method).__init__).parameters.items()
           if n not in ("self", "d_image", "d_text")}
@@ -63,7 +64,7 @@ def test_history_csv_takes_every_key_a_row_brings():
             {"epoch": 2, "loss": 0.25, "lr": 0.005, "seconds": 1.5, "val_r1": 12.5}]
     import tempfile
     with tempfile.TemporaryDirectory() as d:
-        aligned.write_history(rows, Path(d) / "history.csv")
+        folder.write_history(rows, Path(d) / "history.csv")
         read = list(csv.DictReader(open(Path(d) / "history.csv")))
     assert list(read[0]) == ["epoch", "loss", "lr", "seconds", "val_r1"]
     assert read[0]["val_r1"] == "" and float(read[1]["val_r1"]) == 12.5 and float(read[1]["loss"]) == 0.25
@@ -73,7 +74,7 @@ def test_the_flat_view_is_in_percent_rounded_and_metrics_json_keeps_its_values()
     metrics = {"train": {"seconds": 1.23456, "final_loss": 0.5},
                "retrieval": {"i2t_r1": 60.79999804496765, "i2t_p1": 0.6079999804496765},
                "classification": {"cls": {"top1": 100.0}}, "layers": {"image": -1, "text": -1}}
-    flat = {n: (v, u) for n, v, u in aligned.flat_metrics(metrics)}
+    flat = {n: (v, u) for n, v, u in folder.flat_metrics(metrics)}
     assert flat["retrieval/i2t_r1"] == (60.8, "%") and flat["retrieval/i2t_p1"] == (60.8, "%")
     assert flat["classification/cls/top1"] == (100.0, "%") and flat["train/seconds"] == (1.2346, "s")
     assert flat["layers/image"] == (-1, "")

@@ -19,7 +19,7 @@ from test_real import write_karpathy, write_models
 
 import align
 import layers
-from infra import cache
+from infra import cache, folder
 from infra import run as runs
 from methods import METHODS
 
@@ -219,7 +219,7 @@ def test_a_killed_writes_temporary_file_is_removed_when_the_run_goes_on(tmp_path
     (out / "config.json").write_text(json.dumps({"identity": {}}))
     (out / "checkpoint.pt.tmp4242").write_bytes(b"half")
     settings = runs.Settings(argparse.Namespace(out=str(out)), METHODS["pal"], {}, "cpu", out, identity={})
-    runs.begin(settings)
+    folder.begin(settings)
     assert sorted(p.name for p in out.iterdir()) == ["config.json"]
 
 

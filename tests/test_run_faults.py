@@ -26,8 +26,8 @@ import recycling
 import shapes
 import train
 from features import Features
+from infra import folder
 from infra import run as settings
-from infra import storage
 from infra.run import Settings
 from methods import METHODS
 from methods.mlp import MLP
@@ -172,7 +172,7 @@ def test_a_failed_check_leaves_no_out_folder(models, coco, tmp_path):
 @pytest.mark.slow
 def test_a_second_run_on_the_same_out_refuses_naming_the_running_one(cache_dir, tmp_path, capsys):
     out = tmp_path / "o"
-    with storage.hold_folder(out, "--out"):                            # the first run, still going
+    with folder.held(out):                            # the first run, still going
         text = refused(capsys, cache_dir, out, "--method", "linear", "--epochs", "1")
     assert f"--out {out} is in use by a run still going (pid {os.getpid()}, started " in text
     run(cache_dir, out, "--method", "linear", "--epochs", "1", "--num-pairs", "300")   # free again

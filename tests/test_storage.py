@@ -7,7 +7,7 @@ import torch
 from faults_common import extract, full_disk, models, one_line  # noqa: F401  (fixtures)
 
 import encoders
-from infra import run, storage
+from infra import folder, storage
 
 
 def test_a_folder_where_a_cache_file_or_a_result_goes_is_one_line_before_the_work(tmp_path, models, monkeypatch):
@@ -29,7 +29,7 @@ def test_a_folder_where_a_cache_file_or_a_result_goes_is_one_line_before_the_wor
     out = tmp_path / "out"
     (out / "metrics.json").mkdir(parents=True)
     with pytest.raises(SystemExit) as e:
-        run.check_out(out, Namespace(resume=False))
+        folder.check_out(out, Namespace(resume=False))
     assert f"--out {out} holds files this program did not write (metrics.json, ...: " in one_line(e)
 
 

@@ -1,0 +1,294 @@
+"""The run folder (--out): its one rule, results never replaced; the files a run writes there; its log.txt.
+
+    with held(out), run_log(out, quiet):   # one run at a time in --out; all it prints also into log.txt
+        begin(settings)                     # config.json with the identity, before the features
+        ...                                 # align.py: model.safetensors, history.csv, results.csv, metrics.json
+
+The rule is kept by the folder's layout rather than by checks. A run writes straight into --out (each
+file written beside its target and renamed onto it, so a rename never leaves the folder's file system).
+metrics.json, written last, marks a finished run:
+  - a new or empty --out is taken;
+  - a finished run in --out is never replaced: the run is refused, naming a free --out;
+  - an unfinished run (a checkpoint.pt, kept after a Ctrl-C or a failure) is continued by --resume
+    when the identity matches, and otherwise refused: no command but deleting it removes a checkpoint;
+  - anything else in --out (a file of your own, a data or model folder) is refused.
+With no --out, a run goes into results/<method>-<data>-seed<seed>, or -2, -3, ... when that holds a
+finished run (version folders: a rerun never collides with an earlier one).
+
+The files (aligned.load reads a finished run back): config.json (every setting, the identity, and "model":
+what rebuilds the method), checkpoint.pt (train.py, each epoch), model.safetensors (the method's state_dict),
+history.csv (per epoch), results.csv (a flat view in percent), log.txt, metrics.json.
+
+log.txt: everything the run prints (stdout and stderr) also goes there. The file is opened once
+config.json exists (begin writes it): until then the lines wait in memory, so a run refused before it
+takes --out leaves nothing there. Appended: a --resume continues the same log. --quiet keeps the
+console to the results and the error line; the log still gets every line. The console streams are
+line-flushed, so a redirected stdout is never minutes behind.
+"""
+import contextlib
+import csv
+import io
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from infra import distributed, loader, storage
+from infra.errors import RunError
+
+FINISHED = "metrics.json"   # written last: its presence marks a finished run
+
+
+# ---------------------------------------------------------------------------
+# The rule: a finished run is never replaced
+# ---------------------------------------------------------------------------
+def out_folder(args):
+    """--out, else results/<method>-<data>-seed<seed>, or its first version (-2, -3, ...) that holds no
+    finished run."""
+    if args.out:
+        return Path(args.out)
+    base, n = Path(f"results/{args.method}-{args.data}-seed{args.seed}"), 1
+    while is_ours(folder := base if n == 1 else Path(f"{base}-{n}")) and (folder / FINISHED).exists():
+        n += 1
+    return folder
+
+
+def is_ours(folder):
+    """folder holds a run of this program (its config.json carries an identity)."""
+    try:
+        return "identity" in json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def free_name(out):
+    n = 2
+    while Path(f"{out}-{n}").exists():
+        n += 1
+    return f"{out}-{n}"
+
+
+def check_out(out, args):
+    """--out is a new or empty folder, or an unfinished run of this program that --resume continues;
+    anything else is refused here, before any work, and nothing in it is ever removed."""
+    out = Path(out)
+    if os.path.lexists(out) and not out.is_dir():
+        what = "a link to nowhere" if out.is_symlink() else "a file"
+        raise RunError(f"--out {out} is {what}, not a folder; pass --out a new folder")
+    if not out.exists() or not any(out.iterdir()):
+        if args.resume:
+            print(f"[run] --resume: {out} holds no run yet; starting one")
+        return
+    if not is_ours(out):
+        first = sorted(p.name for p in out.iterdir())[0]
+        raise RunError(f"--out {out} holds files this program did not write ({first}, ...: a folder of your own, "
+                       f"data or a model?); pass --out a new or empty folder, e.g. --out {free_name(out)}")
+    if (out / FINISHED).exists():
+        raise RunError(f"--out {out} holds a finished run; results are never replaced: pass another --out "
+                       f"(e.g. --out {free_name(out)}), or delete {out} yourself")
+    if (out / "checkpoint.pt").exists() and not args.resume:
+        raise RunError(f"--out {out} holds an unfinished run and its checkpoint (kept); add --resume to continue "
+                       f"it, or pass another --out (e.g. --out {free_name(out)})")
+
+
+def begin(settings):
+    """Take --out for this run, before the features: config.json with the identity (the folder is
+    written once here, so a folder that cannot be written stops the run now, not after the work). An
+    unfinished run's checkpoint stays: --resume compares it (train.resume_state); a run that never
+    wrote one is simply restarted."""
+    if distributed.RANK != 0:
+        return
+    config = dict(vars(settings.args), identity=settings.identity, device=settings.device)
+    try:
+        settings.out.mkdir(parents=True, exist_ok=True)
+        for half in settings.out.glob("*.tmp[0-9]*"):       # a write killed before its rename: never a result
+            half.unlink()
+        storage.atomic_write_text(json.dumps(config, indent=2, default=str), settings.out / "config.json")
+    except OSError as e:
+        raise RunError(f"--out {settings.out} cannot be written ({e.strerror or e}); pass --out a folder you "
+                       f"can write to") from None
+
+
+@contextlib.contextmanager
+def held(out):
+    """--out held for this run (by rank 0): a second run given the same folder stops at once with one line
+    naming the run that holds it, instead of mixing its files with this one's. The lock file
+    (<parent>/.<name>.lock, beside the folder: nothing is written into it) says who holds it; the kernel
+    releases the lock when a process dies, so a killed run never blocks the next. A no-op where fcntl is
+    missing (Windows)."""
+    try:
+        import fcntl
+    except ImportError:
+        fcntl = None
+    if fcntl is None or distributed.RANK != 0:
+        yield
+        return
+    real = Path(out).resolve()
+    real.parent.mkdir(parents=True, exist_ok=True)
+    with storage.open_lock(real.parent / f".{real.name}.lock") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            raise RunError(f"--out {out} is in use by a run still going ({holder}); wait for it to "
+                           f"finish, or pass another --out") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(sys.argv)}\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+# ---------------------------------------------------------------------------
+# The files (align.py writes them, aligned.load reads them back)
+# ---------------------------------------------------------------------------
+def model_config(args, identity, image_enc, text_enc, dims):
+    """config.json's "model": what rebuilds the method and its encoders from the run folder alone (hp: the
+    __init__ keywords as the run passed them, the identity's hp.*)."""
+    hp = {k[3:]: v for k, v in identity.items() if k.startswith("hp.")}
+    return dict(method=args.method, hp=hp, dims=list(dims), image_encoder=image_enc.name, text_encoder=text_enc.name,
+                image_layer=image_enc.layer, text_layer=text_enc.layer,
+                cache_dir=str(Path(args.cache_dir).resolve()), templates=templates_of(args.data))
+
+
+def templates_of(data_name):
+    """The zero-shot templates of the run's data: the Shapes world's own, else CLIP's one prompt."""
+    if data_name == "shapes":
+        import shapes
+        return list(shapes.TEMPLATES)
+    return ["a photo of a {}."]
+
+
+def save_weights(method, path):
+    """method.state_dict() as safetensors (each tensor its own contiguous copy: tied tensors are stored twice)."""
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().cpu().contiguous().clone() for k, v in method.state_dict().items()}
+    with storage.atomic_target(path) as tmp:
+        save_file(state, str(tmp), metadata={"format": "pt"})
+
+
+def write_history(history, path):
+    """history.csv: one row per epoch, the columns every key of the rows in their first order (epoch, loss, the
+    method's logs, lr, seconds, and whatever a later row adds); floats to 6 significant digits."""
+    columns = list(dict.fromkeys(k for row in history for k in row))
+    text = io.StringIO()
+    w = csv.DictWriter(text, columns, lineterminator="\n")
+    w.writeheader()
+    for row in history:
+        w.writerow({k: f"{v:.6g}" if isinstance(v, float) else v for k, v in row.items()})
+    storage.atomic_write_text(text.getvalue(), path)
+
+
+PERCENT_GROUPS = ("retrieval", "classification", "segmentation", "binding")   # evaluate.py: percent or fractions
+FRACTIONS = ("i2t_map", "i2t_p1", "i2t_p5", "t2i_p1")                        # in [0, 1]: x 100 here
+
+
+def flat_metrics(metrics):
+    """[(name, value, unit)] of a metrics.json dict, one row per number, names joined by "/": every evaluation
+    figure in percent (the weight-recycling fractions x 100), rounded to 2 decimals; the rest as it is (4
+    decimals). metrics.json keeps evaluate.py's values untouched; this is the view beside it."""
+    rows = []
+
+    def walk(prefix, v):
+        if isinstance(v, dict):
+            for k, x in v.items():
+                walk(f"{prefix}/{k}" if prefix else str(k), x)
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            name = prefix.rsplit("/", 1)[-1]
+            if prefix.startswith(PERCENT_GROUPS):
+                rows.append((prefix, round(100 * v if name in FRACTIONS else v, 2), "%"))
+            else:
+                rows.append((prefix, round(v, 4) if isinstance(v, float) else v,
+                             "s" if name == "seconds" else ""))
+    walk("", metrics)
+    return rows
+
+
+def write_flat(metrics, path):
+    """results.csv: flat_metrics as metric,value,unit rows."""
+    lines = ["metric,value,unit"] + [f"{n},{v},{u}" for n, v, u in flat_metrics(metrics)]
+    storage.atomic_write_text("\n".join(lines) + "\n", path)
+
+
+# ---------------------------------------------------------------------------
+# log.txt (the module docstring)
+# ---------------------------------------------------------------------------
+_LOUD = [0]
+
+
+class Tee(io.TextIOBase):
+    """A console stream that also writes into the run's log.txt (see the module docstring)."""
+
+    def __init__(self, console, out, quiet, buffer):
+        self.console, self.out, self.quiet, self.buffer_ = console, Path(out), quiet, buffer
+
+    def write(self, s):
+        if not self.quiet or _LOUD[0]:
+            self.console.write(s)
+            if "\n" in s:
+                self.console.flush()
+        self.buffer_.write(s)
+        return len(s)
+
+    def flush(self):
+        self.console.flush()
+        self.buffer_.flush()
+
+    def isatty(self):
+        return self.console.isatty()
+
+    @property
+    def encoding(self):
+        return getattr(self.console, "encoding", "utf-8")
+
+
+class LogFile:
+    """log.txt, opened when config.json appears; lines before that kept in memory."""
+
+    def __init__(self, out):
+        self.out, self.file, self.pending = Path(out), None, io.StringIO()
+
+    def write(self, s):
+        if self.file is None and (self.out / "config.json").is_file():
+            self.file = open(self.out / "log.txt", "a", encoding="utf-8")
+            self.file.write(self.pending.getvalue())
+        (self.file or self.pending).write(s)
+
+    def flush(self):
+        if self.file is not None:
+            self.file.flush()
+
+    def close(self):
+        self.write("")
+        if self.file is not None:
+            self.file.close()
+
+
+@contextlib.contextmanager
+def run_log(out, quiet=False):
+    log = LogFile(out)
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = Tee(streams[0], out, quiet, log), Tee(streams[1], out, quiet, log)
+    was_quiet, loader.QUIET = loader.QUIET, quiet
+    try:
+        yield log
+    finally:
+        sys.stdout, sys.stderr = streams
+        loader.QUIET = was_quiet
+        log.close()
+
+
+@contextlib.contextmanager
+def shown():
+    """What is printed inside reaches the console even under --quiet."""
+    _LOUD[0] += 1
+    try:
+        yield
+    finally:
+        _LOUD[0] -= 1
