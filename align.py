@@ -33,7 +33,8 @@ import shapes
 import train
 from infra import cache, distributed, folder, storage
 from infra import run as runs
-from infra.errors import RunError, guard
+from infra.errors import RunError
+from infra.run import guard
 from methods import METHODS
 
 USAGE = """examples:
@@ -192,7 +193,7 @@ class Run:
 def load_inputs(args, device):
     """The data sets, the encoders, the head rows when the run aligns on them, and the layers of
     --select-layers: everything before the features. Each input is read whole here, under one guard
-    (infra/errors.py): any fault in a data folder, an evaluation set or a model folder is one line."""
+    (infra/run.guard): any fault in a data folder, an evaluation set or a model folder is one line."""
     if args.data == "shapes":
         sets = shapes.cached_world(args.cache_dir)
     else:       # the image-text sets, then every evaluation set found under --data-root

@@ -29,7 +29,8 @@ import features
 import model_files
 from data import BindingSet, PairSet
 from features import TOKEN_RULE, Features, autocast, host_batch, word_positions, word_tokens
-from infra.errors import RunError, first_line, guard
+from infra.errors import RunError, first_line
+from infra.run import guard
 from infra.storage import code_hash, folder_fingerprint
 from shapes_encoders import ShapesImageEncoder, TinyTextEncoder, load_shapes_encoders
 

@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from data import IGNORE, LabelSet, LazyImages, MaskSet, centre_square, tree_identity
-from infra.errors import RunError, guard
+from infra.errors import RunError
+from infra.run import guard
 
 SEG_SIZE = 224  # side of the stored segmentation masks (the usual ViT input side)
 

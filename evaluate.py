@@ -35,8 +35,9 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from features import batch_to, is_stored, read_ahead
 from infra.errors import RunError
-from infra.loader import Progress, batch_to, is_stored, read_ahead
+from infra.folder import Progress
 
 # ----------------------------------------------------------------------------- embedding step
 

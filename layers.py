@@ -36,7 +36,7 @@ def select_layers(image_enc, text_enc, pairs, metric="mknn", n=5000, batch_size=
     from infra.storage import atomic_write_text
 
     def pooled_by_layer(enc, items, kind):  # {layer: (n, D_layer)} on device; progress on stderr past 2 s
-        from infra.loader import Progress
+        from infra.folder import Progress
         out, progress = {}, Progress(f"[layers] {metric}: {kind} of every layer:", len(items), kind)
         for i in range(0, len(items), batch_size):
             for layer, v in enc.pooled_layers(items[i:i + batch_size], device).items():

@@ -19,9 +19,10 @@ os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 import torch  # noqa: E402
 
 import evaluate  # noqa: E402
-from features import Features  # noqa: E402
-from infra import distributed, loader, storage  # noqa: E402
+from features import Features, Feed, batch_to  # noqa: E402
+from infra import distributed, storage  # noqa: E402
 from infra.errors import RunError  # noqa: E402
+from infra.folder import Progress  # noqa: E402
 from infra.run import refuse_batch  # noqa: E402
 from methods.csa import image_ids  # noqa: E402
 from negatives import contrastive_scale, hard_negative_loss
@@ -364,7 +365,7 @@ def train(method, img, txt, loop, out, device, resume=False, settings=None, nega
         step_loss, rows = dd.loss, dd.rows
     print(f"[train] {epochs} epochs x {steps_per_epoch} steps, batch {batch_size}, {opt_cls.__name__} "
           f"lr {lr:g} wd {wd:g}")
-    feed = loader.Feed(img, txt, device)                   # on the device once, or streamed: said in one line
+    feed = Feed(img, txt, device)                   # on the device once, or streamed: said in one line
     t0, loss = time.time(), torch.tensor(float("nan"))
     for epoch in range(start, epochs):
         method.train()
@@ -376,12 +377,12 @@ def train(method, img, txt, loop, out, device, resume=False, settings=None, nega
         index_batches = (rows(order[step * batch_size:(step + 1) * batch_size])  # this rank's slice
                          for step in range(steps_per_epoch))
         batches = feed.batches(index_batches)
-        progress = loader.Progress(f"[train] epoch {epoch + 1}:", steps_per_epoch, "steps", every=30, first=10)
+        progress = Progress(f"[train] epoch {epoch + 1}:", steps_per_epoch, "steps", every=30, first=10)
         for step, (idx, img_b, txt_b) in enumerate(batches):
             loss, logs = step_loss(img_b, txt_b)          # method.loss unless split by torchrun
             if negatives is not None:             # --hard-negatives: L = L_method + L_hn (never split)
                 j = negatives[1][idx]                                           # (B, M), -1 = none
-                neg = loader.batch_to(negatives[0][j.clamp(min=0).flatten()], device)
+                neg = batch_to(negatives[0][j.clamp(min=0).flatten()], device)
                 loss = loss + hard_negative_loss(method, img_b, txt_b, neg, (j >= 0).to(device),
                                                  contrastive_scale(method))
             opt.zero_grad(set_to_none=True)

@@ -5,7 +5,7 @@ torchrun tests).
     python benchmarks/align_sharded.py --memmap-bytes 0 --shard-bytes 1 [--stream] -- <align.py arguments>
 
 --memmap-bytes / --shard-bytes set infra/shards.py's MEMMAP_BYTES (a larger token set goes to shards) and
-SHARD_BYTES (tokens per shard, whole batches, at least one); --stream sets infra/loader.py's RESIDENT_SHARE
+SHARD_BYTES (tokens per shard, whole batches, at least one); --stream sets features.py's RESIDENT_SHARE
 to 0, so training streams its batches from the shards even where they fit on the GPU. Works under torchrun.
 """
 import argparse
@@ -21,10 +21,11 @@ def main():
     p.add_argument("--shard-bytes", type=float, required=True)
     p.add_argument("--stream", action="store_true", help="train from the shards, never from the GPU's memory")
     args, rest = p.parse_known_args()
-    from infra import loader, shards
+    import features
+    from infra import shards
     shards.MEMMAP_BYTES, shards.SHARD_BYTES = int(args.memmap_bytes), int(args.shard_bytes)
     if args.stream:
-        loader.RESIDENT_SHARE = 0.0
+        features.RESIDENT_SHARE = 0.0
     import align
     sys.argv = [str(Path(align.__file__)), *[a for a in rest if a != "--"]]
     align.cli()

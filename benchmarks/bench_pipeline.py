@@ -4,11 +4,11 @@
     python benchmarks/bench_pipeline.py --device cuda --coco-size   # one GPU, COCO sizes (see docs/pipeline.md)
     python benchmarks/bench_pipeline.py --tiny                   # seconds (tests/test_pipeline.py runs it)
 
-(a) feature reads: rows/s of the training loader's read stage (loader.read_ahead over
+(a) feature reads: rows/s of the training loader's read stage (features.read_ahead over
     memory-mapped shards.StoredFeatures shards of fixed-length image rows, random batches, fp16
     host batches) against a plain numpy fancy-index of the same shards (sorted indices, one copy
     per shard, one thread); ratio = reader / numpy (expected >= 2/3). Also the whole loader
-    (loader.batch_loader: batches as fp32 on the device, what a training step reads).
+    (features.batch_loader: batches as fp32 on the device, what a training step reads).
 (b) extraction: images/s of JPEG decode + resize alone (model_files.ImagePreprocess), of the model
     alone (a randomly initialised DINOv2 config, tokens back on the host), and of cache.extract
     over the files (the pipeline); ratio = pipeline / the slower of the two (expected >= 0.8).
@@ -49,7 +49,7 @@ import shapes
 import shapes_encoders as se  # noqa: E402
 import similarity  # noqa: E402
 from features import Features  # noqa: E402
-from infra import cache, loader, shards  # noqa: E402
+from infra import cache, shards  # noqa: E402
 
 SIZES = {  # rows, tokens, dim of (a); images, model (hidden, layers, heads) of (b); pairs, text layers of (c); (d)
     "tiny": dict(rows=128, T=17, D=32, batch=32, images=4, ext_batch=2, shard_rows=4, hidden=32, layers=2, heads=2,
@@ -112,11 +112,11 @@ def bench_reader(z, work, device, repeats, sync):
             [views[k][rows[s == k] - starts[k]] for k in np.unique(s)]      # one fancy-index copy per shard
 
     def reader_epoch():                                                     # the loader's read stage: fp16 host batches
-        for _ in loader.read_ahead(lambda idx: f[idx], batches()):
+        for _ in features.read_ahead(lambda idx: f[idx], batches()):
             pass
 
     def loader_epoch():                                                     # the whole loader, on the device as fp32
-        for _ in loader.batch_loader(f, txt, batches(), device):
+        for _ in features.batch_loader(f, txt, batches(), device):
             pass
     numpy_epoch()                                                           # the pages in the page cache for all
     np_t, np_min = timed(numpy_epoch, repeats, lambda: None)
@@ -124,7 +124,8 @@ def bench_reader(z, work, device, repeats, sync):
     ld_t, ld_min = timed(loader_epoch, repeats, sync)
     n, mb = len(f), len(f) * z["T"] * z["D"] * 2 / 2**20
     print(f"(a) feature reads: {n} rows x {z['T']} tokens x {z['D']} fp16 ({mb:.0f} MB in {len(views)} shards), "
-          f"random batches of {z['batch']}; {loader.READ_WORKERS} reader threads, {loader.READ_AHEAD} batches ahead")
+          f"random batches of {z['batch']}; "
+          f"{features.READ_WORKERS} reader threads, {features.READ_AHEAD} batches ahead")
     print(f"    reader rows/s            {n / rd_t:10.0f}  [{n / rd_min:.0f}]   ratio to numpy {np_t / rd_t:.2f} "
           f"(expected >= 0.67)")
     print(f"    numpy fancy-index rows/s {n / np_t:10.0f}  [{n / np_min:.0f}]   (the bound)")
@@ -420,7 +421,7 @@ def bench_steps(z, work, repeats):
         print(f"      device-resident: host ms per step {host_t * 1e3:7.2f} ({ops} ops issued; no read, no copy, "
               f"0 syncs: tests/test_feed.py)")
         print(f"      streamed:        host ms per step {read_t * 1e3:7.2f} one thread ({mb:.0f} MB of image rows "
-              f"into one buffer), {read_t * 1e3 / loader.READ_WORKERS:.2f} over {loader.READ_WORKERS} reader "
+              f"into one buffer), {read_t * 1e3 / features.READ_WORKERS:.2f} over {features.READ_WORKERS} reader "
               f"threads; numpy fancy-index {np_t * 1e3:.2f} ms, ratio {np_t / read_t:.2f}")
         out[f"{name}_gflop"] = {"value": flops / 1e9, "ratio": 1.0}
         out[f"{name}_resident_host_ms"] = {"value": host_t * 1e3, "ratio": gpu_ms / (host_t * 1e3)}

@@ -20,7 +20,7 @@ import data
 from features import Features, precision
 from infra import distributed, shards
 from infra.errors import RunError
-from infra.loader import Progress
+from infra.folder import Progress
 from infra.storage import atomic_save, file_lock, safe_load
 
 # ---------------------------------------------------------------------------

@@ -1,6 +1,5 @@
-"""The project's one exception, a fault of the user's input said in one line, and the one guard that
-turns any exception at a boundary (a file, a folder, a model, the environment) into such a line."""
-import contextlib
+"""The project's one exception: a fault of the user's input, said in one line. The one guard that turns
+any exception at a boundary (a file, a folder, a model) into such a line is infra/run.py's guard()."""
 
 
 class RunError(SystemExit):
@@ -17,17 +16,3 @@ def first_line(e):
     """The first line of an exception's message (transformers' messages run to paragraphs)."""
     text = str(e).strip()
     return text.splitlines()[0][:300] if text else type(e).__name__
-
-
-@contextlib.contextmanager
-def guard(what, fix):
-    """The one guard of a boundary: ANY exception raised while reading `what` (a data folder, a model
-    folder, an evaluation set, a preprocessor's first image) ends the run in one line naming it, the
-    library's own message and what to do. A reader validates what it reads; this line is what a fault
-    nobody listed becomes. RunError and Ctrl-C pass through unchanged."""
-    try:
-        yield
-    except (SystemExit, KeyboardInterrupt):
-        raise
-    except Exception as e:
-        raise RunError(f"{what}: {type(e).__name__}: {first_line(e)}; {fix}") from None

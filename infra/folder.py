@@ -19,11 +19,11 @@ The files (aligned.load reads a finished run back): config.json (every setting, 
 what rebuilds the method), checkpoint.pt (train.py, each epoch), model.safetensors (the method's state_dict),
 history.csv (per epoch), results.csv (a flat view in percent), log.txt, metrics.json.
 
-log.txt: everything the run prints (stdout and stderr) also goes there. The file is opened once
-config.json exists (begin writes it): until then the lines wait in memory, so a run refused before it
-takes --out leaves nothing there. Appended: a --resume continues the same log. --quiet keeps the
-console to the results and the error line; the log still gets every line. The console streams are
-line-flushed, so a redirected stdout is never minutes behind.
+log.txt: everything the run prints (stdout and stderr, the progress lines of long loops too) also goes
+there. The file is opened once config.json exists (begin writes it): until then the lines wait in memory,
+so a run refused before it takes --out leaves nothing there. Appended: a --resume continues the same log.
+--quiet keeps the console to the results and the error line (no progress lines); the log still gets every
+line. The console streams are line-flushed, so a redirected stdout is never minutes behind.
 """
 import contextlib
 import csv
@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from infra import distributed, loader, storage
+from infra import distributed, storage
 from infra.errors import RunError
 
 FINISHED = "metrics.json"   # written last: its presence marks a finished run
@@ -275,12 +275,13 @@ def run_log(out, quiet=False):
     log = LogFile(out)
     streams = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = Tee(streams[0], out, quiet, log), Tee(streams[1], out, quiet, log)
-    was_quiet, loader.QUIET = loader.QUIET, quiet
+    global QUIET
+    was_quiet, QUIET = QUIET, quiet
     try:
         yield log
     finally:
         sys.stdout, sys.stderr = streams
-        loader.QUIET = was_quiet
+        QUIET = was_quiet
         log.close()
 
 
@@ -292,3 +293,62 @@ def shown():
         yield
     finally:
         _LOUD[0] -= 1
+
+
+# ---------------------------------------------------------------------------
+# Progress lines of long loops (stderr; none under --quiet)
+# ---------------------------------------------------------------------------
+def clock(seconds):
+    """Seconds as 42s, 3m07s or 1h02m."""
+    s = int(round(seconds))
+    return f"{s}s" if s < 60 else f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+QUIET = False    # align.py --quiet: no progress lines
+
+
+FIRST = 2.0      # seconds before a loop's first progress line
+
+
+ANNOUNCE = 10000  # a loop over at least this many items says when it starts (COCO's sets; not the Shapes world's)
+
+
+def to_stderr(line):
+    print(line, file=sys.stderr, flush=True)
+
+
+class Progress:
+    """Progress lines of a long loop, in the style of [train]'s: done / total, rate, elapsed, ETA.
+
+    t0: when the work began (the rate counts everything done since, the first batch included).
+    The first line after FIRST seconds, then at most one every `every` seconds and one at the end, only
+    when the loop ran that long; on stderr, flushed (log=print), so a redirected stdout keeps the results.
+    None under --quiet (QUIET)."""
+
+    def __init__(self, tag, total, unit="rows", every=10.0, log=print, t0=None, first=None):
+        self.tag, self.total, self.unit, self.every = tag, total, unit, every
+        self.first = FIRST if first is None else first
+        self.log = to_stderr if log is print else log
+        self.t0 = time.time() if t0 is None else t0
+        self.done, self.last, self.said = 0, self.t0, False
+        if total >= ANNOUNCE and not QUIET:         # a first batch of a large set can take a minute: say it began
+            self.log(f"{tag} 0/{total} {unit}, started")
+
+    def line(self):
+        dt = max(time.time() - self.t0, 1e-9)
+        rate = self.done / dt
+        eta = (self.total - self.done) / rate if rate > 0 else float("inf")
+        return (f"{self.tag} {self.done}/{self.total} {self.unit} ({100 * self.done / max(self.total, 1):.0f}%), "
+                f"{rate:,.0f} {self.unit}/s, {clock(dt)} elapsed, ETA {clock(eta) if eta < 1e7 else '?'}")
+
+    def update(self, n, force=False):
+        self.done += n
+        now = time.time()
+        wait = self.every if self.said else self.first
+        if not QUIET and (force or (now - self.last >= wait and self.done < self.total)):
+            self.last, self.said = now, True
+            self.log(self.line())
+
+    def close(self):
+        if not QUIET and (self.said or time.time() - self.t0 >= self.every):
+            self.log(self.line())

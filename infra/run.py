@@ -1,6 +1,8 @@
-"""A run's settings and what its results depend on: checked before any work.
+"""A run's settings and what its results depend on, checked before any work; the one guard of its inputs.
 
     settings = before_any_work(args, method_cls)       # flags, --hp, device, paths, --out: refusals, no work
+    with guard("loading the encoders", "check the model folders ..."):   # ANY exception: one error line
+        ...                                            # (align.load_inputs reads every input under it)
     settings.read_inputs(image_enc, text_enc, sets)    # the run's identity: code, weights, data, layers
     folder.begin(settings)                             # config.json into --out, before the features
     train.resolve_loop(settings, method, img, txt, cores)   # epochs, batch, lr, threads as they run
@@ -13,6 +15,7 @@ folder's rule (infra/folder.py: results never replaced) is checked here, before 
 """
 import argparse
 import ast
+import contextlib
 import inspect
 import json
 import os
@@ -24,7 +27,7 @@ import torch
 
 import data
 from infra import folder, storage
-from infra.errors import RunError
+from infra.errors import RunError, first_line
 from infra.storage import code_hash
 
 # Valid ranges: an interval string ("[1, inf)", "(0, 1]") or a tuple of choices. A method declares its
@@ -80,6 +83,23 @@ class Settings:
                     device=self.device, out=str(self.out), alignment_pairs=alignment_pairs,
                     **self.layers,
                     method_defaults=method.defaults, identity=self.identity, software=software())
+
+
+# ---------------------------------------------------------------------------
+# The one guard of every input (a data folder, an evaluation set, a model folder, a preprocessor)
+# ---------------------------------------------------------------------------
+@contextlib.contextmanager
+def guard(what, fix):
+    """The one guard of a boundary: ANY exception raised while reading `what` (a data folder, a model
+    folder, an evaluation set, a preprocessor's first image) ends the run in one line naming it, the
+    library's own message and what to do. A reader validates what it reads; this line is what a fault
+    nobody listed becomes. RunError and Ctrl-C pass through unchanged."""
+    try:
+        yield
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except Exception as e:
+        raise RunError(f"{what}: {type(e).__name__}: {first_line(e)}; {fix}") from None
 
 
 # ---------------------------------------------------------------------------

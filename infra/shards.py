@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from features import Features
+from features import Features, read_ahead
 from infra.errors import RunError, first_line
-from infra.loader import Progress, read_ahead
+from infra.folder import Progress
 from infra.storage import atomic_save, atomic_target, file_crc, load_plain, safe_load
 
 # A set larger than MEMMAP_BYTES is written as shards of SHARD_BYTES, read back through a

@@ -1,4 +1,4 @@
-"""The run's boundaries, one guard each (infra/errors.guard, infra/run.py): what the user hands in
+"""The run's boundaries, one guard each (infra/run.py: guard, the checks before any work): what the user hands in
 (data folders, evaluation sets, model folders, preprocessors, the environment), what the run writes
 (the run folder: never replaced, a checkpoint never removed), and what a result depends on (the
 identity: settings, code, weights, data). Each fault is one `error:` line before any long work

@@ -1,4 +1,4 @@
-"""Where the training set's features live while the loop runs (loader.Feed): on the device once when they fit,
+"""Where the training set's features live while the loop runs (features.Feed): on the device once when they fit,
 streamed otherwise, decided from sizes alone; checked on the simulated CUDA device (tests/simulated_device.py).
 
 References: the streamed batches (host index, then the copy) for the device-resident ones; the host syncs
@@ -13,9 +13,9 @@ from conftest import HostSyncs, random_features, train_with
 from simulated_device import simulated_cuda
 from test_loading import stored_and_dense
 
+import features
 import methods
 from features import Features
-from infra import loader
 
 ROOT = str(Path(__file__).resolve().parents[1]) + "/"
 
@@ -79,24 +79,24 @@ def test_the_decision_counts_every_byte_of_both_sets(monkeypatch, capsys):
     """Tokens, mask and pooled of both sets, against RESIDENT_SHARE of the GPU's memory: one byte over streams."""
     img, txt = cached_pairs(32)
     need = (32 * 17 * 8 * 2 + 32 * 17 + 32 * 8 * 2) + (32 * 9 * 6 * 2 + 32 * 9 + 32 * 6 * 2)
-    assert loader.dense_bytes(img) + loader.dense_bytes(txt) == need
-    for memory, resident in ((need / loader.RESIDENT_SHARE + 1, True), (need / loader.RESIDENT_SHARE - 2, False)):
+    assert features.dense_bytes(img) + features.dense_bytes(txt) == need
+    for memory, resident in ((need / features.RESIDENT_SHARE + 1, True), (need / features.RESIDENT_SHARE - 2, False)):
         with simulated_cuda(monkeypatch, memory=int(memory)):
-            assert loader.Feed(img, txt, "cuda", log=lambda s: None).resident == resident, memory
+            assert features.Feed(img, txt, "cuda", log=lambda s: None).resident == resident, memory
 
 
 def test_resident_batches_equal_the_streamed_ones(tmp_path, monkeypatch):
     """Memory-mapped shards (ragged texts) loaded onto the device in chunks: each step's rows equal the
     streamed batch's, padding columns aside (exactly 0, masked)."""
     (img, txt), _ = stored_and_dense(tmp_path, monkeypatch)
-    monkeypatch.setattr(loader, "RESIDENT_CHUNK_BYTES", 5 * 8 * 2 * 7)        # 7 rows a copy: chunks of their own width
+    monkeypatch.setattr(features, "RESIDENT_CHUNK_BYTES", 5 * 8 * 2 * 7)      # 7 rows a copy: chunks of their own width
     order = torch.randperm(len(img), generator=torch.Generator().manual_seed(0))
     batches = [order[s * 16:(s + 1) * 16] for s in range(len(img) // 16)]
     with simulated_cuda(monkeypatch) as counts:
-        feed = loader.Feed(img, txt, "cuda", log=lambda s: None)
+        feed = features.Feed(img, txt, "cuda", log=lambda s: None)
         assert feed.resident
         got = list(feed.batches(iter(batches)))
-        want = list(loader.batch_loader(img, txt, iter(batches), "cuda"))
+        want = list(features.batch_loader(img, txt, iter(batches), "cuda"))
         for (i, a, b), (j, c, d) in zip(got, want, strict=True):
             assert torch.equal(i, j) and a.tokens.is_cuda and a.tokens.dtype == torch.float32
             for x, y in ((a, c), (b, d)):
@@ -113,7 +113,7 @@ def test_pinned_host_rows_equal_the_plain_index(tmp_path, monkeypatch):
     idx = torch.tensor([40, 3, 3, 17, 69, 0])
     with simulated_cuda(monkeypatch) as counts:
         for f in (img, txt, img_d, txt_d):
-            got, want = loader.host_rows(f, idx, pinned=True), f[idx]
+            got, want = features.host_rows(f, idx, pinned=True), f[idx]
             assert torch.equal(got.tokens, want.tokens) and torch.equal(got.mask, want.mask)
             assert torch.equal(got.pooled, want.pooled) and got.grid == want.grid
     assert counts["pin_memory"] >= 4 * 3

@@ -61,7 +61,8 @@ def test_the_shards_step_trains_from_memory_mapped_shards_on_the_simulated_devic
     from simulated_device import simulated_cuda
 
     import align
-    from infra import loader, shards
+    import features
+    from infra import shards
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import gpu_check
     world = gpu_check.write_world(tmp_path / "data", True)
@@ -70,7 +71,7 @@ def test_the_shards_step_trains_from_memory_mapped_shards_on_the_simulated_devic
     monkeypatch.setattr(shards, "MEMMAP_BYTES", int(cmd[cmd.index("--memmap-bytes") + 1]))  # as the wrapper does
     monkeypatch.setattr(shards, "SHARD_BYTES", int(cmd[cmd.index("--shard-bytes") + 1]))
     assert "--stream" in cmd
-    monkeypatch.setattr(loader, "RESIDENT_SHARE", 0.0)
+    monkeypatch.setattr(features, "RESIDENT_SHARE", 0.0)
     with simulated_cuda(monkeypatch) as counts:
         align.main(cmd[cmd.index("--stream") + 1:])
     assert (tmp_path / "shards" / "metrics.json").exists()

@@ -11,9 +11,10 @@ import pytest
 import torch
 from conftest import interrupted, random_features, train_with
 
+import features
 import shapes
 import train as budget
-from infra import cache, loader, shards
+from infra import cache, shards
 from methods.linear import Linear
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +42,7 @@ def stored_and_dense(tmp_path, monkeypatch, n=70):
     enc_i, enc_t = RandomEncoder("img", 5, 8, ragged=False), RandomEncoder("txt", 6, 6, ragged=True)
     img = cache.extract(enc_i, list(range(n)), tmp_path, batch_size=16, dataset="t", split="a", modality="image")
     txt = cache.extract(enc_t, list(range(n)), tmp_path, batch_size=16, dataset="t", split="a", modality="text")
-    assert loader.is_stored(img) and loader.is_stored(txt) and len(img.tokens_files) == -(-n // 16)
+    assert features.is_stored(img) and features.is_stored(txt) and len(img.tokens_files) == -(-n // 16)
     return (img, txt), (img[:], txt[:])
 
 
@@ -51,7 +52,7 @@ def test_read_ahead_gives_the_plain_loaders_batches_in_order(tmp_path, monkeypat
     index_batches = [order[s * 16:(s + 1) * 16] for s in range(len(img) // 16)]
     seen_threads = []
     ahead = []
-    for idx, a, b in loader.batch_loader(img, txt, iter(index_batches), "cpu"):
+    for idx, a, b in features.batch_loader(img, txt, iter(index_batches), "cpu"):
         seen_threads.append(any(t.name == "read-ahead" for t in threading.enumerate()))
         ahead.append((idx, a, b))
     assert all(seen_threads[:-1])      # read by the background thread (after the last batch it may have ended)
@@ -93,11 +94,11 @@ def test_an_exception_in_the_reader_thread_is_raised_in_the_callers_thread():
         return i * i
     got = []
     with pytest.raises(ValueError, match="unreadable shard 3 in read-ahead"):
-        for v in loader.read_ahead(make, range(6)):
+        for v in features.read_ahead(make, range(6)):
             got.append(v)
     assert got == [0, 1, 4]                                        # everything before the failure, in order
     assert not any(t.name == "read-ahead" for t in threading.enumerate())
-    it = loader.read_ahead(lambda i: i, range(1000))              # leaving early stops the reader
+    it = features.read_ahead(lambda i: i, range(1000))              # leaving early stops the reader
     assert [next(it) for _ in range(3)] == [0, 1, 2]
     it.close()
     assert not any(t.name == "read-ahead" for t in threading.enumerate())

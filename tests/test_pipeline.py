@@ -9,12 +9,13 @@ import pytest
 import torch
 
 import encoders
+import features
 import layers
 import model_files
 import shapes
 import shapes_encoders as se
 import similarity
-from infra import loader, shards
+from infra import folder, shards
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -162,8 +163,8 @@ def test_read_ahead_pool_keeps_the_order_and_the_values():
     def slow(i):
         time.sleep(random.random() * 0.003)                     # workers finish out of order
         return i * i
-    assert list(loader.read_ahead(slow, range(40), depth=5, workers=3)) == [i * i for i in range(40)]
-    assert list(loader.read_ahead(slow, iter([]), depth=2, workers=2)) == []
+    assert list(features.read_ahead(slow, range(40), depth=5, workers=3)) == [i * i for i in range(40)]
+    assert list(features.read_ahead(slow, iter([]), depth=2, workers=2)) == []
 
 
 def random_dinov2(layer=-1):
@@ -194,9 +195,9 @@ def test_extraction_pipeline_equals_the_serial_encode(layer, tmp_path):
 
 def test_progress_lines_count_from_the_start_and_give_an_eta(monkeypatch):
     now = [100.0]
-    monkeypatch.setattr(loader.time, "time", lambda: now[0])
+    monkeypatch.setattr(folder.time, "time", lambda: now[0])
     lines = []
-    p = loader.Progress("[x]", 1000, every=10, log=lines.append, t0=90.0)   # the first batch took 10 s
+    p = folder.Progress("[x]", 1000, every=10, log=lines.append, t0=90.0)   # the first batch took 10 s
     p.update(100)
     now[0] = 101.0
     p.update(100)                                                  # 1 s since the last line: none
