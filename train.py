@@ -30,12 +30,14 @@ from negatives import contrastive_scale, hard_negative_loss
 
 def resume_state(settings):
     """The checkpoint --resume continues, loaded here once, before the features, and compared on the
-    run's identity (settings.identity: settings, code, encoders, data; train compares the rest: epochs,
-    batch, the weights' shapes); else False, or True for --resume before a first checkpoint."""
+    run's identity (settings.identity: settings, code, encoders, data) and --epochs / --batch-size when given
+    (train compares the rest: the loop as resolved, the weights' shapes); else False, or True for --resume
+    before a first checkpoint."""
     ckpt = settings.out / "checkpoint.pt"
     if not (settings.args.resume and ckpt.exists()):
         return settings.args.resume
-    return load_checkpoint(ckpt, settings.identity)
+    given = {k: v for k in ("epochs", "batch_size") if (v := getattr(settings.args, k)) is not None}
+    return load_checkpoint(ckpt, {**settings.identity, **given})   # the loop's flags as given: compared now too
 
 
 def load_checkpoint(ckpt, settings):

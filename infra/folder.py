@@ -76,6 +76,10 @@ def check_out(out, args):
     if os.path.lexists(out) and not out.is_dir():
         what = "a link to nowhere" if out.is_symlink() else "a file"
         raise RunError(f"--out {out} is {what}, not a folder; pass --out a new folder")
+    cache = getattr(args, "cache_dir", None)
+    if cache is not None and out.resolve() in (Path(cache).resolve(), *Path(cache).resolve().parents):
+        raise RunError(f"--out {out} is or holds --cache-dir {cache}: a run folder is kept or moved as a whole, "
+                       f"and the feature cache would go with it; pass --out a folder outside it")
     if not out.exists() or not any(out.iterdir()):
         if args.resume:
             print(f"[run] --resume: {out} holds no run yet; starting one")

@@ -167,7 +167,7 @@ OUT_FAULTS = {   # name: (make --out in tmp, what the line says)
     "a folder of one's own": (lambda t: (t / "out").mkdir() or (t / "out" / "notes.txt").write_text("mine"),
                               "holds files this program did not write (notes.txt, ..."),
     "the cache": (lambda t: (t / "c" / "features").mkdir(parents=True) or (t / "out").symlink_to(t / "c"),
-                  "holds files this program did not write"),
+                  "is or holds --cache-dir"),
     "a finished run": (lambda t: finished(t / "out"), "holds a finished run; results are never replaced"),
 }
 
@@ -182,6 +182,15 @@ def test_an_out_that_is_not_new_empty_or_unfinished_is_refused_and_left_as_it_wa
     text = one_line_before_work(capsys, ["--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "c"), *QUICK])
     assert says in text and "delete" not in text.split(";")[0], text
     assert files() == before
+
+
+@pytest.mark.parametrize("out", ["c", "."], ids=["is the cache", "holds the cache"])
+def test_an_out_that_is_or_holds_the_cache_is_refused(out, tmp_path, capsys):
+    """--out equal to a new --cache-dir ran and wrote its results among the features: deleting or moving the
+    run folder took the cache with it."""
+    text = one_line_before_work(capsys, ["--out", str(tmp_path / out), "--cache-dir", str(tmp_path / "c"), *QUICK])
+    assert "is or holds --cache-dir" in text, text
+    assert not (tmp_path / "c" / "config.json").exists()
 
 
 def test_a_link_where_a_lock_or_a_temporary_file_goes_is_never_written_through(tmp_path, capsys):
@@ -240,6 +249,9 @@ def test_ctrl_c_then_any_command_leaves_the_checkpoint_and_resume_finishes(cache
         text = one_line_before_work(capsys, argv + extra)
         assert "holds an unfinished run and its checkpoint (kept); add --resume" in text, text
         assert (out / "checkpoint.pt").read_bytes() == saved
+    text = one_line_before_work(capsys, argv + ["--resume", "--epochs", "3"])   # refused before the features too
+    assert "was written under other settings: epochs 2 there, 3 now" in text, text
+    assert (out / "checkpoint.pt").read_bytes() == saved
     align.main(argv + ["--resume"])
     assert "resumed from" in capsys.readouterr().out and (out / "metrics.json").exists()
 

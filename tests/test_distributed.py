@@ -63,7 +63,8 @@ def case(name):
 
 def rank_step(r, port, out):
     """One rank: the split step (distributed.Training) on its rows of the batch, for every split method."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+                      TORCHELASTIC_RUN_ID="test")                       # as torchrun starts a rank
     torch.set_num_threads(1)
     distributed.setup("cpu")
     results = {}
@@ -265,7 +266,8 @@ def rank_alone(r, port, out):
     """One rank of 2 with a collective timeout of 2 s: a method that trains on rank 0 alone, for longer."""
     import time
     from datetime import timedelta
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+                      TORCHELASTIC_RUN_ID="test")                       # as torchrun starts a rank
     torch.set_num_threads(1)
     distributed.TIMEOUT = timedelta(seconds=2)
     distributed.setup("cpu")
