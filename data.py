@@ -94,7 +94,7 @@ class BindingSet:
 #    150 classes of ADEChallengeData2016.
 # 4. Faults are found before any encoder runs: the split file is parsed and
 #    checked entry by entry (valid UTF-8 JSON, an "images" list, every entry's
-#    filename / split / sentences, every sentence's "raw"), and every image and
+#    filename / split (one of Karpathy's four) / sentences, every sentence's "raw"), and every image and
 #    mask file is checked to exist and be non-empty, each fault one `error:`
 #    line naming the file. A file that exists but cannot be decoded (truncated,
 #    a decompression bomb) is one line naming it when it is read; there are no
@@ -271,6 +271,7 @@ FLICKR_LAYOUT = """  <data-root>/flickr30k/         (or <data-root> itself)
       flickr30k-images/*.jpg"""
 FLICKR_URL = ("images: https://shannon.cs.illinois.edu/DenotationGraph/ (request form); "
               "Karpathy split: https://cs.stanford.edu/people/karpathy/deepimagesent/caption_datasets.zip")
+KARPATHY_SPLITS = ("train", "val", "test", "restval")
 SPLIT_FILE = 'a Karpathy split file: {"images": [{"filename", "split", "sentences": [{"raw"}, ...]}, ...]}'
 
 
@@ -300,6 +301,9 @@ def read_split_file(path):
             if not isinstance(e.get(field_), kind) or (field_ == "filename" and not e[field_]):
                 raise RunError(f"{where} has no {field_!r} ({kind.__name__}); fix or remove that entry, "
                                  f"or {again}")
+        if e["split"] not in KARPATHY_SPLITS:                       # "Test", "train ": never silently left out
+            raise RunError(f"{where}: its split {e['split']!r} is not one of Karpathy's ("
+                           f"{', '.join(KARPATHY_SPLITS)}); fix that entry, or {again}")
         if not isinstance(e.get("filepath", ""), str):
             raise RunError(f"{where}: its 'filepath' is not a folder name (str); fix or remove that entry, "
                              f"or {again}")

@@ -1,6 +1,6 @@
 """A researcher's own data folders with the flags they would try first: the Shapes encoders on folder
-data, and split-file entries that point outside --data-root. Each is one `error:` line before any
-encoder loads."""
+data, and split-file entries that point outside --data-root or name no Karpathy split. Each is one
+`error:` line before any encoder loads (and so before any "[features]" line)."""
 import json
 from pathlib import Path
 
@@ -18,13 +18,22 @@ def coco(tmp_path):
     return tmp_path / "data"
 
 
-def refused(tmp_path, *flags):
+def refused(tmp_path, *flags, capsys=None):
+    if capsys:
+        capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         align.main(["--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "out"), *QUICK, *flags])
     text = str(e.value)
     assert text.startswith("error: ") and "\n" not in text, text
     assert not (tmp_path / "cache" / "shapes-encoders").exists()      # nothing pretrained or extracted
+    assert not capsys or "[features]" not in capsys.readouterr().out, text
     return text
+
+
+def refused_data(tmp_path, root, capsys):
+    """The one line of a run on a data root that holds a fault, before any feature is extracted."""
+    return refused(tmp_path, "--data", "coco", "--data-root", str(root), "--image-encoder", "efficientnet-lite1",
+                   "--text-encoder", "minilm", capsys=capsys)
 
 
 # ------------------------------------------------ case 4: the Shapes encoders on folder data
@@ -52,3 +61,18 @@ def test_a_split_file_entry_outside_the_data_root_is_refused_naming_it(tmp_path,
                   "--text-encoder", "minilm")
     assert f"{split}: images[2]" in msg and f"{field} {value!r} points outside" in msg, msg
     assert not Path(tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- a Karpathy split file
+@pytest.mark.parametrize("i, name, split", [(7, "test_1.jpg", "Test"), (2, "train_2.jpg", "train ")],
+                         ids=["Test", "train-space"])
+def test_an_entry_of_no_karpathy_split_is_refused_naming_it(tmp_path, coco, capsys, i, name, split):
+    """An entry whose split is none of Karpathy's (a capital, a trailing space) was left out without a
+    word: the test or train set shrank."""
+    path = coco / "coco" / "dataset_coco.json"
+    entries = json.loads(path.read_text())
+    entries["images"][i]["split"] = split
+    path.write_text(json.dumps(entries))
+    assert refused_data(tmp_path, coco, capsys).startswith(
+        f"error: {path}: images[{i}] ({name}): its split {split!r} is not one of Karpathy's (train, val, test, "
+        f"restval); fix that entry")
