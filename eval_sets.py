@@ -47,16 +47,15 @@ def torchvision_set(name, root):
         print(f"[data] {name}: not found under {Path(root) / name} (optional; put torchvision's {cls}(root=..., "
               f"download=True) layout there) - skipped")
         return None
-    with guard(f"{name} in {Path(root) / name}", f"download it again (torchvision's {cls}(root=..., "
-                                                  f"download=True)), or move the folder away to run without it"):
+    again = (f"download it again (torchvision's {cls}(root=..., download=True)), or move the folder away to run "
+             f"without it")
+    with guard(f"{name} in {Path(root) / name}", again):
         ds = getattr(tvd, cls)(str(Path(root) / name), download=False, **kwargs)
         listed = next((getattr(ds, a) for a in ("_image_files", "_images", "samples", "imgs") if hasattr(ds, a)), [])
-        for item in listed:                     # every image file it lists, before any is read
-            path = item[0] if isinstance(item, tuple) else item
-            if isinstance(path, (str, Path)) and not Path(path).is_file():
-                raise FileNotFoundError(f"{path} is missing")
         if len(ds) == 0:
             raise ValueError("no images")
+    paths = [item[0] if isinstance(item, tuple) else item for item in listed]
+    LazyImages([p for p in paths if isinstance(p, (str, Path))]).check(f"{name} images", again)  # each file's header
     labels = torch.as_tensor(np.asarray(getattr(ds, label_attr)), dtype=torch.long)
     names = [pretty(c) for c in getattr(ds, names_attr)]
     images = LazyImages(range(len(ds)), load=lambda i: ds[i][0], source=lambda: tree_identity(Path(root) / name))
@@ -117,11 +116,7 @@ def read_mask(path, lut, image=None, top=255):
     image: its image file, which must have the mask's size (else the crops would cover other pixels).
     top: the set's highest label; a mask with another label (but IGNORE), a colour mask or a JPEG is refused."""
     from PIL import Image
-    try:
-        size = Image.open(image).size if image is not None else None              # its header only
-    except Exception as e:
-        raise RunError(f"cannot read image {image} ({type(e).__name__}: {e}); replace it (extract it "
-                         f"again from its archive)") from None
+    size = Image.open(image).size if image is not None else None     # its header, already read by LazyImages.check
     again = "use the set's own label PNGs (extract them again from their archive)"
     try:
         m = Image.open(path)

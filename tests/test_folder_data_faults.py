@@ -1,11 +1,14 @@
 """A researcher's own data folders with the flags they would try first: the Shapes encoders on folder
-data, and split-file entries that point outside --data-root or name no Karpathy split. Each is one
-`error:` line before any encoder loads (and so before any "[features]" line)."""
+data, split-file entries that point outside --data-root or name no Karpathy split, and image files
+that are no image. Each is one `error:` line before any encoder loads (and so before any "[features]"
+line)."""
 import json
+import os
 from pathlib import Path
 
 import pytest
-from test_real import write_karpathy
+from faults_common import bomb_png
+from test_real import write_ade, write_eurosat, write_karpathy, write_voc
 
 import align
 
@@ -16,6 +19,13 @@ QUICK = ("--eval-images", "20", "--no-figures", "--threads", "1")
 def coco(tmp_path):
     write_karpathy(tmp_path / "data" / "coco")
     return tmp_path / "data"
+
+
+@pytest.fixture
+def folders(coco):
+    """coco's data root with an evaluation set of each kind beside it: EuroSAT, VOC20 and ADE20K."""
+    write_eurosat(coco), write_voc(coco), write_ade(coco)
+    return coco
 
 
 def refused(tmp_path, *flags, capsys=None):
@@ -76,3 +86,28 @@ def test_an_entry_of_no_karpathy_split_is_refused_naming_it(tmp_path, coco, caps
     assert refused_data(tmp_path, coco, capsys).startswith(
         f"error: {path}: images[{i}] ({name}): its split {split!r} is not one of Karpathy's (train, val, test, "
         f"restval); fix that entry")
+
+
+# ----------------------------------------------------------------------------- image files
+def not_an_image(f):
+    f.write_text("this is not an image\n" * 20)
+
+
+EUROSAT = Path("eurosat", "eurosat", "2750", "Forest", "Forest_1.jpg")
+
+
+@pytest.mark.parametrize("file, plant, says", [
+    (Path("coco", "train2014", "train_5.jpg"), not_an_image,
+     "1 of 6 COCO train images cannot be read as images, e.g. {} (UnidentifiedImageError: "),
+    (Path("coco", "val2014", "test_1.jpg"), bomb_png,
+     "1 of 3 COCO test images cannot be read as images, e.g. {} (DecompressionBombError: "),
+    (EUROSAT, not_an_image, "1 of 6 eurosat images cannot be read as images, e.g. {} (UnidentifiedImageError: "),
+    (EUROSAT, lambda f: f.write_bytes(b""), "1 of 6 eurosat images are empty (0 bytes), e.g. {}; download it again"),
+], ids=["coco-text", "coco-bomb", "eurosat-text", "eurosat-0-bytes"])
+def test_an_image_file_that_is_no_image_is_refused_naming_it(tmp_path, folders, capsys, file, plant, says):
+    """A text file named .jpg, a decompression bomb, a 0-byte EuroSAT image: found by the first image
+    decoded, after the features of other sets had been extracted ("cannot read image 3" for an
+    evaluation set). Every image's header is read when the data loads."""
+    plant(folders / file)
+    text = refused_data(tmp_path, folders, capsys)
+    assert text.startswith("error: " + says.format(os.path.realpath(folders / file))), text
