@@ -144,23 +144,31 @@ def read_mask(path, lut, image=None, top=255):
 
 
 def segmentation_set(name, root):
-    """MaskSet of one segmentation set's validation split, or None (one printed line) when absent."""
+    """MaskSet of one segmentation set's validation split, or None (one printed line) when absent. Its images are
+    the ids its ids file lists (ADE20K: every image and every mask of its folders); each must have both files."""
     ids_file, image_pattern, mask_pattern, names, first_label = SEGMENTATION_SETS[name]
     root = Path(root)
-    if ids_file is None:  # ADE20K: every annotation file of the folder
-        folder = (root / mask_pattern).parent
-        masks = folder.glob("*.png") if folder.is_dir() else []
-        ids = sorted(p.stem for p in masks if not p.name.startswith("._"))   # ._x.png: macOS's metadata of x.png
+    if ids_file is None:  # ADE20K: a .jpg without its .png (or a .png without its .jpg) is a missing file
+        folders = [(root / pattern).parent for pattern in (image_pattern, mask_pattern)]
+        where = " and ".join(map(str, folders))
+        present = any(f.is_dir() for f in folders)
+        ids = sorted({p.stem for f, pattern in zip(folders, (image_pattern, mask_pattern)) if f.is_dir()
+                      for p in f.glob("*" + Path(pattern).suffix)
+                      if not p.name.startswith("._")})                 # ._x.png: macOS's metadata of x.png
     else:
-        ids = (root / ids_file).read_text(encoding="utf-8-sig").split() if (root / ids_file).exists() else []
+        where, present = root / ids_file, (root / ids_file).exists()
+        ids = where.read_text(encoding="utf-8-sig").split() if present else []
         twice = [i for i, n in collections.Counter(ids).items() if n > 1]
         if twice:                               # its pixels would count twice in every class's IoU
-            raise RunError(f"{root / ids_file} lists {twice[0]} {ids.count(twice[0])} times "
+            raise RunError(f"{where} lists {twice[0]} {ids.count(twice[0])} times "
                              f"({len(twice)} id(s) listed more than once); list each image once")
-    if not ids:
+    if not present:
         print(f"[data] {name}: not found under {root} (optional; expected {ids_file or mask_pattern}; "
               f"from {SEGMENTATION_URLS[name]}) - skipped")
         return None
+    if not ids:                                 # present but broken: an error, never "not found"
+        raise RunError(f"{where} {'lists' if ids_file else 'hold'} no images; extract {name} again from "
+                       f"{SEGMENTATION_URLS[name]}, or move its folder away to run without it")
     listed_in = root / ids_file if ids_file else None
     images = LazyImages([root / image_pattern.format(i) for i in ids], square=True, listed_in=listed_in)
     images.check(f"{name} images")                                   # every file before any is read

@@ -1,7 +1,7 @@
 """A researcher's own data folders with the flags they would try first: the Shapes encoders on folder
-data, split-file entries that point outside --data-root or name no Karpathy split, and image files
-that are no image. Each is one `error:` line before any encoder loads (and so before any "[features]"
-line)."""
+data, split-file entries that point outside --data-root or name no Karpathy split, image files that
+are no image, and evaluation sets present but incomplete. Each is one `error:` line before any
+encoder loads (and so before any "[features]" line)."""
 import json
 import os
 from pathlib import Path
@@ -111,3 +111,27 @@ def test_an_image_file_that_is_no_image_is_refused_naming_it(tmp_path, folders, 
     plant(folders / file)
     text = refused_data(tmp_path, folders, capsys)
     assert text.startswith("error: " + says.format(os.path.realpath(folders / file))), text
+
+
+# ----------------------------------------------------------------------------- segmentation sets
+ADE = Path("ADEChallengeData2016")
+VOC_IDS = Path("VOCdevkit", "VOC2012", "ImageSets", "Segmentation", "val.txt")
+
+
+@pytest.mark.parametrize("file, plant, says", [
+    (ADE / "annotations" / "validation" / "ADE_val_00000001.png", Path.unlink,
+     "1 of 2 ade20k masks are missing, e.g. {}; "),
+    (ADE / "images" / "validation" / "ADE_val_00000001.jpg", Path.unlink,
+     "1 of 2 ade20k images are missing, e.g. {}; "),
+    (VOC_IDS, lambda f: f.write_text(""), "{} lists no images; "),
+    (VOC_IDS, lambda f: f.write_text("\n  \n"), "{} lists no images; "),
+], ids=["ade-mask-missing", "ade-image-missing", "voc-ids-empty", "voc-ids-blank"])
+def test_a_segmentation_set_present_but_incomplete_is_refused_naming_the_file(tmp_path, folders, capsys, file, plant,
+                                                                               says):
+    """An ADE20K image without its annotation PNG dropped out of the score (mIoU over 1 image of 2); a
+    VOC ids file that lists no image read as "voc20: not found ... skipped". Present but broken is an
+    error, as a VOC mask missing is."""
+    plant(folders / file)
+    text = refused_data(tmp_path, folders, capsys)
+    path = folders / file if file == VOC_IDS else os.path.realpath(folders / file)
+    assert text.startswith(f"error: {says.format(path)}"), text
