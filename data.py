@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from infra.errors import RunError
+from infra.errors import RunError, first_line
 
 IGNORE = 255  # mask value of background / unlabelled pixels (ignored by mIoU-fg)
 
@@ -94,13 +94,15 @@ class BindingSet:
 #    150 classes of ADEChallengeData2016.
 # 4. Faults are found before any encoder runs: the split file is parsed and
 #    checked entry by entry (valid UTF-8 JSON, an "images" list, every entry's
-#    filename / split / sentences, every sentence's "raw"), and every image and
-#    mask file is checked to exist and be non-empty, each fault one `error:`
-#    line naming the file. A file that exists but cannot be decoded (truncated,
-#    a decompression bomb) is one line naming it when it is read; there are no
-#    worker processes. A mask must have its image's size (their crops cover the same pixels),
-#    be a one-band PNG (not RGB, not a JPEG) and hold only the set's labels and 255, and a
-#    segmentation ids file must list each image once (its pixels would count twice).
+#    filename / split (one of Karpathy's four) / sentences, every sentence's "raw"),
+#    and every image and mask file is checked to exist, be non-empty and have an
+#    image header PIL reads (not a text file, not a decompression bomb), each fault
+#    one `error:` line naming the file. A file cut short past its header (a
+#    truncated JPEG) is one line naming it when it is decoded; there are no worker
+#    processes. A mask must have its image's size (their crops cover the same
+#    pixels), be a one-band PNG (not RGB, not a JPEG) and hold only the set's labels
+#    and 255, and a segmentation ids file must list each image once (its pixels
+#    would count twice).
 # 5. 16-bit grey images (PIL modes I;16, I) are scaled to 8 bits (/ 257), not
 #    clipped at 255; float grey images (mode F, float TIFFs) in [0, 1] are scaled by 255, others
 #    taken as 0..255; 16-bit colour PNGs PIL already reads as 8-bit RGB.
@@ -131,27 +133,33 @@ def rgb(img, upright=True):
     return img.convert("RGB")
 
 
-def file_scan(paths):
-    """(identity, missing, empty) of image files: a hash of every path, size and mtime, one stat each."""
-    lines, missing, empty = [], [], []
+def file_scan(paths, images=True):
+    """(identity, faults) of files: identity hashes every path, size and mtime (one stat each); faults maps
+    "missing" (or a folder), "empty (0 bytes)" and, of images, "unreadable" to [(path, exception or None)]."""
+    from PIL import Image
+    lines, faults = [], collections.defaultdict(list)
     for p in map(os.path.realpath, paths):              # a file by its real path: a symlinked root is the same data
         try:
             st = os.stat(p)
         except OSError:
-            missing.append(Path(p))
+            st = None
+        if st is None or not stat.S_ISREG(st.st_mode):                  # or a folder where an image should be
+            faults["missing"].append((Path(p), None))
             continue
-        if not stat.S_ISREG(st.st_mode):                                 # a folder where an image should be
-            missing.append(Path(p))
-            continue
-        if st.st_size == 0:
-            empty.append(Path(p))
         lines.append(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\n")
-    return "files " + hashlib.sha1("".join(lines).encode()).hexdigest()[:16], missing, empty
+        if st.st_size == 0:
+            faults["empty (0 bytes)"].append((Path(p), None))
+        elif images:        # the header only (format, size; PIL's decompression-bomb check), no pixel decoded:
+            try:            # a file cut short past its header (a truncated JPEG) is found when LazyImages decodes it
+                Image.open(p).close()
+            except Exception as e:                      # not an image, a bomb, no read permission
+                faults["unreadable"].append((Path(p), e))
+    return "files " + hashlib.sha1("".join(lines).encode()).hexdigest()[:16], faults
 
 
 def tree_identity(folder):
     """identity of every file under folder (a torchvision set's download), by path, size and mtime."""
-    return file_scan(sorted(p for p in Path(folder).rglob("*") if p.is_file()))[0]
+    return file_scan(sorted(p for p in Path(folder).rglob("*") if p.is_file()), images=False)[0]
 
 
 class LazyImages:
@@ -179,30 +187,38 @@ class LazyImages:
             # also forces the decode: a broken file fails here
             img = rgb(self.load(key) if self.load else Image.open(key), upright=not self.square)
         except Exception as e:
-            bomb = isinstance(e, Image.DecompressionBombError)
-            fix = (("if the image is genuine, downscale it" if bomb
-                    else "replace it (extract it again from its archive)")
-                   + (f" or remove its entry from {self.listed_in}" if self.listed_in else ""))
-            raise RunError(f"cannot read image {key} ({type(e).__name__}: {e}); {fix}") from None
+            raise RunError(f"cannot read image {key} ({type(e).__name__}: {e}); {self.fix(e)}") from None
         return centre_square(img) if self.square else img
 
+    def fix(self, e):
+        """What to do about an image file that cannot be read (e: why)."""
+        from PIL import Image
+        return (("if the image is genuine, downscale it" if isinstance(e, Image.DecompressionBombError)
+                 else "replace it (extract it again from its archive)")
+                + (f" or remove its entry from {self.listed_in}" if self.listed_in else ""))
+
     def scan(self):
-        """(identity, missing files, empty files), computed once (file_scan; one stat per file)."""
+        """(identity, faults), computed once (file_scan: one stat and one image header per file)."""
         if self._scan is None:
             if self.load is None:
                 self._scan = file_scan(self.keys)
             else:
-                self._scan = (f"{self.source() if self.source else 'unknown'} rows {hash_values(self.keys)}", [], [])
+                self._scan = (f"{self.source() if self.source else 'unknown'} rows {hash_values(self.keys)}", {})
         return self._scan
 
-    def check(self, what):
-        """Stop with one line when any file is missing or empty, before any encoder runs."""
-        _, absent, empty = self.scan()
-        for bad, how in ((absent, "missing"), (empty, "empty (0 bytes)")):
-            if bad:
-                raise RunError(f"{len(bad)} of {len(self)} {what} are {how}, e.g. {bad[0]}; restore them "
-                                 f"(extract them again from their archive)"
-                                 + (f" or remove their entries from {self.listed_in}" if self.listed_in else ""))
+    def check(self, what, fix=None):
+        """Stop with one line when any file is missing, empty or no image PIL can open, before any encoder
+        runs. fix: what to do, when not to restore the files or remove their entries."""
+        faults = self.scan()[1]
+        how = next((h for h in ("missing", "empty (0 bytes)", "unreadable") if faults.get(h)), None)
+        if how:
+            (path, e), n = faults[how][0], len(faults[how])
+            if e is not None:
+                raise RunError(f"{n} of {len(self)} {what} cannot be read as images, e.g. {path} "
+                               f"({type(e).__name__}: {first_line(e)}); {fix or self.fix(e)}")
+            raise RunError(f"{n} of {len(self)} {what} are {how}, e.g. {path}; " + (fix or "restore them (extract "
+                           "them again from their archive)" + (f" or remove their entries from {self.listed_in}"
+                                                               if self.listed_in else "")))
 
 
 def hash_values(values):
@@ -271,6 +287,7 @@ FLICKR_LAYOUT = """  <data-root>/flickr30k/         (or <data-root> itself)
       flickr30k-images/*.jpg"""
 FLICKR_URL = ("images: https://shannon.cs.illinois.edu/DenotationGraph/ (request form); "
               "Karpathy split: https://cs.stanford.edu/people/karpathy/deepimagesent/caption_datasets.zip")
+KARPATHY_SPLITS = ("train", "val", "test", "restval")
 SPLIT_FILE = 'a Karpathy split file: {"images": [{"filename", "split", "sentences": [{"raw"}, ...]}, ...]}'
 
 
@@ -300,6 +317,9 @@ def read_split_file(path):
             if not isinstance(e.get(field_), kind) or (field_ == "filename" and not e[field_]):
                 raise RunError(f"{where} has no {field_!r} ({kind.__name__}); fix or remove that entry, "
                                  f"or {again}")
+        if e["split"] not in KARPATHY_SPLITS:                       # "Test", "train ": never silently left out
+            raise RunError(f"{where}: its split {e['split']!r} is not one of Karpathy's ("
+                           f"{', '.join(KARPATHY_SPLITS)}); fix that entry, or {again}")
         if not isinstance(e.get("filepath", ""), str):
             raise RunError(f"{where}: its 'filepath' is not a folder name (str); fix or remove that entry, "
                              f"or {again}")
@@ -411,8 +431,7 @@ def karpathy_dataset(root, sub, split_file, image_dir, layout, url, name):
         if dropped:
             print(f"[data] {name} {split}: {dropped} image(s) without captions left out")
         images = sets[split].images
-        _, absent, _ = images.scan()
-        if len(absent) == len(images):                                       # a wrong folder, not a few lost files
+        if len(images.scan()[1]["missing"]) == len(images):              # a wrong folder, not a few lost files
             missing(f"{name} {split} images (e.g. {images.keys[0].name})", images.keys[0].parent, layout, url)
         images.check(f"{name} {split} images")
     print(f"[data] {name}: {len(sets['train'].images)} train pairs, {len(sets['test'].images)} test images / "

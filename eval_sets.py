@@ -47,16 +47,15 @@ def torchvision_set(name, root):
         print(f"[data] {name}: not found under {Path(root) / name} (optional; put torchvision's {cls}(root=..., "
               f"download=True) layout there) - skipped")
         return None
-    with guard(f"{name} in {Path(root) / name}", f"download it again (torchvision's {cls}(root=..., "
-                                                  f"download=True)), or move the folder away to run without it"):
+    again = (f"download it again (torchvision's {cls}(root=..., download=True)), or move the folder away to run "
+             f"without it")
+    with guard(f"{name} in {Path(root) / name}", again):
         ds = getattr(tvd, cls)(str(Path(root) / name), download=False, **kwargs)
         listed = next((getattr(ds, a) for a in ("_image_files", "_images", "samples", "imgs") if hasattr(ds, a)), [])
-        for item in listed:                     # every image file it lists, before any is read
-            path = item[0] if isinstance(item, tuple) else item
-            if isinstance(path, (str, Path)) and not Path(path).is_file():
-                raise FileNotFoundError(f"{path} is missing")
         if len(ds) == 0:
             raise ValueError("no images")
+    paths = [item[0] if isinstance(item, tuple) else item for item in listed]
+    LazyImages([p for p in paths if isinstance(p, (str, Path))]).check(f"{name} images", again)  # each file's header
     labels = torch.as_tensor(np.asarray(getattr(ds, label_attr)), dtype=torch.long)
     names = [pretty(c) for c in getattr(ds, names_attr)]
     images = LazyImages(range(len(ds)), load=lambda i: ds[i][0], source=lambda: tree_identity(Path(root) / name))
@@ -117,11 +116,7 @@ def read_mask(path, lut, image=None, top=255):
     image: its image file, which must have the mask's size (else the crops would cover other pixels).
     top: the set's highest label; a mask with another label (but IGNORE), a colour mask or a JPEG is refused."""
     from PIL import Image
-    try:
-        size = Image.open(image).size if image is not None else None              # its header only
-    except Exception as e:
-        raise RunError(f"cannot read image {image} ({type(e).__name__}: {e}); replace it (extract it "
-                         f"again from its archive)") from None
+    size = Image.open(image).size if image is not None else None     # its header, already read by LazyImages.check
     again = "use the set's own label PNGs (extract them again from their archive)"
     try:
         m = Image.open(path)
@@ -149,23 +144,31 @@ def read_mask(path, lut, image=None, top=255):
 
 
 def segmentation_set(name, root):
-    """MaskSet of one segmentation set's validation split, or None (one printed line) when absent."""
+    """MaskSet of one segmentation set's validation split, or None (one printed line) when absent. Its images are
+    the ids its ids file lists (ADE20K: every image and every mask of its folders); each must have both files."""
     ids_file, image_pattern, mask_pattern, names, first_label = SEGMENTATION_SETS[name]
     root = Path(root)
-    if ids_file is None:  # ADE20K: every annotation file of the folder
-        folder = (root / mask_pattern).parent
-        masks = folder.glob("*.png") if folder.is_dir() else []
-        ids = sorted(p.stem for p in masks if not p.name.startswith("._"))   # ._x.png: macOS's metadata of x.png
+    if ids_file is None:  # ADE20K: a .jpg without its .png (or a .png without its .jpg) is a missing file
+        folders = [(root / pattern).parent for pattern in (image_pattern, mask_pattern)]
+        where = " and ".join(map(str, folders))
+        present = any(f.is_dir() for f in folders)
+        ids = sorted({p.stem for f, pattern in zip(folders, (image_pattern, mask_pattern)) if f.is_dir()
+                      for p in f.glob("*" + Path(pattern).suffix)
+                      if not p.name.startswith("._")})                 # ._x.png: macOS's metadata of x.png
     else:
-        ids = (root / ids_file).read_text(encoding="utf-8-sig").split() if (root / ids_file).exists() else []
+        where, present = root / ids_file, (root / ids_file).exists()
+        ids = where.read_text(encoding="utf-8-sig").split() if present else []
         twice = [i for i, n in collections.Counter(ids).items() if n > 1]
         if twice:                               # its pixels would count twice in every class's IoU
-            raise RunError(f"{root / ids_file} lists {twice[0]} {ids.count(twice[0])} times "
+            raise RunError(f"{where} lists {twice[0]} {ids.count(twice[0])} times "
                              f"({len(twice)} id(s) listed more than once); list each image once")
-    if not ids:
+    if not present:
         print(f"[data] {name}: not found under {root} (optional; expected {ids_file or mask_pattern}; "
               f"from {SEGMENTATION_URLS[name]}) - skipped")
         return None
+    if not ids:                                 # present but broken: an error, never "not found"
+        raise RunError(f"{where} {'lists' if ids_file else 'hold'} no images; extract {name} again from "
+                       f"{SEGMENTATION_URLS[name]}, or move its folder away to run without it")
     listed_in = root / ids_file if ids_file else None
     images = LazyImages([root / image_pattern.format(i) for i in ids], square=True, listed_in=listed_in)
     images.check(f"{name} images")                                   # every file before any is read

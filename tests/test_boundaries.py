@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_real import write_karpathy, write_models
+from test_real import write_image, write_karpathy, write_models
 
 import align
 import layers
@@ -121,11 +121,10 @@ def test_an_evaluation_set_with_a_missing_image_is_refused_before_any_work(tmp_p
 
         def __len__(self):
             return 2
-    (tmp_path / "food101").mkdir()
-    (tmp_path / "food101" / "a.jpg").write_bytes(b"")
+    write_image(tmp_path / "food101" / "a.jpg", seed=0)
     import torchvision.datasets as tvd
     monkeypatch.setattr(tvd, "Food101", Food)
-    with pytest.raises(SystemExit, match=r"^error: food101 in .*: FileNotFoundError: .*b\.jpg is missing; download it "
+    with pytest.raises(SystemExit, match=r"^error: 1 of 2 food101 images are missing, e\.g\. .*b\.jpg; download it "
                                          r"again"):
         eval_sets.torchvision_set("food101", tmp_path)
     assert eval_sets.torchvision_set("cifar10", tmp_path) is None    # absent: skipped, said in one line
