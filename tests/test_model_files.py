@@ -25,6 +25,7 @@ from faults_common import (  # noqa: F401  (fixtures)
     truncated_shard_index,
     truncated_weights,
 )
+from test_boundaries import coco_argv, copy_of, edit_json, fixtures, one_line_before_work  # noqa: F401
 
 import encoders
 
@@ -345,3 +346,25 @@ def test_a_non_square_crop_is_cropped_as_the_models_processor_crops(tmp_path, mo
     assert ours.shape == theirs.shape == (1, 3, 32, 48)
     assert (ours - theirs).abs().max() < 0.05                      # resampling rounds (uint8), nothing more
     assert enc.encode([img]).grid == (4, 6)
+
+
+TOKENIZER, PREPROCESSOR = "models/bert/tokenizer_config.json", "models/dinov2/preprocessor_config.json"
+MODEL_FAULTS = {   # name: (plant the fault in run folder d, the line's start after "error: " ({d}: that folder))
+    "hidden_size a string": (lambda d: edit_json(d / "models/dinov2/config.json", hidden_size="32"),
+                             "--image-encoder {d}/models/dinov2: StrictDataclassFieldValidationError: Validation "
+                             "error for field 'hidden_size': TypeError: Field 'hidden_size' expected int"),
+    "RoBERTa without pad_token_id": (lambda d: edit_json(d / "models/roberta/config.json", pad_token_id=None),
+                                     "--text-encoder {d}/models/roberta: TypeError: "),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", sorted(MODEL_FAULTS))
+def test_a_model_file_fault_is_one_line_naming_the_file_before_any_features(fault, fixtures, tmp_path, capsys):
+    """A fault of a model folder's files: one line naming the folder, file and field, before any feature."""
+    d = copy_of(fixtures, tmp_path)
+    plant, says = MODEL_FAULTS[fault]
+    plant(d)
+    text = one_line_before_work(capsys, coco_argv(d, *(("--text-encoder", str(d / "models/roberta"))
+                                                       if "RoBERTa" in fault else ())))
+    assert text.startswith("error: " + says.format(d=d)), text
