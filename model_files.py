@@ -120,6 +120,7 @@ def hf_preprocess(source, config, flag="--image-encoder"):
                              f"({type(e).__name__}: {first_line(e)}); "
                              f"copy it again from the model's download") from None
         return ImagePreprocess(round(size * 256 / 224), size)  # a hub model without one: the ViT default
+    check_sizes(p, f"{flag} {source}: its preprocessor_config.json")
     crop = p.crop_size if getattr(p, "do_center_crop", False) else p.size
     crop = (crop["height"], crop["width"]) if crop.get("height") else crop["shortest_edge"]   # (h, w): not squared
     resize = p.size["shortest_edge"] if p.size.get("shortest_edge") else None  # None: fixed height x width
@@ -140,6 +141,26 @@ def hf_preprocess(source, config, flag="--image-encoder"):
                          f"{len(std)} image_std values, but images are read as RGB (3 channels): give 3 of each, "
                          f"or one number for all")
     return ImagePreprocess(resize, crop, mean, std, int(getattr(p, "resample", 3) or 3))
+
+
+def check_sizes(p, where):
+    """A processor this pipeline reproduces: positive whole sizes (transformers refuses the rest as it
+    runs), a resize (do_resize false keeps each image's own size: cropped or padded raw, or not batchable),
+    and, after a resize of the shorter side, a centre crop (without one the sizes differ by aspect)."""
+    if not getattr(p, "do_resize", True):
+        raise RunError(f"{where} sets do_resize false (each image kept at its own size), which this project does "
+                       f"not reproduce; set do_resize to true there, with size the model's input size")
+    crop = getattr(p, "do_center_crop", False)
+    for key, sizes in (("size", p.size), ("crop_size", p.crop_size if crop else None)):
+        for k in ("height", "width", "shortest_edge", "longest_edge"):
+            v = sizes.get(k) if sizes is not None else None
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+                raise RunError(f"{where} gives {key} {k} {v!r}; give a positive whole number of pixels")
+    if not crop and p.size.get("shortest_edge"):
+        side = p.size["shortest_edge"]
+        raise RunError(f"{where} resizes the shorter side to {side} with do_center_crop false, so every image keeps "
+                       f"its aspect and images differ in size; set do_center_crop to true and crop_size to "
+                       f'{{"height": {side}, "width": {side}}} there')
 
 
 def read_json(file, flag, folder):

@@ -350,6 +350,19 @@ def test_a_non_square_crop_is_cropped_as_the_models_processor_crops(tmp_path, mo
 
 TOKENIZER, PREPROCESSOR = "models/bert/tokenizer_config.json", "models/dinov2/preprocessor_config.json"
 MODEL_FAULTS = {   # name: (plant the fault in run folder d, the line's start after "error: " ({d}: that folder))
+    "size -5": (lambda d: edit_json(d / PREPROCESSOR, size={"shortest_edge": -5}),
+                "--image-encoder {d}/models/dinov2: its preprocessor_config.json gives size shortest_edge -5; give "
+                "a positive whole number"),
+    "crop_size 0": (lambda d: edit_json(d / PREPROCESSOR, crop_size={"height": 0, "width": 32}),
+                    "--image-encoder {d}/models/dinov2: its preprocessor_config.json gives crop_size height 0;"),
+    "do_resize false": (lambda d: edit_json(d / PREPROCESSOR, do_resize=False),
+                        "--image-encoder {d}/models/dinov2: its preprocessor_config.json sets do_resize false"),
+    "do_resize and do_center_crop false": (
+        lambda d: edit_json(d / PREPROCESSOR, do_resize=False, do_center_crop=False),
+        "--image-encoder {d}/models/dinov2: its preprocessor_config.json sets do_resize false"),
+    "do_center_crop false": (lambda d: edit_json(d / PREPROCESSOR, do_center_crop=False),
+                             "--image-encoder {d}/models/dinov2: its preprocessor_config.json resizes the shorter "
+                             "side to 36 with do_center_crop false"),
     "hidden_size a string": (lambda d: edit_json(d / "models/dinov2/config.json", hidden_size="32"),
                              "--image-encoder {d}/models/dinov2: StrictDataclassFieldValidationError: Validation "
                              "error for field 'hidden_size': TypeError: Field 'hidden_size' expected int"),
