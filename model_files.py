@@ -296,6 +296,7 @@ def load_weights(cls, source, flag, reads_pooler=False):
     place for (fewer layers). A missing pooler is allowed where its output is never read (RoBERTa and
     DeiT checkpoints ship without one); a checkpoint's other heads (BERT's cls, CLIP's other tower) are not ours."""
     from transformers.utils import logging
+    stored = stored_dtypes(source, flag)                # a .bin without a state_dict: said before transformers
     level, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
     logging.set_verbosity_error()       # its load report (a table of every missing key) is said below, in one line
     logging.disable_progress_bar()
@@ -306,6 +307,7 @@ def load_weights(cls, source, flag, reads_pooler=False):
         logging.set_verbosity(level)
         if bars:
             logging.enable_progress_bar()
+    check_float(model, stored, flag, source)
     ours = {name for name, _ in model.named_children()}
     other = sorted((k, list(a), list(b)) for k, a, b in info.get("mismatched_keys", []))  # (name, file, config)
     if other:
@@ -336,6 +338,50 @@ def load_weights(cls, source, flag, reads_pooler=False):
                          f"weights file is incomplete or belongs to another model: copy the folder again from the "
                          f"model's download")
     return model
+
+
+def stored_dtypes(source, flag):
+    """{file: {tensor name: dtype}} of a local folder's weights, as transformers picks them (safetensors first):
+    read from the safetensors headers (no tensor loaded), or from the .bin's state_dict (memory-mapped, no
+    code run); a .bin holding no state_dict of tensors (a list, a dict of strings) is refused naming it."""
+    import safetensors
+    folder, found = Path(source), {}
+    for single, index in (("model.safetensors", "model.safetensors.index.json"),
+                          ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        files = [folder / single] if (folder / single).is_file() else []
+        if not files and (folder / index).is_file():                       # shards: each file once
+            shards = read_json(folder / index, flag, source).get("weight_map", {}).values()
+            files = [folder / f for f in dict.fromkeys(shards)]
+        for f in files:
+            if f.suffix == ".safetensors":
+                with safetensors.safe_open(str(f), "pt") as st:
+                    found[f.name] = {k: st.get_slice(k).get_dtype() for k in st.keys()}
+                continue
+            try:
+                sd = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError:                                    # the legacy (pre-zip) format maps no memory
+                sd = torch.load(f, map_location="cpu", weights_only=True)
+            if not isinstance(sd, dict) or not sd or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+                raise RunError(f"{flag} {source}: {f.name} holds no state_dict of tensors (a {type(sd).__name__}"
+                               f"{f' of {len(sd)}' if hasattr(sd, '__len__') else ''}); copy it again from the "
+                               f"model's download (or save the model with save_pretrained)")
+            found[f.name] = {k: str(v.dtype).removeprefix("torch.") for k, v in sd.items()}
+        if files:                                                   # safetensors found: the .bin is not read
+            break
+    return found
+
+
+def check_float(model, stored, flag, source):
+    """Refuse weights stored as integers (or bool) for the model's floating-point parameters: cast to
+    float32 on load they were other numbers, with no error. A tensor's name may carry a prefix (bert.)."""
+    floats = {k for k, v in model.state_dict().items() if v.is_floating_point()}
+    for file, dtypes in stored.items():
+        bad = [(k, d) for k, d in dtypes.items() if not d.upper().startswith(("F", "BF"))
+               and any(k.split(".", i)[-1] in floats for i in range(k.count(".") + 1))]
+        if bad:
+            raise RunError(f"{flag} {source}: {file} stores {len(bad)} floating-point weights as other numbers "
+                           f"(e.g. {bad[0][0]} as {bad[0][1]}), so they would be cast, not read; copy the file "
+                           f"again from the model's download, or save the model in float32 / float16 / bfloat16")
 
 
 IMAGE_FAMILIES = {"dinov2", "dinov2_with_registers", "vit", "deit", "beit", "clip", "clip_vision_model"}

@@ -348,8 +348,33 @@ def test_a_non_square_crop_is_cropped_as_the_models_processor_crops(tmp_path, mo
     assert enc.encode([img]).grid == (4, 6)
 
 
+def weights_as_int32(folder):
+    from safetensors.torch import load_file, save_file
+    state = load_file(folder / "model.safetensors")
+    save_file({k: (v * 100).to(torch.int32) for k, v in state.items()}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+
+
+def bin_holding(obj):
+    def plant(folder):
+        (folder / "model.safetensors").unlink()
+        torch.save(obj, folder / "pytorch_model.bin")
+    return plant
+
+
 TOKENIZER, PREPROCESSOR = "models/bert/tokenizer_config.json", "models/dinov2/preprocessor_config.json"
 MODEL_FAULTS = {   # name: (plant the fault in run folder d, the line's start after "error: " ({d}: that folder))
+    "weights stored as int32": (lambda d: weights_as_int32(d / "models/dinov2"),
+                                "--image-encoder {d}/models/dinov2: model.safetensors stores 27 floating-point "
+                                "weights as other numbers (e.g. embeddings.cls_token as I32)"),
+    "a .bin of int32 weights": (lambda d: bin_holding({"embeddings.cls_token": torch.zeros(1, 1, 32).int()})(
+        d / "models/dinov2"), "--image-encoder {d}/models/dinov2: pytorch_model.bin stores 1 floating-point weights "
+                              "as other numbers (e.g. embeddings.cls_token as int32)"),
+    "a .bin holding a list": (lambda d: bin_holding([1, 2, 3])(d / "models/dinov2"),
+                              "--image-encoder {d}/models/dinov2: pytorch_model.bin holds no state_dict of tensors "
+                              "(a list of 3)"),
+    "a .bin holding a dict of strings": (lambda d: bin_holding({"a": "b"})(d / "models/dinov2"),
+                                         "--image-encoder {d}/models/dinov2: pytorch_model.bin holds no state_dict"),
     "size -5": (lambda d: edit_json(d / PREPROCESSOR, size={"shortest_edge": -5}),
                 "--image-encoder {d}/models/dinov2: its preprocessor_config.json gives size shortest_edge -5; give "
                 "a positive whole number"),
