@@ -384,6 +384,51 @@ def check_float(model, stored, flag, source):
                            f"again from the model's download, or save the model in float32 / float16 / bfloat16")
 
 
+POSITIONS_AFTER_PAD = {"roberta", "xlm-roberta", "mpnet"}  # position ids count from pad_token_id + 1
+
+
+def text_max_length(tokenizer, config, flag):
+    """The tokens a caption is cut to: min(tokenizer_config.json's model_max_length, the model's positions,
+    512); refused when it is not a whole number, or leaves no room for a word beside the special tokens
+    the tokenizer adds (with 0 or 1 it does not cut at all: a long caption overflowed the positions; with 2
+    every caption was [CLS] [SEP])."""
+    said = tokenizer.model_max_length
+    if isinstance(said, bool) or not isinstance(said, int):
+        raise RunError(f"{flag}: its tokenizer_config.json gives model_max_length {said!r}, not a whole number; "
+                       f"write it as a number (at most config.json's max_position_embeddings)")
+    offset = config.pad_token_id + 1 if config.model_type in POSITIONS_AFTER_PAD else 0   # RoBERTa: 514 - 2
+    positions = getattr(config, "max_position_embeddings", 512)
+    cut, special = min(said, positions - offset, 512), tokenizer.num_special_tokens_to_add()
+    if cut <= special:
+        fix = f"set model_max_length to {positions - offset} there" if said <= positions - offset else \
+            "config.json belongs to another model: copy it again from the model's download"
+        raise RunError(f"{flag}: captions would be cut to {cut} tokens (tokenizer_config.json model_max_length "
+                       f"{said}, config.json max_position_embeddings {positions}), no room for a word beside the "
+                       f"{special} special tokens its tokenizer adds; {fix}")
+    return cut
+
+
+def check_cut(enc, captions, where, chunk=256):
+    """Captions that all tokenize to the same ids once cut to enc.max_length (model_max_length 3: [CLS]
+    "a" [SEP] for every caption) but differ uncut would all get the same features: refused, naming the
+    cut, before any feature is extracted. Read a chunk at a time: the first caption that differs ends it."""
+    tok, first = enc.tokenizer, None
+    for i in range(0, len(captions), chunk):
+        ids = tok(list(captions[i:i + chunk]), truncation=True, max_length=enc.max_length)["input_ids"]
+        first = first or ids[0]
+        if any(x != first for x in ids):
+            return
+    whole = tok(list(captions), verbose=False)["input_ids"]
+    if first is None or all(x == whole[0] for x in whole):   # the same caption throughout: not the cut's doing
+        return
+    positions = getattr(enc.model.config, "max_position_embeddings", 512)
+    raise RunError(f"every caption of {where} tokenizes to the same {len(first)} tokens "
+                   f"({' '.join(tok.convert_ids_to_tokens(first))}) once cut to {enc.max_length} (--text-encoder "
+                   f"{enc.name}: tokenizer_config.json model_max_length {tok.model_max_length}, config.json "
+                   f"max_position_embeddings {positions}), so every caption would get the same features; raise "
+                   f"model_max_length there (the model takes {positions} positions)")
+
+
 IMAGE_FAMILIES = {"dinov2", "dinov2_with_registers", "vit", "deit", "beit", "clip", "clip_vision_model"}
 
 

@@ -362,8 +362,30 @@ def bin_holding(obj):
     return plant
 
 
+def long_train_caption(d):
+    f = d / "coco" / "coco" / "dataset_coco.json"
+    split = json.loads(f.read_text())
+    split["images"][3]["sentences"][0]["raw"] += " dog" * 120                      # a training image's caption
+    f.write_text(json.dumps(split))
+
+
 TOKENIZER, PREPROCESSOR = "models/bert/tokenizer_config.json", "models/dinov2/preprocessor_config.json"
 MODEL_FAULTS = {   # name: (plant the fault in run folder d, the line's start after "error: " ({d}: that folder))
+    "model_max_length 0": (lambda d: edit_json(d / TOKENIZER, model_max_length=0),
+                           "--text-encoder {d}/models/bert: captions would be cut to 0 tokens (tokenizer_config.json "
+                           "model_max_length 0, config.json max_position_embeddings 40), no room for a word beside "
+                           "the 2 special tokens"),
+    "model_max_length 1, a 120-word caption": (
+        lambda d: (edit_json(d / TOKENIZER, model_max_length=1), long_train_caption(d)),
+        "--text-encoder {d}/models/bert: captions would be cut to 1 tokens"),
+    "model_max_length 2": (lambda d: edit_json(d / TOKENIZER, model_max_length=2),
+                           "--text-encoder {d}/models/bert: captions would be cut to 2 tokens"),
+    "model_max_length 3": (lambda d: edit_json(d / TOKENIZER, model_max_length=3),
+                           "every caption of coco/train tokenizes to the same 3 tokens ([CLS] train [SEP]) once cut "
+                           "to 3 (--text-encoder {d}/models/bert: tokenizer_config.json model_max_length 3"),
+    "model_max_length a string": (lambda d: edit_json(d / TOKENIZER, model_max_length="32"),
+                                  "--text-encoder {d}/models/bert: its tokenizer_config.json gives model_max_length "
+                                  "'32', not a whole number"),
     "weights stored as int32": (lambda d: weights_as_int32(d / "models/dinov2"),
                                 "--image-encoder {d}/models/dinov2: model.safetensors stores 27 floating-point "
                                 "weights as other numbers (e.g. embeddings.cls_token as I32)"),
@@ -399,7 +421,12 @@ MODEL_FAULTS = {   # name: (plant the fault in run folder d, the line's start af
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", sorted(MODEL_FAULTS))
 def test_a_model_file_fault_is_one_line_naming_the_file_before_any_features(fault, fixtures, tmp_path, capsys):
-    """A fault of a model folder's files: one line naming the folder, file and field, before any feature."""
+    """Faults of a model folder's files that were tracebacks (model_max_length 0 or 1: no cut, a long caption past
+    the positions), blamed another cause (2: the vocabulary; 3: --text-layer, after the extraction), or were
+    silently wrong (weights stored as integers, cast; a non-positive size, do_resize false or no centre crop:
+    other pixels than the model's processor gives): one line naming the folder, file and field, before any
+    feature. A line of a library's whose first line ends with a colon goes on to its next line; a fault no
+    reader names says which encoder folder it came from."""
     d = copy_of(fixtures, tmp_path)
     plant, says = MODEL_FAULTS[fault]
     plant(d)
