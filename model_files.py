@@ -120,6 +120,7 @@ def hf_preprocess(source, config, flag="--image-encoder"):
                              f"({type(e).__name__}: {first_line(e)}); "
                              f"copy it again from the model's download") from None
         return ImagePreprocess(round(size * 256 / 224), size)  # a hub model without one: the ViT default
+    check_sizes(p, f"{flag} {source}: its preprocessor_config.json")
     crop = p.crop_size if getattr(p, "do_center_crop", False) else p.size
     crop = (crop["height"], crop["width"]) if crop.get("height") else crop["shortest_edge"]   # (h, w): not squared
     resize = p.size["shortest_edge"] if p.size.get("shortest_edge") else None  # None: fixed height x width
@@ -140,6 +141,26 @@ def hf_preprocess(source, config, flag="--image-encoder"):
                          f"{len(std)} image_std values, but images are read as RGB (3 channels): give 3 of each, "
                          f"or one number for all")
     return ImagePreprocess(resize, crop, mean, std, int(getattr(p, "resample", 3) or 3))
+
+
+def check_sizes(p, where):
+    """A processor this pipeline reproduces: positive whole sizes (transformers refuses the rest as it
+    runs), a resize (do_resize false keeps each image's own size: cropped or padded raw, or not batchable),
+    and, after a resize of the shorter side, a centre crop (without one the sizes differ by aspect)."""
+    if not getattr(p, "do_resize", True):
+        raise RunError(f"{where} sets do_resize false (each image kept at its own size), which this project does "
+                       f"not reproduce; set do_resize to true there, with size the model's input size")
+    crop = getattr(p, "do_center_crop", False)
+    for key, sizes in (("size", p.size), ("crop_size", p.crop_size if crop else None)):
+        for k in ("height", "width", "shortest_edge", "longest_edge"):
+            v = sizes.get(k) if sizes is not None else None
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+                raise RunError(f"{where} gives {key} {k} {v!r}; give a positive whole number of pixels")
+    if not crop and p.size.get("shortest_edge"):
+        side = p.size["shortest_edge"]
+        raise RunError(f"{where} resizes the shorter side to {side} with do_center_crop false, so every image keeps "
+                       f"its aspect and images differ in size; set do_center_crop to true and crop_size to "
+                       f'{{"height": {side}, "width": {side}}} there')
 
 
 def read_json(file, flag, folder):
@@ -275,6 +296,7 @@ def load_weights(cls, source, flag, reads_pooler=False):
     place for (fewer layers). A missing pooler is allowed where its output is never read (RoBERTa and
     DeiT checkpoints ship without one); a checkpoint's other heads (BERT's cls, CLIP's other tower) are not ours."""
     from transformers.utils import logging
+    stored = stored_dtypes(source, flag)                # a .bin without a state_dict: said before transformers
     level, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
     logging.set_verbosity_error()       # its load report (a table of every missing key) is said below, in one line
     logging.disable_progress_bar()
@@ -285,6 +307,7 @@ def load_weights(cls, source, flag, reads_pooler=False):
         logging.set_verbosity(level)
         if bars:
             logging.enable_progress_bar()
+    check_float(model, stored, flag, source)
     ours = {name for name, _ in model.named_children()}
     other = sorted((k, list(a), list(b)) for k, a, b in info.get("mismatched_keys", []))  # (name, file, config)
     if other:
@@ -315,6 +338,95 @@ def load_weights(cls, source, flag, reads_pooler=False):
                          f"weights file is incomplete or belongs to another model: copy the folder again from the "
                          f"model's download")
     return model
+
+
+def stored_dtypes(source, flag):
+    """{file: {tensor name: dtype}} of a local folder's weights, as transformers picks them (safetensors first):
+    read from the safetensors headers (no tensor loaded), or from the .bin's state_dict (memory-mapped, no
+    code run); a .bin holding no state_dict of tensors (a list, a dict of strings) is refused naming it."""
+    import safetensors
+    folder, found = Path(source), {}
+    for single, index in (("model.safetensors", "model.safetensors.index.json"),
+                          ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        files = [folder / single] if (folder / single).is_file() else []
+        if not files and (folder / index).is_file():                       # shards: each file once
+            shards = read_json(folder / index, flag, source).get("weight_map", {}).values()
+            files = [folder / f for f in dict.fromkeys(shards)]
+        for f in files:
+            if f.suffix == ".safetensors":
+                with safetensors.safe_open(str(f), "pt") as st:
+                    found[f.name] = {k: st.get_slice(k).get_dtype() for k in st.keys()}
+                continue
+            try:
+                sd = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError:                                    # the legacy (pre-zip) format maps no memory
+                sd = torch.load(f, map_location="cpu", weights_only=True)
+            if not isinstance(sd, dict) or not sd or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+                raise RunError(f"{flag} {source}: {f.name} holds no state_dict of tensors (a {type(sd).__name__}"
+                               f"{f' of {len(sd)}' if hasattr(sd, '__len__') else ''}); copy it again from the "
+                               f"model's download (or save the model with save_pretrained)")
+            found[f.name] = {k: str(v.dtype).removeprefix("torch.") for k, v in sd.items()}
+        if files:                                                   # safetensors found: the .bin is not read
+            break
+    return found
+
+
+def check_float(model, stored, flag, source):
+    """Refuse weights stored as integers (or bool) for the model's floating-point parameters: cast to
+    float32 on load they were other numbers, with no error. A tensor's name may carry a prefix (bert.)."""
+    floats = {k for k, v in model.state_dict().items() if v.is_floating_point()}
+    for file, dtypes in stored.items():
+        bad = [(k, d) for k, d in dtypes.items() if not d.upper().startswith(("F", "BF"))
+               and any(k.split(".", i)[-1] in floats for i in range(k.count(".") + 1))]
+        if bad:
+            raise RunError(f"{flag} {source}: {file} stores {len(bad)} floating-point weights as other numbers "
+                           f"(e.g. {bad[0][0]} as {bad[0][1]}), so they would be cast, not read; copy the file "
+                           f"again from the model's download, or save the model in float32 / float16 / bfloat16")
+
+
+POSITIONS_AFTER_PAD = {"roberta", "xlm-roberta", "mpnet"}  # position ids count from pad_token_id + 1
+
+
+def text_max_length(tokenizer, config, flag):
+    """The tokens a caption is cut to: min(tokenizer_config.json's model_max_length, the model's positions,
+    512); refused when it is not a whole number, or leaves no room for a word beside the special tokens
+    the tokenizer adds (with 0 or 1 it does not cut at all: a long caption overflowed the positions; with 2
+    every caption was [CLS] [SEP])."""
+    said = tokenizer.model_max_length
+    if isinstance(said, bool) or not isinstance(said, int):
+        raise RunError(f"{flag}: its tokenizer_config.json gives model_max_length {said!r}, not a whole number; "
+                       f"write it as a number (at most config.json's max_position_embeddings)")
+    offset = config.pad_token_id + 1 if config.model_type in POSITIONS_AFTER_PAD else 0   # RoBERTa: 514 - 2
+    positions = getattr(config, "max_position_embeddings", 512)
+    cut, special = min(said, positions - offset, 512), tokenizer.num_special_tokens_to_add()
+    if cut <= special:
+        fix = f"set model_max_length to {positions - offset} there" if said <= positions - offset else \
+            "config.json belongs to another model: copy it again from the model's download"
+        raise RunError(f"{flag}: captions would be cut to {cut} tokens (tokenizer_config.json model_max_length "
+                       f"{said}, config.json max_position_embeddings {positions}), no room for a word beside the "
+                       f"{special} special tokens its tokenizer adds; {fix}")
+    return cut
+
+
+def check_cut(enc, captions, where, chunk=256):
+    """Captions that all tokenize to the same ids once cut to enc.max_length (model_max_length 3: [CLS]
+    "a" [SEP] for every caption) but differ uncut would all get the same features: refused, naming the
+    cut, before any feature is extracted. Read a chunk at a time: the first caption that differs ends it."""
+    tok, first = enc.tokenizer, None
+    for i in range(0, len(captions), chunk):
+        ids = tok(list(captions[i:i + chunk]), truncation=True, max_length=enc.max_length)["input_ids"]
+        first = first or ids[0]
+        if any(x != first for x in ids):
+            return
+    whole = tok(list(captions), verbose=False)["input_ids"]
+    if first is None or all(x == whole[0] for x in whole):   # the same caption throughout: not the cut's doing
+        return
+    positions = getattr(enc.model.config, "max_position_embeddings", 512)
+    raise RunError(f"every caption of {where} tokenizes to the same {len(first)} tokens "
+                   f"({' '.join(tok.convert_ids_to_tokens(first))}) once cut to {enc.max_length} (--text-encoder "
+                   f"{enc.name}: tokenizer_config.json model_max_length {tok.model_max_length}, config.json "
+                   f"max_position_embeddings {positions}), so every caption would get the same features; raise "
+                   f"model_max_length there (the model takes {positions} positions)")
 
 
 IMAGE_FAMILIES = {"dinov2", "dinov2_with_registers", "vit", "deit", "beit", "clip", "clip_vision_model"}

@@ -13,6 +13,9 @@ class RunError(SystemExit):
 
 
 def first_line(e):
-    """The first line of an exception's message (transformers' messages run to paragraphs)."""
-    text = str(e).strip()
-    return text.splitlines()[0][:300] if text else type(e).__name__
+    """The first line of an exception's message (transformers' messages run to paragraphs); a first line
+    that ends with a colon ("Validation error for field 'hidden_size':") with the next line that says something."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(e).__name__
+    return (f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0])[:300]

@@ -25,6 +25,7 @@ from faults_common import (  # noqa: F401  (fixtures)
     truncated_shard_index,
     truncated_weights,
 )
+from test_boundaries import coco_argv, copy_of, edit_json, fixtures, one_line_before_work  # noqa: F401
 
 import encoders
 
@@ -345,3 +346,90 @@ def test_a_non_square_crop_is_cropped_as_the_models_processor_crops(tmp_path, mo
     assert ours.shape == theirs.shape == (1, 3, 32, 48)
     assert (ours - theirs).abs().max() < 0.05                      # resampling rounds (uint8), nothing more
     assert enc.encode([img]).grid == (4, 6)
+
+
+def weights_as_int32(folder):
+    from safetensors.torch import load_file, save_file
+    state = load_file(folder / "model.safetensors")
+    save_file({k: (v * 100).to(torch.int32) for k, v in state.items()}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+
+
+def bin_holding(obj):
+    def plant(folder):
+        (folder / "model.safetensors").unlink()
+        torch.save(obj, folder / "pytorch_model.bin")
+    return plant
+
+
+def long_train_caption(d):
+    f = d / "coco" / "coco" / "dataset_coco.json"
+    split = json.loads(f.read_text())
+    split["images"][3]["sentences"][0]["raw"] += " dog" * 120                      # a training image's caption
+    f.write_text(json.dumps(split))
+
+
+TOKENIZER, PREPROCESSOR = "models/bert/tokenizer_config.json", "models/dinov2/preprocessor_config.json"
+MODEL_FAULTS = {   # name: (plant the fault in run folder d, the line's start after "error: " ({d}: that folder))
+    "model_max_length 0": (lambda d: edit_json(d / TOKENIZER, model_max_length=0),
+                           "--text-encoder {d}/models/bert: captions would be cut to 0 tokens (tokenizer_config.json "
+                           "model_max_length 0, config.json max_position_embeddings 40), no room for a word beside "
+                           "the 2 special tokens"),
+    "model_max_length 1, a 120-word caption": (
+        lambda d: (edit_json(d / TOKENIZER, model_max_length=1), long_train_caption(d)),
+        "--text-encoder {d}/models/bert: captions would be cut to 1 tokens"),
+    "model_max_length 2": (lambda d: edit_json(d / TOKENIZER, model_max_length=2),
+                           "--text-encoder {d}/models/bert: captions would be cut to 2 tokens"),
+    "model_max_length 3": (lambda d: edit_json(d / TOKENIZER, model_max_length=3),
+                           "every caption of coco/train tokenizes to the same 3 tokens ([CLS] train [SEP]) once cut "
+                           "to 3 (--text-encoder {d}/models/bert: tokenizer_config.json model_max_length 3"),
+    "model_max_length a string": (lambda d: edit_json(d / TOKENIZER, model_max_length="32"),
+                                  "--text-encoder {d}/models/bert: its tokenizer_config.json gives model_max_length "
+                                  "'32', not a whole number"),
+    "weights stored as int32": (lambda d: weights_as_int32(d / "models/dinov2"),
+                                "--image-encoder {d}/models/dinov2: model.safetensors stores 27 floating-point "
+                                "weights as other numbers (e.g. embeddings.cls_token as I32)"),
+    "a .bin of int32 weights": (lambda d: bin_holding({"embeddings.cls_token": torch.zeros(1, 1, 32).int()})(
+        d / "models/dinov2"), "--image-encoder {d}/models/dinov2: pytorch_model.bin stores 1 floating-point weights "
+                              "as other numbers (e.g. embeddings.cls_token as int32)"),
+    "a .bin holding a list": (lambda d: bin_holding([1, 2, 3])(d / "models/dinov2"),
+                              "--image-encoder {d}/models/dinov2: pytorch_model.bin holds no state_dict of tensors "
+                              "(a list of 3)"),
+    "a .bin holding a dict of strings": (lambda d: bin_holding({"a": "b"})(d / "models/dinov2"),
+                                         "--image-encoder {d}/models/dinov2: pytorch_model.bin holds no state_dict"),
+    "size -5": (lambda d: edit_json(d / PREPROCESSOR, size={"shortest_edge": -5}),
+                "--image-encoder {d}/models/dinov2: its preprocessor_config.json gives size shortest_edge -5; give "
+                "a positive whole number"),
+    "crop_size 0": (lambda d: edit_json(d / PREPROCESSOR, crop_size={"height": 0, "width": 32}),
+                    "--image-encoder {d}/models/dinov2: its preprocessor_config.json gives crop_size height 0;"),
+    "do_resize false": (lambda d: edit_json(d / PREPROCESSOR, do_resize=False),
+                        "--image-encoder {d}/models/dinov2: its preprocessor_config.json sets do_resize false"),
+    "do_resize and do_center_crop false": (
+        lambda d: edit_json(d / PREPROCESSOR, do_resize=False, do_center_crop=False),
+        "--image-encoder {d}/models/dinov2: its preprocessor_config.json sets do_resize false"),
+    "do_center_crop false": (lambda d: edit_json(d / PREPROCESSOR, do_center_crop=False),
+                             "--image-encoder {d}/models/dinov2: its preprocessor_config.json resizes the shorter "
+                             "side to 36 with do_center_crop false"),
+    "hidden_size a string": (lambda d: edit_json(d / "models/dinov2/config.json", hidden_size="32"),
+                             "--image-encoder {d}/models/dinov2: StrictDataclassFieldValidationError: Validation "
+                             "error for field 'hidden_size': TypeError: Field 'hidden_size' expected int"),
+    "RoBERTa without pad_token_id": (lambda d: edit_json(d / "models/roberta/config.json", pad_token_id=None),
+                                     "--text-encoder {d}/models/roberta: TypeError: "),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", sorted(MODEL_FAULTS))
+def test_a_model_file_fault_is_one_line_naming_the_file_before_any_features(fault, fixtures, tmp_path, capsys):
+    """Faults of a model folder's files that were tracebacks (model_max_length 0 or 1: no cut, a long caption past
+    the positions), blamed another cause (2: the vocabulary; 3: --text-layer, after the extraction), or were
+    silently wrong (weights stored as integers, cast; a non-positive size, do_resize false or no centre crop:
+    other pixels than the model's processor gives): one line naming the folder, file and field, before any
+    feature. A line of a library's whose first line ends with a colon goes on to its next line; a fault no
+    reader names says which encoder folder it came from."""
+    d = copy_of(fixtures, tmp_path)
+    plant, says = MODEL_FAULTS[fault]
+    plant(d)
+    text = one_line_before_work(capsys, coco_argv(d, *(("--text-encoder", str(d / "models/roberta"))
+                                                       if "RoBERTa" in fault else ())))
+    assert text.startswith("error: " + says.format(d=d)), text
