@@ -34,7 +34,8 @@ class ImagePreprocess:
     `crop` (top-left offset floor((size - crop) / 2), as transformers' center_crop; crop_round="round":
     int(round(...)), as torchvision's center_crop), scale to [0, 1], subtract mean, divide by std: the
     processor's own pipeline, PIL's resize included, for every size and aspect. Resized straight to
-    crop x crop: every image when resize is None (processors that resize to a fixed height x width), and
+    crop x crop: every image when resize is None (processors that resize to a fixed height x width: resize
+    (H, W) resizes to that, then centre-crops: DeiT's 256 x 256 then 224), and
     the segmentation sets' square crops (images with .square, data.LazyImages), whose masks cover the
     whole square (a resize-then-crop would cut their border off the image but not off the mask).
     An image whose whole resize would exceed STRIP crops (an 8000 x 2 strip) is resized from its
@@ -68,6 +69,10 @@ class ImagePreprocess:
         ch, cw = self.crop_hw
         if self.resize is None or whole and w == h:
             img = img.resize((cw, ch), self.resample)
+        elif isinstance(self.resize, tuple):                                     # (H, W): squashed, then cropped
+            (H, W), offset = self.resize, (lambda d: d // 2)
+            left, top = offset(W - cw), offset(H - ch)
+            img = img.resize((W, H), self.resample).crop((left, top, left + cw, top + ch))
         else:
             short, long = min(w, h), max(w, h)
             new_long = int(self.resize * long / short)                           # truncated, as the processors
@@ -124,6 +129,9 @@ def hf_preprocess(source, config, flag="--image-encoder"):
     crop = p.crop_size if getattr(p, "do_center_crop", False) else p.size
     crop = (crop["height"], crop["width"]) if crop.get("height") else crop["shortest_edge"]   # (h, w): not squared
     resize = p.size["shortest_edge"] if p.size.get("shortest_edge") else None  # None: fixed height x width
+    fixed = (p.size["height"], p.size["width"]) if p.size.get("height") else None
+    if resize is None and fixed != (crop if isinstance(crop, tuple) else (crop, crop)):
+        resize = fixed                   # DeiT: a fixed height x width (256 x 256), then the centre crop (224)
     per_channel = lambda v: (float(v),) * 3 if isinstance(v, (int, float)) else tuple(v)  # one number: every channel
     mean, std = per_channel(p.image_mean), per_channel(p.image_std)
     if getattr(p, "do_normalize", True) is False:            # the model reads pixels in [0, 1], as its processor

@@ -24,15 +24,16 @@ def photo(w, h, seed=0):
 
 
 def processors():
-    from transformers import BitImageProcessor, CLIPImageProcessor, ViTImageProcessor
-    return {"vit": (ViTImageProcessor(), 224),                           # google/vit-base-patch16-224: 224 x 224
+    from transformers import BitImageProcessor, CLIPImageProcessor, DeiTImageProcessor, ViTImageProcessor
+    return {"deit": (DeiTImageProcessor(), 224),                         # facebook/deit-*: 256 x 256, then 224
+            "vit": (ViTImageProcessor(), 224),                           # google/vit-base-patch16-224: 224 x 224
             "dinov2": (BitImageProcessor(size={"shortest_edge": 256}, crop_size={"height": 224, "width": 224},
                                          image_mean=list(model_files.IMAGENET_MEAN),
                                          image_std=list(model_files.IMAGENET_STD)), 224),   # facebook/dinov2-*
             "clip": (CLIPImageProcessor(), 224)}                         # openai/clip-vit-*: 224, bicubic, CLIP mean
 
 
-@pytest.mark.parametrize("family", ["vit", "dinov2", "clip"])
+@pytest.mark.parametrize("family", ["vit", "dinov2", "clip", "deit"])
 def test_hf_preprocessing_is_the_processors_own_at_every_size_and_aspect(family, tmp_path):
     from transformers import AutoImageProcessor
     processor, size = processors()[family]
