@@ -185,6 +185,7 @@ def evaluation_sets(root):
     sets = {}
     for name in TORCHVISION_SETS:
         sets[name] = torchvision_set(name, root)
-    for name in SEGMENTATION_SETS:
-        sets[name] = segmentation_set(name, root)
+    for name in SEGMENTATION_SETS:          # ANY fault nobody listed (an ids file that is a folder): one line
+        with guard(f"{name} in {root}", f"extract it again from {SEGMENTATION_URLS[name]}, or move its folder away"):
+            sets[name] = segmentation_set(name, root)
     return {k: v for k, v in sets.items() if v is not None}

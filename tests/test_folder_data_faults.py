@@ -125,7 +125,8 @@ VOC_IDS = Path("VOCdevkit", "VOC2012", "ImageSets", "Segmentation", "val.txt")
      "1 of 2 ade20k images are missing, e.g. {}; "),
     (VOC_IDS, lambda f: f.write_text(""), "{} lists no images; "),
     (VOC_IDS, lambda f: f.write_text("\n  \n"), "{} lists no images; "),
-], ids=["ade-mask-missing", "ade-image-missing", "voc-ids-empty", "voc-ids-blank"])
+    (VOC_IDS, lambda f: f.unlink() or f.mkdir(), "voc20 in {}: IsADirectoryError: "),   # no check lists it: the guard
+], ids=["ade-mask-missing", "ade-image-missing", "voc-ids-empty", "voc-ids-blank", "voc-ids-a-folder"])
 def test_a_segmentation_set_present_but_incomplete_is_refused_naming_the_file(tmp_path, folders, capsys, file, plant,
                                                                                says):
     """An ADE20K image without its annotation PNG dropped out of the score (mIoU over 1 image of 2); a
@@ -133,5 +134,6 @@ def test_a_segmentation_set_present_but_incomplete_is_refused_naming_the_file(tm
     error, as a VOC mask missing is."""
     plant(folders / file)
     text = refused_data(tmp_path, folders, capsys)
-    path = folders / file if file == VOC_IDS else os.path.realpath(folders / file)
+    path = folders if says.startswith("voc20 in") else folders / file if file == VOC_IDS else \
+        os.path.realpath(folders / file)                                  # the guard names the set's root
     assert text.startswith(f"error: {says.format(path)}"), text
