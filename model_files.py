@@ -113,8 +113,10 @@ def hf_preprocess(source, config, flag="--image-encoder"):
     from transformers import AutoImageProcessor
     size = getattr(config, "image_size", 224)
     file = Path(source) / "preprocessor_config.json"
-    if Path(source).is_dir() and not file.is_file():
-        return ImagePreprocess(round(size * 256 / 224), size)  # the ViT default, scaled to the model
+    if Path(source).is_dir() and not file.is_file():         # the ViT default, scaled to the model: said
+        print(f"[encoders] {flag} {source}: no preprocessor_config.json; ViT's default preprocessing (resize "
+              f"{round(size * 256 / 224)}, crop {size}, ImageNet mean / std)")
+        return ImagePreprocess(round(size * 256 / 224), size)
     if file.is_file():
         read_json(file, flag, source)
     try:

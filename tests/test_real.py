@@ -238,7 +238,7 @@ def images(n, seed=0, size=(40, 30)):
     return [Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)) for _ in range(n)]
 
 
-def test_image_preprocessing_is_the_checkpoints_own(models):
+def test_image_preprocessing_is_the_checkpoints_own(models, capsys):
     from transformers import AutoImageProcessor
     enc = encoders.load_hf_image(str(models / "dinov2"))
     assert (enc.transform.resize, enc.transform.crop) == (36, 32)
@@ -249,8 +249,10 @@ def test_image_preprocessing_is_the_checkpoints_own(models):
     square = images(1, size=(64, 64))[0]                # a square photo: resized, then cropped, as its processor
     theirs = AutoImageProcessor.from_pretrained(models / "dinov2", backend="pil")([square], return_tensors="pt")
     torch.testing.assert_close(enc.transform([square]), theirs["pixel_values"], rtol=0, atol=1e-5)
+    capsys.readouterr()
     beit = encoders.load_hf_image(str(models / "beit"))                  # no preprocessor file: the ViT default
     assert (beit.transform.resize, beit.transform.crop) == (37, 32)
+    assert "no preprocessor_config.json; ViT's default preprocessing (resize 37, crop 32" in capsys.readouterr().out
 
 
 def test_fixed_size_processors_resize_without_cropping(tmp_path):
