@@ -167,27 +167,29 @@ class LazyImages:
 
     keys are file paths (load = PIL open) or indices into a torchvision dataset.
     square=True centre-crops to a square (segmentation sets). Slicing gives a lazy view.
-    listed_in: the file that lists the images (named in the error of a file that cannot be read).
-    source: for keys that are not paths, a callable giving the identity of what they are read from.
+    listed_in: the file that lists the images; files: the files of keys that are not paths (both named in the
+    error of an image that cannot be read). source: for keys that are not paths, their identity (a callable).
     """
 
-    def __init__(self, keys, load=None, square=False, listed_in=None, source=None):
+    def __init__(self, keys, load=None, square=False, listed_in=None, source=None, files=None):
         self.keys, self.load, self.square, self.listed_in, self.source = list(keys), load, square, listed_in, source
-        self._scan = None
+        self.files, self._scan = files, None
 
     def __len__(self):
         return len(self.keys)
 
     def __getitem__(self, i):
         if isinstance(i, slice):
-            return LazyImages(self.keys[i], self.load, self.square, self.listed_in, self.source)
+            return LazyImages(self.keys[i], self.load, self.square, self.listed_in, self.source,
+                              self.files and self.files[i])
         from PIL import Image
         key = self.keys[i]
         try:
             # also forces the decode: a broken file fails here
             img = rgb(self.load(key) if self.load else Image.open(key), upright=not self.square)
         except Exception as e:
-            raise RunError(f"cannot read image {key} ({type(e).__name__}: {e}); {self.fix(e)}") from None
+            raise RunError(f"cannot read image {self.files[i] if self.files else key} ({type(e).__name__}: {e}); "
+                           f"{self.fix(e)}") from None
         return centre_square(img) if self.square else img
 
     def fix(self, e):

@@ -58,7 +58,8 @@ def torchvision_set(name, root):
     LazyImages([p for p in paths if isinstance(p, (str, Path))]).check(f"{name} images", again)  # each file's header
     labels = torch.as_tensor(np.asarray(getattr(ds, label_attr)), dtype=torch.long)
     names = [pretty(c) for c in getattr(ds, names_attr)]
-    images = LazyImages(range(len(ds)), load=lambda i: ds[i][0], source=lambda: tree_identity(Path(root) / name))
+    images = LazyImages(range(len(ds)), load=lambda i: ds[i][0], source=lambda: tree_identity(Path(root) / name),
+                        files=paths if len(paths) == len(ds) else None)    # ds[i] reads paths[i]
     return LabelSet(images, labels, names)
 
 

@@ -28,7 +28,7 @@ from faults_common import (  # noqa: F401  (fixtures)
     voc_mask_fault,
 )
 from PIL import Image
-from test_real import write_ade, write_karpathy, write_voc
+from test_real import write_ade, write_eurosat, write_karpathy, write_voc
 
 import align
 import data
@@ -131,6 +131,17 @@ def test_an_undecodable_image_is_one_line_naming_it(tmp_path, models):
     with pytest.raises(SystemExit) as e:                                          # from the decoding threads
         extract(enc, test.images, tmp_path / "cache", modality="image")
     assert "cannot read image" in one_line(e) and str(f) in str(e.value) and "dataset_coco.json" in str(e.value)
+
+
+def test_an_undecodable_torchvision_image_is_one_line_naming_its_file(tmp_path):
+    """The same in an evaluation set read through torchvision: the line named an index ("cannot read image 3")."""
+    write_eurosat(tmp_path)
+    f = sorted(tmp_path.rglob("*.jpg"))[3]
+    f.write_bytes(f.read_bytes()[:700])                       # its header whole, its pixels cut
+    images = eval_sets.torchvision_set("eurosat", tmp_path).images
+    with pytest.raises(SystemExit) as e:
+        [images[2:][i] for i in range(len(images) - 2)]                          # a slice names it too
+    assert one_line(e).startswith(f"error: cannot read image {f} (OSError: "), one_line(e)
 
 
 @pytest.mark.slow
