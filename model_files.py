@@ -295,7 +295,8 @@ def hf_source(name, flag):
     return name
 
 
-AGAIN = "download the folder again (hf download <name> --local-dir <folder>), or fix the file it names"
+AGAIN = ("compare its config.json, tokenizer files and weights with the model's own download, or download "
+         "the folder again (hf download <name> --local-dir <folder>)")
 HF_SAFE = dict(trust_remote_code=False)  # never run a checkpoint's own Python code; weights: safetensors first
 
 
