@@ -203,10 +203,8 @@ def load_inputs(args, device):
     for split, s in sets.items():
         if isinstance(s, (data.PairSet, data.BindingSet)):
             data.check_texts(s.captions, f"{args.data}/{split}")
-    with guard("loading the encoders", "check the model folders (config.json, weights, tokenizer), or "
-                                       "download them again"):
-        image_enc, text_enc = encoders.load_encoders(args.image_encoder, args.text_encoder,
-                                                     args.cache_dir, args.image_layer, args.text_layer)
+    image_enc, text_enc = encoders.load_encoders(args.image_encoder, args.text_encoder,   # one guard per folder
+                                                 args.cache_dir, args.image_layer, args.text_layer)
     encoders.check_caption_tokens(text_enc, sets, args.data)  # a caption its tokenizer reads no word in
     run = Run(image_enc, text_enc, sets)
     run.dims = first_examples(run, device)      # every set's first input through its encoder

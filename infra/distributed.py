@@ -268,14 +268,12 @@ def split_blocker(method, hard_negatives):
 class Training:
     """The training loop's hooks (train.train): which rows this rank takes, and the step's loss.
 
-    Single process: rows() is every row and loss is method.loss, untouched. Under torchrun:
-    split (the global batch sliced across ranks, DDP summing the gradients), or rank 0 alone."""
+    Made under torchrun only (train.py: one process trains method.loss on every row): split (the global
+    batch sliced across ranks, DDP summing the gradients), or rank 0 alone."""
 
     def __init__(self, method, batch_size, hard_negatives=False):
         self.loss, self.n, self.ddp = method.loss, WORLD, None
         self.active = True                                     # does this rank train?
-        if self.n == 1:
-            return
         why = split_blocker(method, hard_negatives)
         if why is None:
             # same init on every rank
