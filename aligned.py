@@ -25,6 +25,7 @@ Deviations / choices:
    encoders of a non-default seed are pretrained into it).
 """
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -48,6 +49,8 @@ def check_own_modules(names=("data", "train", "layers", "features", "encoders", 
 
 
 check_own_modules()
+from infra.errors import RunError, first_line  # noqa: E402  (after the check: infra is one of those)
+from infra.run import guard  # noqa: E402
 
 
 def read_weights(folder):
@@ -111,16 +114,59 @@ def legacy_model(config):
 # ---------------------------------------------------------------------------
 # The load API
 # ---------------------------------------------------------------------------
+def read_run(folder):
+    """A finished run folder read whole and checked, before any encoder loads (the read gate of a run):
+    its config.json, metrics.json (a finished run), the method it names, and its weights, every fault one
+    line naming the file and what to do. Returns (config, model, state)."""
+    from methods import METHODS
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise RunError(f"{folder} is not a folder; pass a run folder of align.py (results/<method>-<data>-seed<N>)")
+    with guard(f"{folder / 'config.json'}", "pass a run folder that align.py wrote (results/...)"):
+        config = json.loads((folder / "config.json").read_text())
+        if not isinstance(config, dict) or "identity" not in config:
+            raise ValueError("it is not the config.json of a run of align.py (no identity)")
+    if not (folder / "metrics.json").is_file():
+        raise RunError(f"{folder} is an unfinished run (no metrics.json); finish it with python align.py --resume "
+                       f"--out {folder} ..., or pass a finished run")
+    with guard(f"{folder / 'config.json'}", "pass a run folder that align.py wrote, or run it again"):
+        model = config.get("model") or legacy_model(config)
+        if model["method"] not in METHODS:
+            raise ValueError(f"its method {model['method']!r} is not one of this code's ({', '.join(sorted(METHODS))}"
+                             f"): renamed since?")
+    name = "model.safetensors" if (folder / "model.safetensors").exists() else "method.pt"
+    with guard(f"{folder / name}", "copy the run folder again from where it was made, or rerun the run"):
+        state = read_weights(folder)
+    return config, model, state
+
+
+def check_same_encoder(kind, enc, config):
+    """The encoder load() found is the one the run was trained with: its weights' fingerprint against the run's
+    identity (a same-sized model at the recorded path, or another download, would give other scores)."""
+    want = config.get("identity", {}).get(f"{kind}_weights")
+    got = getattr(enc, "fingerprint", None)
+    if want is not None and got is not None and want != got:
+        raise RunError(f"the {kind} encoder {enc.name} found now has other weights than the run was trained with "
+                       f"(fingerprint {got}, the run's {want}); put the run's model back at {enc.name}, or train "
+                       f"a new run on this one")
+
+
 def load(run_folder, device="cpu", cache_dir=None):
     """The trained aligner of a finished run folder, with its frozen encoders, on device ("cpu", "cuda")."""
     import encoders
-    model = model_of(run_folder)
+    from infra.run import check_device
+    device = check_device(device)
+    config, model, state = read_run(run_folder)
     cache = cache_dir or model.get("cache_dir")
     cache = Path(cache) if cache and Path(cache).is_dir() else ENV_CACHE
     image_enc, text_enc = encoders.load_encoders(model["image_encoder"], model["text_encoder"], cache,
                                                  model["image_layer"], model["text_layer"])
+    for kind, enc in (("image", image_enc), ("text", text_enc)):
+        check_same_encoder(kind, enc, config)
     model["dims"] = model.get("dims") or [image_enc.dim, text_enc.dim]     # an older run: its encoders' dims
-    method = rebuild(run_folder, model)
+    with guard(f"{Path(run_folder) / 'model.safetensors'}", "its weights do not fit the method config.json names; "
+               "copy the run folder again, or rerun the run"):
+        method = rebuild(run_folder, model, state)
     return Aligned(method.to(device), image_enc, text_enc, device, model.get("templates") or ["a photo of a {}."])
 
 
@@ -186,16 +232,22 @@ class Aligned:
         return self.similarity(images, [query])[:, 0]
 
     @torch.no_grad()
-    def zero_shot(self, images, class_names, templates=None):
-        """(N, C) zero-shot scores, evaluate.py's: each class's prompts (templates, default the run's data's)
-        averaged as template_average does, scored by class_logits. Predicted class: .argmax(1)."""
+    def classes(self, class_names, templates=None):
+        """The classes' text side, encoded once: (each class's prompts averaged as template_average does,
+        the number of templates). Pass it to zero_shot for many batches of images."""
         import evaluate
         templates = list(templates or self.templates)
         prompts = [t.format(c) for c in class_names for t in templates]           # class-major, as align.py
-        img, txt = self.encode_image(images), self.encode_text(prompts)
+        return evaluate.template_average(self.encode_text(prompts), len(templates)), len(templates)
+
+    @torch.no_grad()
+    def zero_shot(self, images, class_names, templates=None, classes=None):
+        """(N, C) zero-shot scores, evaluate.py's: each class's prompts (templates, default the run's data's)
+        averaged, scored by class_logits. classes: self.classes(...) computed once. Predicted class: .argmax(1)."""
+        import evaluate
+        txt, n_templates = classes or self.classes(class_names, templates)
         with evaluate.inference(self.method):
-            return evaluate.class_logits(self.method, img, evaluate.template_average(txt, len(templates)),
-                                         len(templates), device=self.device)
+            return evaluate.class_logits(self.method, self.encode_image(images), txt, n_templates, device=self.device)
 
 
 # ---------------------------------------------------------------------------
@@ -206,27 +258,80 @@ IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".ti
 KEY_METRICS = ("retrieval/i2t_r1", "retrieval/t2i_r1", "retrieval/rsum", "top1", "miou_fg", "binding/binding_acc")
 
 
-def image_files(folder):
-    """The image files of a folder (not its subfolders), by name."""
-    files = sorted(p for p in Path(folder).iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+def image_files(paths):
+    """The image files of paths (folders, walked recursively, and files), read gate: every file's header is
+    read (data.file_scan: no pixel decoded) and a file that is no image is one line naming it; hidden
+    files and folders (.DS_Store, macOS's ._x.jpg) are left out of a folder's walk."""
+    import data
+    files = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            files += sorted(f for f in p.rglob("*") if f.suffix.lower() in IMAGE_SUFFIXES and f.is_file()
+                            and not any(part.startswith(".") for part in f.relative_to(p).parts))
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise RunError(f"{p}: no such file or folder; pass image files or folders of them")
     if not files:
-        raise SystemExit(f"error: {folder} holds no image file ({', '.join(sorted(IMAGE_SUFFIXES))})")
+        raise RunError(f"{' '.join(paths)} holds no image file ({', '.join(sorted(IMAGE_SUFFIXES))})")
+    _, faults = data.file_scan(files)
+    for fault, found in faults.items():
+        path, e = found[0]
+        why = f"{fault}: {type(e).__name__}: {first_line(e)}" if e is not None else fault
+        raise RunError(f"{path} is {why} ({len(found)} such file(s)); remove it or pass the others")
     return files
 
 
+def class_names(a):
+    """--classes (comma-separated) or --classes-file (one name per line): at least one, none twice."""
+    if a.classes_file:
+        with guard(f"--classes-file {a.classes_file}", "pass a UTF-8 text file with one class name per line"):
+            names = [line.strip() for line in Path(a.classes_file).read_text(encoding="utf-8").splitlines()]
+    else:
+        names = [c.strip() for c in (a.classes or "").split(",")]
+    names = [n for n in names if n]
+    if not names:
+        raise RunError("--classes / --classes-file names no class; give e.g. --classes \"red circle,blue square\"")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise RunError(f"--classes names {twice[0]!r} twice; give each class once")
+    return names
+
+
+def check_templates(templates):
+    for t in templates:
+        if t.count("{}") != 1 or t.replace("{}", "").count("{") or t.replace("{}", "").count("}"):
+            raise RunError(f"--template {t!r}: a prompt holds {{}} once, where the class name goes, and no other "
+                           f"brace, e.g. --template \"a photo of a {{}}.\"")
+    return templates
+
+
 def emit(header, rows, csv_path):
-    """rows as CSV into csv_path ("-": stdout), else one aligned line per row on stdout."""
+    """rows as CSV into csv_path (a new file, through the write gate; "-": stdout), else one aligned line per row."""
     import csv
+    import io
     if csv_path:
-        f = sys.stdout if csv_path == "-" else open(csv_path, "w", newline="", encoding="utf-8")
-        w = csv.writer(f, lineterminator="\n")
+        text = io.StringIO()
+        w = csv.writer(text, lineterminator="\n")
         w.writerow(header)
         w.writerows(rows)
-        if csv_path != "-":
-            f.close()
+        if csv_path == "-":
+            sys.stdout.write(text.getvalue())
+        else:
+            from infra.storage import atomic_write_text
+            atomic_write_text(text.getvalue(), csv_path, new=True)
         return
     for row in rows:
         print("  ".join(f"{v:.4f}" if isinstance(v, float) else str(v) for v in row), flush=True)
+
+
+def check_csv(path):
+    """--csv FILE before any work: a new file in a folder that exists (never onto a file: the gate refuses too)."""
+    if path and path != "-":
+        if os.path.lexists(path):
+            raise RunError(f"--csv {path} exists; pass a new file name (nothing is ever written over), or delete it")
+        if not Path(path).parent.is_dir():
+            raise RunError(f"--csv {path}: its folder {Path(path).parent} does not exist; create it or pass another")
 
 
 def in_chunks(files, fn, n=256):
@@ -235,10 +340,10 @@ def in_chunks(files, fn, n=256):
 
 
 def classify(a):
-    model = load(a.run, a.device)
-    names = [c.strip() for c in a.classes.split(",") if c.strip()]
-    files = image_files(a.folder)
-    S = in_chunks(files, lambda f: model.zero_shot(f, names, a.template or None))     # (N, C)
+    names, templates = class_names(a), check_templates(a.template)          # every input read before work
+    files, model = image_files(a.paths), load(a.run, a.device)
+    classes = model.classes(names, templates or None)                               # the prompts, encoded once
+    S = in_chunks(files, lambda f: model.zero_shot(f, names, classes=classes))      # (N, C)
     rows = [[str(p), names[int(s.argmax())], float(s.max())] for p, s in zip(files, S)]
     if a.csv:                                                 # every class's score besides the best
         header, rows = ["image", "class", "score", *names], [r + [float(v) for v in s] for r, s in zip(rows, S)]
@@ -246,35 +351,52 @@ def classify(a):
 
 
 def search(a):
-    model = load(a.run, a.device)
-    files = image_files(a.folder)
-    s = in_chunks(files, lambda f: model.search(f, a.query))                        # (N,)
-    order = s.argsort(descending=True, stable=True)[:a.top]
-    emit(["rank", "score", "image"], [[r + 1, float(s[i]), str(files[i])] for r, i in enumerate(order.tolist())],
-         a.csv)
+    """Each query's ranking of the images (the images are encoded once for all the queries)."""
+    if any(not q.strip() for q in a.queries):
+        raise RunError("a query is empty; give a text, e.g. \"a red circle\"")
+    if a.top is not None and a.top < 1:
+        raise RunError(f"--top {a.top}: give a count of at least 1 (leave it out for every image)")
+    files, model = image_files([a.folder]), load(a.run, a.device)
+    img = in_chunks(files, model.encode_image)
+    S = model.score(img, model.encode_text(a.queries))                              # (N, queries)
+    many, rows = len(a.queries) > 1, []
+    for q, query in enumerate(a.queries):
+        order = S[:, q].argsort(descending=True, stable=True)[:a.top]
+        rows += [[query] * many + [r + 1, float(S[i, q]), str(files[i])] for r, i in enumerate(order.tolist())]
+    emit(["query"] * many + ["rank", "score", "image"], rows, a.csv)
 
 
 def finished_runs(paths):
-    """The finished run folders (a metrics.json) among paths and their subfolders, by path."""
-    runs = set()
+    """{run folder: (config, metrics)} of the finished runs (a config.json with an identity and a metrics.json,
+    both readable) among paths and their subfolders, by path; and the folders left out (not runs)."""
+    runs, other = {}, []
     for p in map(Path, paths):
-        if (p / "metrics.json").is_file():
-            runs.add(p)
-        elif p.is_dir():
-            runs |= {q.parent for q in p.glob("*/metrics.json")}
-    return sorted(runs)
+        if not p.exists():
+            raise RunError(f"{p}: no such folder; pass run folders or folders holding them (results/)")
+        for folder in [p] if (p / "metrics.json").exists() else sorted(q.parent for q in p.glob("*/metrics.json")):
+            try:
+                config = json.loads((folder / "config.json").read_text())
+                metrics = json.loads((folder / "metrics.json").read_text())
+                if not isinstance(config, dict) or "identity" not in config or not isinstance(metrics, dict):
+                    raise ValueError
+                runs[folder] = config, metrics
+            except (OSError, ValueError, UnicodeDecodeError):
+                other.append(folder)
+    return dict(sorted(runs.items())), other
 
 
 def table(a):
     """Finished runs in one table: run, method, data, seed, epochs and the key figures (all: --metrics all)."""
     from infra.folder import flat_metrics
-    runs = finished_runs(a.paths)
+    runs, other = finished_runs(a.paths)
+    if other:
+        print(f"[table] left out {len(other)} folder(s) that are not finished runs of align.py: "
+              f"{', '.join(map(str, other[:3]))}{' ...' if len(other) > 3 else ''}", file=sys.stderr)
     if not runs:
-        raise SystemExit(f"error: no finished run (a folder with metrics.json) in {' '.join(a.paths)}")
+        raise RunError(f"no finished run (a folder with metrics.json) in {' '.join(a.paths)}")
     rows, columns = [], []
-    for run in runs:
-        config = json.loads((run / "config.json").read_text())
-        flat = {n: v for n, v, _ in flat_metrics(json.loads((run / "metrics.json").read_text()))}
+    for run, (config, metrics) in runs.items():
+        flat = {n: v for n, v, _ in flat_metrics(metrics)}
         keep = [n for n in flat if a.metrics == "all" or n.endswith(KEY_METRICS)]
         columns += [n for n in keep if n not in columns]
         rows.append(({"run": run.name, "method": config.get("method"), "data": config.get("data"),
@@ -288,31 +410,45 @@ def table(a):
         print("| " + " | ".join(str(v) for v in row) + " |")
 
 
-def main(argv=None):
-    """python align.py classify | search | table ... (the console script posthoc-align takes the same)."""
+def parse_args(argv=None):
     import argparse
-    p = argparse.ArgumentParser(prog="align.py", description="Use finished runs: zero-shot classify a folder of "
-                                "images, rank it for a text query, or gather runs into one table.")
+    p = argparse.ArgumentParser(prog="align.py", description="Use finished runs: zero-shot classify images, rank "
+                                "them for a text query, or gather runs into one table.")
     sub = p.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("classify", help="zero-shot classify every image of a folder: one line per image")
+    c = sub.add_parser("classify", help="zero-shot classify images: one line per image")
     c.add_argument("run", help="a finished run folder (results/<method>-<data>-seed<seed>)")
-    c.add_argument("folder", help="a folder of images (png, jpg, ...; not its subfolders)")
-    c.add_argument("--classes", required=True, help="class names, comma-separated: \"red circle,blue square\"")
+    c.add_argument("paths", nargs="+", metavar="IMAGES", help="a folder of images (walked recursively), or image "
+                   "files")
+    c.add_argument("--classes", default=None, help="class names, comma-separated: \"red circle,blue square\"")
+    c.add_argument("--classes-file", default=None, help="a text file of class names, one per line (default: none)")
     c.add_argument("--template", action="append", default=[],
                    help="a prompt with {} for the class name, repeatable (default: the run's data's templates)")
-    s = sub.add_parser("search", help="rank the images of a folder for a text query: one line per image")
+    s = sub.add_parser("search", help="rank images for a text query: one line per image")
     s.add_argument("run", help="a finished run folder")
-    s.add_argument("folder", help="a folder of images")
-    s.add_argument("query", help="the text query, e.g. \"a red circle\"")
+    s.add_argument("folder", help="a folder of images (walked recursively), or one image file")
+    s.add_argument("queries", nargs="+", metavar="QUERY", help="text queries, e.g. \"a red circle\" (each its own "
+                   "ranking; the images are encoded once)")
     s.add_argument("--top", type=int, default=None, help="print only the N best (default: every image)")
     for q in (c, s):
-        q.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="(default: cpu)")
+        q.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"], help="(default: cpu)")
         q.add_argument("--csv", default=None, metavar="FILE",
-                       help="write CSV to FILE (- for stdout; classify adds every class's score) (default: lines)")
+                       help="write CSV to FILE, a new file (- for stdout; classify adds every class's score) "
+                            "(default: lines)")
     t = sub.add_parser("table", help="gather finished run folders into one markdown (or CSV) table")
     t.add_argument("paths", nargs="+", help="run folders, or folders holding them (results/)")
     t.add_argument("--metrics", default="key", choices=["key", "all"],
                    help="key: R@1 both ways, RSum, top-1, mIoU, binding; all: every figure (default: key)")
-    t.add_argument("--csv", default=None, metavar="FILE", help="write CSV to FILE (- for stdout) (default: markdown)")
-    a = p.parse_args(argv)
-    {"classify": classify, "search": search, "table": table}[a.command](a)
+    t.add_argument("--csv", default=None, metavar="FILE", help="write CSV to FILE, a new file (- for stdout) "
+                   "(default: markdown)")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    """python align.py classify | search | table ... (the console script posthoc-align takes the same): every
+    input read and checked first (the read gate), then the work; a fault is one error line (RunError)."""
+    a = parse_args(argv)
+    check_csv(a.csv)
+    try:
+        {"classify": classify, "search": search, "table": table}[a.command](a)
+    except KeyboardInterrupt:
+        raise SystemExit("interrupted: nothing was written") from None

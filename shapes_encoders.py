@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import shapes
 from features import TOKEN_RULE, Features, word_positions, word_tokens
 from infra.errors import RunError
-from infra.storage import atomic_save, atomic_target, file_lock, fits, load_plain, safe_load, state_fingerprint
+from infra.storage import atomic_save, file_lock, fits, load_plain, safe_load, state_fingerprint
 
 SPECIALS = ["[PAD]", "[CLS]", "[MASK]", "[UNK]"]
 PAD, CLS, MASK, UNK = range(4)
@@ -405,9 +405,8 @@ def remake(seed=0, out=SHIPPED, log=print):
     with tempfile.TemporaryDirectory() as tmp:
         done = pretrain_both(seed, False, tmp, log)
     # a plain file (no run-dependent key or checksum): its bytes are a function of the weights alone
-    with atomic_target(out) as t, open(t, "wb") as f:
-        torch.save({"image": done["image"]["state"], "text": done["text"]["state"], "vocab": done["text"]["vocab"],
-                    "acc": {"image": done["image"]["acc"], "text": done["text"]["acc"]}}, f)
+    atomic_save({"image": done["image"]["state"], "text": done["text"]["state"], "vocab": done["text"]["vocab"],
+                    "acc": {"image": done["image"]["acc"], "text": done["text"]["acc"]}}, out)
     digest = sha256(out)
     log(f"[encoders] wrote {out}: held-out accuracy image {100 * done['image']['acc']:.1f}%, "
         f"text {100 * done['text']['acc']:.1f}%\nSHIPPED_SHA256 = \"{digest}\"  (shapes_encoders.py)")

@@ -20,8 +20,8 @@ what rebuilds the method), checkpoint.pt (train.py, each epoch), model.safetenso
 history.csv (per epoch), results.csv (a flat view in percent), log.txt, metrics.json.
 
 log.txt: everything the run prints (stdout and stderr, the progress lines of long loops too) also goes
-there. The file is opened once config.json exists (begin writes it): until then the lines wait in memory,
-so a run refused before it takes --out leaves nothing there. Appended: a --resume continues the same log.
+there (LogFile: written whole through the write gate). Nothing is written before config.json exists (begin
+writes it), so a run refused before it takes --out leaves nothing there. A --resume continues the same log.
 --quiet keeps the console to the results and the error line (no progress lines); the log still gets every
 line. The console streams are line-flushed, so a redirected stdout is never minutes behind.
 """
@@ -104,48 +104,25 @@ def begin(settings):
     if distributed.RANK != 0:
         return
     config = dict(vars(settings.args), identity=settings.identity, device=settings.device)
-    try:
-        settings.out.mkdir(parents=True, exist_ok=True)
-        for half in settings.out.glob("*.tmp[0-9]*"):       # a write killed before its rename: never a result
-            half.unlink()
-        storage.atomic_write_text(json.dumps(config, indent=2, default=str), settings.out / "config.json")
-    except OSError as e:
-        raise RunError(f"--out {settings.out} cannot be written ({e.strerror or e}); pass --out a folder you "
-                       f"can write to") from None
+    for half in settings.out.glob(".*.tmp"):       # a write killed before its rename (the gate's name)
+        half.unlink()
+    storage.atomic_write_text(json.dumps(config, indent=2, default=str), settings.out / "config.json")
 
 
 @contextlib.contextmanager
 def held(out):
-    """--out held for this run (by rank 0): a second run given the same folder stops at once with one line
-    naming the run that holds it, instead of mixing its files with this one's. The lock file
-    (<parent>/.<name>.lock, beside the folder: nothing is written into it) says who holds it; the kernel
-    releases the lock when a process dies, so a killed run never blocks the next. A no-op where fcntl is
-    missing (Windows)."""
-    try:
-        import fcntl
-    except ImportError:
-        fcntl = None
-    if fcntl is None or distributed.RANK != 0:
+    """--out held for this run (by rank 0): a second run given the same folder stops at once with one line,
+    instead of mixing its files with this one's. The lock file (<parent>/.<name>.lock, beside the folder:
+    nothing is written into it) is storage.file_lock's: the kernel releases it when a process dies, so a
+    killed run never blocks the next."""
+    if distributed.RANK != 0:
         yield
         return
     real = Path(out).resolve()
-    real.parent.mkdir(parents=True, exist_ok=True)
-    with storage.open_lock(real.parent / f".{real.name}.lock") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "another process"
-            raise RunError(f"--out {out} is in use by a run still going ({holder}); wait for it to "
-                           f"finish, or pass another --out") from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(sys.argv)}\n")
-        f.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    with storage.file_lock(real.parent / f".{real.name[:240]}.lock", wait=False,
+                           busy=f"--out {out} is in use by a run still going; wait for it to finish, or pass "
+                                f"another --out"):
+        yield
 
 
 # ---------------------------------------------------------------------------
@@ -169,12 +146,8 @@ def templates_of(data_name):
 
 
 def save_weights(method, path):
-    """method.state_dict() as safetensors (each tensor its own contiguous copy: tied tensors are stored twice)."""
-    from safetensors.torch import save_file
-
-    state = {k: v.detach().cpu().contiguous().clone() for k, v in method.state_dict().items()}
-    with storage.atomic_target(path) as tmp:
-        save_file(state, str(tmp), metadata={"format": "pt"})
+    """method.state_dict() as safetensors (tied tensors are stored twice)."""
+    storage.save_tensors(method.state_dict(), path)
 
 
 def write_history(history, path):
@@ -252,26 +225,40 @@ class Tee(io.TextIOBase):
         return getattr(self.console, "encoding", "utf-8")
 
 
+LOG_EVERY = 2.0   # seconds between two rewrites of log.txt (and one at the end)
+
+
 class LogFile:
-    """log.txt, opened when config.json appears; lines before that kept in memory."""
+    """log.txt: every line the run prints, kept in memory and written whole through the write gate
+    (storage.atomic_target: never appended, never through a link) once config.json exists, then at most
+    every LOG_EVERY seconds and at the end. A --resume continues the log its unfinished run left. A write
+    that fails is said once at the end (close), so it never stops the run's own work."""
 
     def __init__(self, out):
-        self.out, self.file, self.pending = Path(out), None, io.StringIO()
+        self.out, self.text, self.last, self.failed, self.prior = Path(out), io.StringIO(), 0.0, None, None
 
     def write(self, s):
-        if self.file is None and (self.out / "config.json").is_file():
-            self.file = open(self.out / "log.txt", "a", encoding="utf-8")
-            self.file.write(self.pending.getvalue())
-        (self.file or self.pending).write(s)
+        self.text.write(s)
+        if "\n" in s:
+            self.flush()
 
-    def flush(self):
-        if self.file is not None:
-            self.file.flush()
+    def flush(self, force=False):
+        path = self.out / "log.txt"
+        if (not force and time.time() - self.last < LOG_EVERY) or self.failed is not None or \
+                not (self.out / "config.json").is_file():
+            return
+        if self.prior is None:          # the log an unfinished run left (--resume), read once
+            self.prior = path.read_text(errors="replace") if path.is_file() and not path.is_symlink() else ""
+        try:
+            storage.atomic_write_text(self.prior + self.text.getvalue(), path)
+        except RunError as e:
+            self.failed = e
+        self.last = time.time()
 
     def close(self):
-        self.write("")
-        if self.file is not None:
-            self.file.close()
+        self.flush(force=True)
+        if self.failed is not None:
+            raise self.failed
 
 
 @contextlib.contextmanager

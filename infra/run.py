@@ -36,6 +36,8 @@ LOOP_RANGES = dict(epochs="[0, inf)", lr="(0, 3.4028234663852886e+37]", weight_d
                    # over 10: Adam's first step divides lr by 1 - beta1 = 0.1 (train.py's optimisers)
                    batch_size="[2, inf)")  # contrastive: another pair in the batch is the negative
 FLAGS = dict(epochs="--epochs", batch_size="--batch-size", lr="--lr", weight_decay="--weight-decay")
+CACHEDIR_TAG = ("Signature: 8a477f597d28d172789f06886806bc55\n"
+                "# This file is a cache directory tag created by align.py (https://bford.info/cachedir/).\n")
 MIN_SELECT_PAIRS = 10  # mutual kNN takes k = ceil(2 n^(1/3)) neighbours: 10 pairs, k = 5 of 9
 
 
@@ -145,20 +147,26 @@ def before_any_work(args, method_cls):
     hp = parse_hp(method_cls, args.hp)
     refuse_blank_exercises(args)
     check_flags(args, method_cls)
-    device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise RunError("--device cuda, but torch sees no CUDA GPU here; use --device cpu (or auto)")
+    device = check_device(args.device)
     for flag in ("--image-encoder", "--text-encoder"):
         name = getattr(args, flag[2:].replace("-", "_"))
         if looks_like_path(name) and not Path(name).expanduser().is_dir():
             raise RunError(f"{flag} {name}: no such directory")
     data.check_root(args.data, args.data_root)      # a wrong --data-root, before the encoders load or pretrain
     check_shapes_encoders(args)
-    storage.check_writable(args.cache_dir, "--cache-dir")
+    storage.check_folder(args.cache_dir, "--cache-dir", tag=("CACHEDIR.TAG", CACHEDIR_TAG))   # written: a probe
     out = folder.out_folder(args)
-    storage.check_writable(out, "--out", create=False)   # its nearest existing folder: a folder, writable
+    storage.check_folder(out, "--out")          # its lock (folder.held) and config.json (begin) probe it
     folder.check_out(out, args)
     return Settings(args, method_cls, hp, device, out)
+
+
+def check_device(device):
+    """--device of every command: auto -> cuda when torch sees one, else cpu; cuda without a GPU refused."""
+    device = device if device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise RunError(f"--device {device}, but torch sees no CUDA GPU here; use --device cpu (or auto)")
+    return device
 
 
 def looks_like_path(name):

@@ -9,7 +9,6 @@ row; ConcatFeatures joins two sets (pairs and head rows) without copying either.
 import concurrent.futures
 import json
 import math
-import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch
 from features import Features, read_ahead
 from infra.errors import RunError, first_line
 from infra.folder import Progress
-from infra.storage import atomic_save, atomic_target, file_crc, load_plain, safe_load
+from infra.storage import atomic_save, atomic_write_text, file_crc, load_plain, safe_load, save_npy
 
 # A set larger than MEMMAP_BYTES is written as shards of SHARD_BYTES, read back through a
 #   memory map as StoredFeatures. Tokens are stored RAGGED: row after row, no
@@ -166,10 +165,8 @@ def shard_plan(encoder, inputs, folder, key, batch_size, device, first=None):
         plan = {"key": key, "n": len(inputs), "rows_per_shard": rows, "n_shards": math.ceil(len(inputs) / rows)}
         for f in folder.iterdir():                                               # another plan's shards
             f.unlink()
-        tmp = folder / "plan.json.tmp"
-        tmp.write_text(json.dumps(plan))
-        os.replace(tmp, plan_file)
-    for f in folder.glob("*.tmp*"):                 # a killed writer's half files: the caller holds the key's lock
+        atomic_write_text(json.dumps(plan), plan_file)
+    for f in folder.glob(".*.tmp"):                 # a killed writer's half files: the caller holds the key's lock
         f.unlink(missing_ok=True)
     return plan
 
@@ -260,11 +257,7 @@ def write_shard(folder, s, parts, key):
     as .npy with its checksum, then the metadata, whose atomic rename marks the shard done."""
     f = Features.cat(parts)
     tokens = folder / f"{s:05d}.tokens.npy"
-    with atomic_target(tokens) as tmp:
-        with open(tmp, "wb") as fh:
-            np.save(fh, f.tokens[f.mask].numpy())                                # (sum of lengths, D), ragged
-        st, crc = tmp.stat(), file_crc(tmp)                                       # read back from the page cache
-    written = {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "crc": crc}
+    written = save_npy(f.tokens[f.mask].numpy(), tokens)                         # (sum of lengths, D), ragged
     atomic_save({"key": key, "lengths": f.mask.sum(1), "pooled": f.pooled, "grid": f.grid,
                  "tokens_file": written}, folder / f"{s:05d}.pt")
     return s

@@ -1,10 +1,11 @@
-"""Writing and reading the files a run keeps: atomically, checksummed, locked, never unpickling code.
+"""The one write gate, and reading back what it wrote: atomically, checksummed, locked, never unpickling code.
 
-Every file this project writes (feature caches, checkpoints, the tiny encoders' weights, config
-and metrics) goes through atomic_save / atomic_write_text: written beside its target and renamed
-onto it, so a reader sees the old file or the new one, never half of one. safe_load reads one back
-with torch.load(weights_only=True) and its checksum verified; file_lock keeps two runs from writing
-the same key at once (infra/folder.py holds --out with open_lock); a full disk is said in one line (write_failure).
+Every file this project creates goes through atomic_target (the gate; tests/test_write_gate.py fails
+when other code opens a file for writing): written beside its target and renamed onto it, never through
+a link, never onto a file it did not make, and any failure is one line with the old file kept.
+atomic_save / atomic_write_text / save_tensors / save_npy / save_image are its forms for torch, text,
+safetensors, numpy and PIL. safe_load reads a file back with torch.load(weights_only=True) and its
+checksum verified; file_lock (the filelock library) keeps two runs from writing the same key at once.
 """
 import contextlib
 import errno
@@ -13,11 +14,11 @@ import os
 import pickle
 import re
 import shutil
-import stat
 import tempfile
 import zlib
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from infra.errors import RunError, first_line
@@ -74,64 +75,106 @@ def file_crc(path, chunk=2**24):
     return crc
 
 
-def no_space(folder):
-    return RunError(f"no space left in {folder}: free some space there, or point "
-                      f"--cache-dir / --out at a disk with room, then rerun (finished work is kept)")
+def write_failure(e, path):
+    """The one error line of a write that failed (a RunError), for any exception a writer raises: an OSError
+    (a full disk, a read-only file system, a name too long, no permission) by its errno's words, a
+    library's own error (safetensors' SafetensorError, torch.save's "PytorchStreamWriter failed") by its
+    first line; when the disk is nearly full, that is what the line says."""
+    folder = Path(path).parent
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) or free_bytes(folder) < 2**20:
+        why = "no space left on its disk"
+    elif isinstance(e, OSError):
+        why = e.strerror or errno.errorcode.get(e.errno, str(e))
+    else:
+        why = f"{type(e).__name__}: {first_line(e)}"
+    return RunError(f"cannot write {path} ({why}); free some space, or point --out / --cache-dir / the file "
+                    f"at a folder you can write to, then rerun (finished work is kept)")
 
 
 def free_bytes(folder):
-    return shutil.disk_usage(folder).free
+    try:
+        return shutil.disk_usage(next(p for p in [Path(folder), *Path(folder).parents] if p.exists())).free
+    except (OSError, StopIteration):
+        return 2**40
 
 
-def write_failure(e, path):
-    """The one error line of a write that failed for lack of room, or None for any other exception.
-
-    OSError ENOSPC / EDQUOT; or torch.save's own RuntimeError ("[enforce fail at inline_container.cc]
-    ... unexpected pos", "PytorchStreamWriter failed writing"), raised by its C++ writer when the
-    disk fills mid-file, which carries no errno: then the folder's free space tells."""
-    folder = Path(path).parent
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return no_space(folder)
-    if isinstance(e, RuntimeError) and ("inline_container" in str(e) or "PytorchStreamWriter" in str(e)):
-        if free_bytes(folder) < 2**20:
-            return no_space(folder)
-        return RunError(f"writing {path} failed ({first_line(e)}): a full disk or quota? free some space "
-                          f"there, or point --cache-dir / --out at another disk, then rerun")
-    return None
+UMASK = os.umask(0)
+os.umask(UMASK)
 
 
 @contextlib.contextmanager
-def atomic_target(path):
-    """A temporary name beside path, renamed onto path when the block ends: an interrupted
-    run leaves no half file. The temporary file is removed when the write fails (Ctrl-C,
-    disk full); a full disk stops the run with one line naming the folder."""
+def atomic_target(path, new=False):
+    """THE WRITE GATE: every file this project creates is written here. It yields a temporary file
+    beside path (created afresh, O_EXCL: never through a link, never a file someone else made) for the
+    block to write, then renames it onto path. So a reader sees the old file or the new one, never half
+    of one; an interrupted or failed write leaves path as it was; and:
+    - path itself is never a link (the rename would leave the link's target alone, but a link where
+      this project keeps a file is someone else's doing: refused, naming it);
+    - new=True: path must not exist (a file the user named, e.g. --csv: never onto their files);
+    - the file gets the permissions of any new file (0666 less the umask), like the rest of a run;
+    - ANY exception while writing (a full disk, a read-only folder, a name too long, a library's own
+      error) is one line naming path (write_failure); KeyboardInterrupt passes through."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    if tmp.is_symlink() or tmp.is_file():   # a copied leftover (a link is never written through)
-        tmp.unlink()
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        what = "a link" if path.is_symlink() else "not a regular file"
+        raise RunError(f"{path} is {what} where this program writes a file; move it away, then rerun")
+    if new and path.exists():
+        raise RunError(f"{path} exists; pass a new file name (this program never writes over a file it did not "
+                       f"make), or delete it yourself")
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name[:200]}.", suffix=".tmp")
+        os.close(fd)
+        tmp = Path(name)
         yield tmp
+        os.chmod(tmp, 0o666 & ~UMASK)
         os.replace(tmp, path)
-    except BaseException as e:
-        failure = write_failure(e, path)                   # before the unlink frees the space again
-        tmp.unlink(missing_ok=True)
-        if failure is not None:
-            raise failure from None
+        tmp = None
+    except KeyboardInterrupt:
         raise
+    except RunError:
+        raise
+    except Exception as e:
+        raise write_failure(e, path) from None
+    finally:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
 
 
 def atomic_save(obj, path):
-    """torch.save through atomic_target, with a checksum added (sealed)."""
+    """torch.save through the gate, with a checksum added (sealed)."""
     obj = sealed(obj)
-    with atomic_target(path) as tmp, open(tmp, "wb") as f:
+    with atomic_target(path) as tmp, open(tmp, "wb") as f:     # a file object: the archive's inner name is fixed
         torch.save(obj, f)
 
 
-def atomic_write_text(text, path):
-    """Path.write_text through atomic_target (config.json, metrics.json)."""
+def atomic_write_text(text, path, new=False):
+    """Text through the gate (config.json, metrics.json, CSV, log.txt)."""
+    with atomic_target(path, new) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def save_tensors(state, path):
+    """A dict of tensors as safetensors through the gate (model.safetensors): each its own contiguous copy."""
+    from safetensors.torch import save_file
+    state = {k: v.detach().cpu().contiguous().clone() for k, v in state.items()}
     with atomic_target(path) as tmp:
-        tmp.write_text(text)
+        save_file(state, str(tmp), metadata={"format": "pt"})
+
+
+def save_npy(array, path):
+    """A numpy array as .npy through the gate; returns the written file's (bytes, mtime_ns, crc32)."""
+    with atomic_target(path) as tmp:
+        np.save(tmp, array)
+        st, crc = tmp.stat(), file_crc(tmp)
+    return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "crc": crc}
+
+
+def save_image(image, path):
+    """A PIL image (a figure) through the gate, its format from path's suffix."""
+    with atomic_target(path) as tmp:
+        image.save(tmp, format=Path(path).suffix[1:].upper().replace("JPG", "JPEG"))
 
 
 def load_plain(path):
@@ -185,71 +228,49 @@ def fits(model, state, path):
 
 
 @contextlib.contextmanager
-def file_lock(path, log=print):
-    """Hold an exclusive lock on `path` (a lock file) across processes, e.g. two runs sharing a cache:
-    the second waits until the first has written what both need, then reads it. The kernel
-    releases the lock when a process dies, so a killed run never blocks the next one.
-    A no-op where fcntl is missing (Windows): there, do not share a cache between concurrent runs."""
-    try:
-        import fcntl
-    except ImportError:
-        yield
-        return
+def file_lock(path, log=print, wait=True, busy=None):
+    """An exclusive lock on `path` across processes (the filelock library: the kernel's flock, released
+    when a process dies, never opened through a link), e.g. two runs sharing a cache: the second waits
+    until the first has written what both need, then reads it. wait=False: raise RunError(busy) at once
+    when another process holds it. A link there, or a lock that cannot be made (a read-only folder, a
+    name too long), is one line naming it."""
+    from filelock import FileLock, Timeout
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open_lock(path) as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log(f"[cache] another run is writing {path.stem}; waiting for it")
-            fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def open_lock(path):
-    """A lock file opened for reading and writing, created when missing, never through a link (a
-    results folder copied with tar or rsync -a keeps one, and the lock's text would overwrite its
-    target): a link, or anything but a regular file, is refused with one line."""
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        what = "a link" if path.is_symlink() else "not a regular file"
+        raise RunError(f"{path} is {what} where this run keeps its lock file (a folder copied with tar or "
+                       f"rsync -a keeps links); remove it (rm {path}), then rerun")
+    lock = FileLock(path, mode=0o666 & ~UMASK)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            if not wait:
+                raise RunError(busy) from None
+            log(f"[cache] another run is writing {path.stem}; waiting for it")
+            lock.acquire()
+    except RunError:
+        raise
     except OSError as e:
-        if e.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
-            raise
-        fd = None
-    if fd is not None and stat.S_ISREG(os.fstat(fd).st_mode):
-        return os.fdopen(fd, "r+")
-    if fd is not None:
-        os.close(fd)
-    what = "a link" if Path(path).is_symlink() else "not a regular file"
-    raise RunError(f"{path} is {what} where this run keeps its lock file (a folder copied with tar or "
-                   f"rsync -a keeps links); remove it (rm {path}), then rerun")
+        raise write_failure(e, path) from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
-def check_writable(folder, flag, create=True):
-    """Stop with one line naming the folder when it cannot be written (read-only, full, not a
-    folder), before any long work: a probe file of 1 MB is written, synced and removed.
-    create=False (--out): nothing is made; the probe goes into the nearest folder that exists."""
+def check_folder(folder, flag, tag=None):
+    """--out / --cache-dir before any work: the nearest part of the path that exists is a folder; tag: a
+    file written into it now through the gate (--cache-dir's CACHEDIR.TAG, which backup tools read), so a
+    folder that cannot be written is one line here, not after the work."""
     folder = Path(folder)
-    taken = next((p for p in [folder, *folder.parents] if p.exists()), None)  # the nearest part that exists
+    taken = next((p for p in [folder, *folder.parents] if p.exists()), None)
     if taken is not None and not taken.is_dir():
         raise RunError(f"{flag} {folder}: {taken} is a file, not a folder; pass {flag} a folder "
-                         f"(or move the file away)")
-    try:
-        if create:
-            folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder if create else taken or ".", prefix=".write-probe-") as f:
-            f.write(b"\0" * 2**20)
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise RunError(f"{flag} {folder} is full (no space left on its disk); free some space "
-                             f"or pass {flag} on another disk") from None
-        why = "is on a read-only file system" if e.errno == errno.EROFS else f"cannot be written ({e.strerror})"
-        raise RunError(f"{flag} {folder} {why}; pass {flag} a folder you can write to") from None
+                       f"(or move the file away)")
+    if tag and not (folder / tag[0]).is_file():
+        atomic_write_text(tag[1], folder / tag[0])
 
 
 # ---------------------------------------------------------------------------

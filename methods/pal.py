@@ -181,7 +181,6 @@ class PAL(Method):
             return metrics
         H, W = img.grid
         out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
         n = min(n_figures, len(img))
         # CAP attention over the patches / words (drawn whatever `pooling` is), (n, T, K)
         Z_v, mask_v = self.Z(img[:n], "image")                                 # (n, 1 + H*W, D): slot 0 off for images
@@ -258,4 +257,5 @@ def draw_anchor_figure(image, heatmaps, anchor_ids, word_lists, caption, path, s
             words = ", ".join(word_lists[n - 1]) or "-"
             for line in range(2):                                              # crude wrap, 26 chars
                 draw.text((left, text_h + size + 4 + 14 * line), words[26 * line:26 * (line + 1)], fill="black")
-    canvas.save(path)
+    from infra.storage import save_image  # the project's one write gate
+    save_image(canvas, path)
