@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-import aligned
 import data
 import encoders
 import eval_sets
@@ -187,27 +186,29 @@ class Run:
     head: tuple | None = None
     negative_captions: tuple | None = None
     features: dict = field(default_factory=dict)
-    dims: tuple = ()
 
 
 def load_inputs(args, device):
     """The data sets, the encoders, the head rows when the run aligns on them, and the layers of
-    --select-layers: everything before the features. Each input is read whole here, under one guard
-    (infra/run.guard): any fault in a data folder, an evaluation set or a model folder is one line."""
-    if args.data == "shapes":
-        sets = shapes.cached_world(args.cache_dir)
-    else:       # the image-text sets, then every evaluation set found under --data-root
+    --select-layers: everything before the features. Each input of the user's (a data folder, an
+    evaluation set, a model folder) is read whole here, under one guard (infra/run.guard): any fault is one
+    line. The built-in world and tiny encoders are this code's own: their checks are its tests."""
+    users_data, users_models = args.data != "shapes", not builtin_encoders(args)
+    if users_data:       # the image-text sets, then every evaluation set found under --data-root
         with guard(f"--data {args.data} in {args.data_root}", "fix the file it names, or unpack the data again"):
             sets = data.DATASETS[args.data](root=args.data_root)
         sets |= eval_sets.evaluation_sets(args.data_root)
-    for split, s in sets.items():
-        if isinstance(s, (data.PairSet, data.BindingSet)):
-            data.check_texts(s.captions, f"{args.data}/{split}")
+        for split, s in sets.items():
+            if isinstance(s, (data.PairSet, data.BindingSet)):
+                data.check_texts(s.captions, f"{args.data}/{split}")
+    else:
+        sets = shapes.cached_world(args.cache_dir)
     image_enc, text_enc = encoders.load_encoders(args.image_encoder, args.text_encoder,   # one guard per folder
                                                  args.cache_dir, args.image_layer, args.text_layer)
-    encoders.check_caption_tokens(text_enc, sets, args.data)  # a caption its tokenizer reads no word in
     run = Run(image_enc, text_enc, sets)
-    run.dims = first_examples(run, device)      # every set's first input through its encoder
+    if users_data or users_models:
+        encoders.check_caption_tokens(text_enc, sets, args.data)  # a caption its tokenizer reads no word in
+        first_examples(run, device)             # every set's first input through its encoder
     if args.align_data != "pairs":
         run.head = image_enc.head()             # a model without a head fails here, before any features
     why = args.analyses and recycling.cannot_analyse(run, args)
@@ -222,12 +223,16 @@ def load_inputs(args, device):
     return run
 
 
+def builtin_encoders(args):
+    """Both encoders are the Shapes world's tiny ones at their last layers (made and tested by this code)."""
+    return (args.image_encoder in ("shapes-cnn", "shapes-cnn-pos") and args.text_encoder == "shapes-text"
+            and args.image_layer == args.text_layer == -1 and not args.select_layers)
+
+
 def first_examples(run, device):
     """The first image and text of every set through its encoder, under one guard: a preprocessor or a
     model that cannot read this data (a crop below the patch, a zero std, a config transformers
-    rejects at its first forward) stops here, before any set is extracted. Returns the (image, text)
-    feature dims."""
-    dims = {}
+    rejects at its first forward) stops here, before any set is extracted."""
     for split, s in run.sets.items():
         texts = list(s.captions[:1]) if isinstance(s, (data.PairSet, data.BindingSet)) else \
             [s.templates[0].format(s.class_names[0])]
@@ -237,8 +242,6 @@ def first_examples(run, device):
                 f = enc.encode(x, device)
                 if not torch.isfinite(f.tokens.float()).all():
                     raise ValueError("its features hold NaN or inf (image_std 0? a broken weight?)")
-            dims.setdefault(kind, f.pooled.shape[-1])
-    return dims["image"], dims["text"]
 
 
 def extract_features(args, run, device):
@@ -364,7 +367,8 @@ def main(argv=None):
         resume = train.resume_state(settings)           # a checkpoint of another identity stops here
         folder.begin(settings)                            # config.json: --out is this run's
         extract_features(args, run, device)
-        encoders.check_features_vary(args, run)           # a layer whose pooled vector ignores its input
+        if not builtin_encoders(args):
+            encoders.check_features_vary(args, run)       # a layer whose pooled vector ignores its input
         # -> the method and its loop's settings, resolved once
         img, txt, negs = alignment_data(args, run, device)
         method = make_method(args, method_cls, settings.hp, img, txt, device)
@@ -441,7 +445,8 @@ def cli():
     """python align.py: main(); a fault of the input ends in its one `error:` line (RunError, a
     SystemExit), a Ctrl-C in one line saying what was kept, and any other exception (a bug) keeps its
     traceback."""
-    if sys.argv[1:2] and sys.argv[1] in aligned.COMMANDS:   # classify | search | table: use finished runs
+    if sys.argv[1:2] and sys.argv[1] in ("classify", "search", "table"):   # use finished runs (aligned.py)
+        import aligned
         return aligned.main(sys.argv[1:])
     args = parse_args()
     try:

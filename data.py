@@ -350,12 +350,18 @@ def check_listed_once(entries, image_dir, path, splits=("train", "test")):
         if e["split"] not in splits:
             continue
         f = os.path.realpath(entry_path(image_dir, e))      # a symlink to a training image is that image
-        j = seen.setdefault(f, i)
+        try:                                                # ... and so is a hard link: the same inode
+            st = os.stat(f)
+            same = (st.st_dev, st.st_ino)
+        except OSError:
+            same = f                                        # missing: said where the files are scanned
+        j = seen.setdefault(same, i)
         if j != i:
             why = "a test image that is also a training image inflates the test numbers" \
                 if e["split"] != entries[j]["split"] else "each image is listed once, with all its captions"
             raise RunError(f"{path}: images[{j}] ({entries[j]['split']}) and images[{i}] ({e['split']}) are "
-                             f"the same image {f} ({why}); remove one of the two entries")
+                             f"the same image file {f} (a link to the other, or the same entry; {why}); remove "
+                             f"one of the two entries")
 
 
 def text_fault(text):

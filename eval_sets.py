@@ -34,6 +34,10 @@ TORCHVISION_SETS = {
 }
 
 
+EUROSAT_CLASSES = ["AnnualCrop", "Forest", "HerbaceousVegetation", "Highway", "Industrial", "Pasture", "PermanentCrop",
+                   "Residential", "River", "SeaLake"]   # its class folders (torchvision's EuroSAT reads the folders)
+
+
 def pretty(name):
     """A class name as words: "AnnualCrop" -> "annual crop", "aquarium_fish" -> "aquarium fish"."""
     return re.sub(r"(?<=[a-z])(?=[A-Z])", " ", name).replace("_", " ").lower().strip()
@@ -44,9 +48,7 @@ def torchvision_set(name, root):
     import torchvision.datasets as tvd
     cls, kwargs, label_attr, names_attr = TORCHVISION_SETS[name]
     if not (Path(root) / name).is_dir():
-        print(f"[data] {name}: not found under {Path(root) / name} (optional; put torchvision's {cls}(root=..., "
-              f"download=True) layout there) - skipped")
-        return None
+        return None                             # optional: evaluation_sets names every set not found in one line
     again = (f"download it again (torchvision's {cls}(root=..., download=True)), or move the folder away to run "
              f"without it")
     with guard(f"{name} in {Path(root) / name}", again):
@@ -58,6 +60,15 @@ def torchvision_set(name, root):
     LazyImages([p for p in paths if isinstance(p, (str, Path))]).check(f"{name} images", again)  # each file's header
     labels = torch.as_tensor(np.asarray(getattr(ds, label_attr)), dtype=torch.long)
     names = [pretty(c) for c in getattr(ds, names_attr)]
+    if name == "eurosat":                       # its class folders are its classes: a lost one, a 9-way top-1
+        found = list(getattr(ds, names_attr))
+        lost = [c for c in EUROSAT_CLASSES if c not in found]
+        if lost and set(found) <= set(EUROSAT_CLASSES):
+            raise RunError(f"eurosat in {Path(root) / name} has {len(found)} of EuroSAT's {len(EUROSAT_CLASSES)} class "
+                           f"folders (missing: {', '.join(lost)}); its top-1 would be over the others alone: {again}")
+        if lost:
+            print(f"[data] eurosat: {Path(root) / name} holds classes of its own ({', '.join(found[:5])}"
+                  f"{', ...' if len(found) > 5 else ''}), not EuroSAT's: scored as a {len(found)}-class set")
     images = LazyImages(range(len(ds)), load=lambda i: ds[i][0], source=lambda: tree_identity(Path(root) / name),
                         files=paths if len(paths) == len(ds) else None)    # ds[i] reads paths[i]
     return LabelSet(images, labels, names)
@@ -164,9 +175,7 @@ def segmentation_set(name, root):
             raise RunError(f"{where} lists {twice[0]} {ids.count(twice[0])} times "
                              f"({len(twice)} id(s) listed more than once); list each image once")
     if not present:
-        print(f"[data] {name}: not found under {root} (optional; expected {ids_file or mask_pattern}; "
-              f"from {SEGMENTATION_URLS[name]}) - skipped")
-        return None
+        return None                             # optional: evaluation_sets names every set not found in one line
     if not ids:                                 # present but broken: an error, never "not found"
         raise RunError(f"{where} {'lists' if ids_file else 'hold'} no images; extract {name} again from "
                        f"{SEGMENTATION_URLS[name]}, or move its folder away to run without it")
@@ -189,4 +198,8 @@ def evaluation_sets(root):
     for name in SEGMENTATION_SETS:          # ANY fault nobody listed (an ids file that is a folder): one line
         with guard(f"{name} in {root}", f"extract it again from {SEGMENTATION_URLS[name]}, or move its folder away"):
             sets[name] = segmentation_set(name, root)
+    absent = [k for k, v in sets.items() if v is None]
+    if absent:
+        print(f"[data] optional evaluation sets not found under {root}, left out: {', '.join(absent)} "
+              f"(docs/real-data.md: where each goes)")
     return {k: v for k, v in sets.items() if v is not None}

@@ -233,8 +233,9 @@ def parse_hp(method_cls, items):
 
 def check_flags(args, method_cls):
     """The run's flags against their valid ranges and the method's interface, before any work."""
-    if args.eval_images is not None and args.eval_images < 1:
-        raise RunError(f"--eval-images {args.eval_images}: evaluate on at least 1 image (leave it out for all)")
+    if args.eval_images is not None and args.eval_images <= 10:   # R@10 of 10 images is 100 by construction
+        raise RunError(f"--eval-images {args.eval_images}: evaluate on more than 10 images (R@1 of 1 image, or R@10 "
+                       f"of 10, is 100 whatever the method; leave it out for all)")
     if args.num_pairs is not None and args.num_pairs < 0:
         raise RunError(f"--num-pairs {args.num_pairs}: a count of pairs cannot be negative")
     if args.threads < 0:

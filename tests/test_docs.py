@@ -379,3 +379,40 @@ def test_a_default_run_enters_a_bounded_set_of_project_files(cache_dir, tmp_path
         sys.setprofile(None)
     entered = {f for f in entered if not f.startswith("tests/")}
     assert len(entered) <= ENTERED_AT_MOST, sorted(entered)
+    lines = executed_lines(align.main, align.parse_args(argv + ["--out", str(tmp_path / "o2")]))
+    by_file = {f: sum(1 for g, _ in lines if g == f) for f in {f for f, _ in lines}}
+    assert len(lines) <= EXECUTED_AT_MOST, (len(lines), sorted(by_file.items(), key=lambda x: -x[1]))
+    for f in ("align.py", "train.py", "infra/run.py", "infra/folder.py", "infra/storage.py"):
+        assert by_file.get(f, 0) > 0, f        # the count is not blind: the driver's files are seen
+
+
+EXECUTED_AT_MOST = 1000   # distinct lines inside project functions of a warm default run (1,082 before the gates)
+
+
+def executed_lines(fn, *args):
+    """{(file, line)} executed inside the project's functions while fn(*args) runs (sys.settrace on every
+    thread; module and class bodies, tests/ and benchmarks/ left out): what a reader of a default run reads."""
+    import sys
+    import threading
+    root, seen = str(ROOT) + "/", set()
+
+    def tracer(frame, event, arg):
+        code = frame.f_code
+        name = code.co_filename
+        if not name.startswith(root) or name.startswith((root + "tests/", root + "benchmarks/")) or \
+                not code.co_flags & 1:             # CO_OPTIMIZED: a function, not a module or class body
+            return None
+
+        def local(frame, event, arg):
+            if event == "line":
+                seen.add((name[len(root):], frame.f_lineno))
+            return local
+        return local
+    sys.settrace(tracer)
+    threading.settrace(tracer)
+    try:
+        fn(*args)
+    finally:
+        sys.settrace(None)
+        threading.settrace(None)
+    return seen

@@ -101,8 +101,8 @@ EUROSAT = Path("eurosat", "eurosat", "2750", "Forest", "Forest_1.jpg")
      "1 of 6 COCO train images cannot be read as images, e.g. {} (UnidentifiedImageError: "),
     (Path("coco", "val2014", "test_1.jpg"), bomb_png,
      "1 of 3 COCO test images cannot be read as images, e.g. {} (DecompressionBombError: "),
-    (EUROSAT, not_an_image, "1 of 6 eurosat images cannot be read as images, e.g. {} (UnidentifiedImageError: "),
-    (EUROSAT, lambda f: f.write_bytes(b""), "1 of 6 eurosat images are empty (0 bytes), e.g. {}; download it again"),
+    (EUROSAT, not_an_image, "1 of 13 eurosat images cannot be read as images, e.g. {} (UnidentifiedImageError: "),
+    (EUROSAT, lambda f: f.write_bytes(b""), "1 of 13 eurosat images are empty (0 bytes), e.g. {}; download it again"),
 ], ids=["coco-text", "coco-bomb", "eurosat-text", "eurosat-0-bytes"])
 def test_an_image_file_that_is_no_image_is_refused_naming_it(tmp_path, folders, capsys, file, plant, says):
     """A text file named .jpg, a decompression bomb, a 0-byte EuroSAT image: found by the first image

@@ -5,6 +5,7 @@ and one subprocess run of align.py on them end to end. No test touches the netwo
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -86,9 +87,15 @@ def write_ade(root):
         Image.fromarray(m).save(base / "annotations" / "validation" / f"ADE_val_{i:08d}.png")
 
 
+EUROSAT_CLASSES = ["AnnualCrop", "Forest", "SeaLake", "HerbaceousVegetation", "Highway", "Industrial", "Pasture",
+                   "PermanentCrop", "Residential", "River"]
+
+
 def write_eurosat(root):
-    for c, cls in enumerate(["AnnualCrop", "Forest", "SeaLake"]):
-        for i in range(2):
+    """EuroSAT's ten class folders (fewer is refused: eval_sets.N_CLASSES), two images in the first three, one in
+    the others."""
+    for c, cls in enumerate(EUROSAT_CLASSES):
+        for i in range(2 if c < 3 else 1):
             write_image(root / "eurosat" / "eurosat" / "2750" / cls / f"{cls}_{i}.jpg", seed=300 + 2 * c + i,
                         size=(16, 16))
 
@@ -158,8 +165,18 @@ def test_segmentation_masks_map_labels_and_follow_the_centre_crop(data_root):
 
 def test_torchvision_classification_set(data_root):
     s = eval_sets.torchvision_set("eurosat", data_root)
-    assert s.class_names == ["annual crop", "forest", "sea lake"]
-    assert s.labels.tolist() == [0, 0, 1, 1, 2, 2] and s.images[5].mode == "RGB"
+    assert s.class_names == ["annual crop", "forest", "herbaceous vegetation", "highway", "industrial", "pasture",
+                             "permanent crop", "residential", "river", "sea lake"]
+    assert s.labels.tolist() == [0, 0, 1, 1, 2, 3, 4, 5, 6, 7, 8, 9, 9] and s.images[12].mode == "RGB"
+
+
+def test_eurosat_with_a_class_folder_lost_is_refused_naming_it(tmp_path):
+    """3 of EuroSAT's 10 class folders would score a 3-way top-1 (33.33 at chance) as EuroSAT's: refused."""
+    write_eurosat(tmp_path)
+    for cls in EUROSAT_CLASSES[3:]:
+        shutil.rmtree(tmp_path / "eurosat" / "eurosat" / "2750" / cls)
+    with pytest.raises(SystemExit, match=r"has 3 of EuroSAT's 10 class folders \(missing: HerbaceousVegetation"):
+        eval_sets.torchvision_set("eurosat", tmp_path)
 
 
 def test_a_corrupt_image_is_an_error_naming_the_file(tmp_path, models):
