@@ -184,7 +184,12 @@ class Aligned:
         import data
         if isinstance(images, (str, Path, Image.Image)) or torch.is_tensor(images) and images.dim() == 3:
             images = [images]
-        read = [data.rgb(Image.open(x)) if isinstance(x, (str, Path)) else x for x in images]
+        def decoded(path):                                    # a file cut short is found here, at its pixels
+            with guard(f"{path}", "remove it (or copy it again), then rerun"):
+                image = data.rgb(Image.open(path))
+                image.load()
+                return image
+        read = [decoded(x) if isinstance(x, (str, Path)) else x for x in images]
         if hasattr(self.image_encoder, "transform"):          # Hugging Face / torchvision: the model's processor
             return read
         import numpy as np

@@ -114,15 +114,14 @@ def atomic_target(path, new=False):
     - the file gets the permissions of any new file (0666 less the umask), like the rest of a run;
     - ANY exception while writing (a full disk, a read-only folder, a name too long, a library's own
       error) is one line naming path (write_failure); KeyboardInterrupt passes through."""
-    path = Path(path)
-    if path.is_symlink() or (path.exists() and not path.is_file()):
-        what = "a link" if path.is_symlink() else "not a regular file"
-        raise RunError(f"{path} is {what} where this program writes a file; move it away, then rerun")
-    if new and path.exists():
-        raise RunError(f"{path} exists; pass a new file name (this program never writes over a file it did not "
-                       f"make), or delete it yourself")
-    tmp = None
+    path, tmp = Path(path), None
     try:
+        if path.is_symlink() or (path.exists() and not path.is_file()):
+            what = "a link" if path.is_symlink() else "not a regular file"
+            raise RunError(f"{path} is {what} where this program writes a file; move it away, then rerun")
+        if new and path.exists():
+            raise RunError(f"{path} exists; pass a new file name (this program never writes over a file it did "
+                           f"not make), or delete it yourself")
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name[:200]}.", suffix=".tmp")
         os.close(fd)

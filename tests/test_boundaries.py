@@ -219,13 +219,13 @@ def test_a_link_where_a_lock_or_a_temporary_file_goes_is_never_written_through(t
 
 
 def test_a_killed_writes_temporary_file_is_removed_when_the_run_goes_on(tmp_path):
-    """kill -9 between a checkpoint's temporary write and its rename leaves checkpoint.pt.tmp<pid> in --out:
+    """kill -9 between a checkpoint's temporary write and its rename leaves .checkpoint.pt.<random>.tmp in --out:
     the run that takes the folder again (--resume) removes it; a finished run never holds one."""
     import argparse
     out = tmp_path / "r"
     out.mkdir()
     (out / "config.json").write_text(json.dumps({"identity": {}}))
-    (out / "checkpoint.pt.tmp4242").write_bytes(b"half")
+    (out / ".checkpoint.pt.x1y2z3.tmp").write_bytes(b"half")
     settings = runs.Settings(argparse.Namespace(out=str(out)), METHODS["pal"], {}, "cpu", out, identity={})
     folder.begin(settings)
     assert sorted(p.name for p in out.iterdir()) == ["config.json"]
