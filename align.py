@@ -347,8 +347,9 @@ def evaluate_all(method, run, args, out, device):
         pixels = torch.stack([data.pixels(test.images[i]) for i in range(len(first))])
         words = run.text_encoder.words([test.captions[i] for i in first])
         with evaluate.inference(method):
+            figure = lambda image, name: storage.save_image(image, out / name)    # through the write gate
             metrics["analysis"] = method.analyse(feats["test", "image"][:len(first)].to(device),
-                                                 txt[first].to(device), pixels, words, out)
+                                                 txt[first].to(device), pixels, words, figure)
     return metrics
 
 

@@ -19,6 +19,7 @@ import contextlib
 import inspect
 import json
 import os
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -355,15 +356,8 @@ def software():
     import importlib.metadata
     import platform
     import subprocess
-    try:
-        transformers = importlib.metadata.version("transformers")
-    except importlib.metadata.PackageNotFoundError:
-        transformers = None
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
-                                capture_output=True, text=True, timeout=10)
-        commit = commit.stdout.strip() if commit.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    return dict(python=platform.python_version(), torch=torch.__version__, transformers=transformers,
-                commit=commit or None)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True,
+                            text=True, timeout=10) if shutil.which("git") else None
+    return dict(python=platform.python_version(), torch=torch.__version__,
+                transformers=importlib.metadata.version("transformers"),
+                commit=commit.stdout.strip() if commit is not None and commit.returncode == 0 else None)

@@ -165,7 +165,8 @@ def save_tensors(state, path):
 def save_npy(array, path):
     """A numpy array as .npy through the gate; returns the written file's (bytes, mtime_ns, crc32)."""
     with atomic_target(path) as tmp:
-        np.save(tmp, array)
+        with open(tmp, "wb") as f:                # a file object: np.save would add .npy to a name
+            np.save(f, array)
         st, crc = tmp.stat(), file_crc(tmp)
     return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "crc": crc}
 
@@ -269,7 +270,10 @@ def check_folder(folder, flag, tag=None):
         raise RunError(f"{flag} {folder}: {taken} is a file, not a folder; pass {flag} a folder "
                        f"(or move the file away)")
     if tag and not (folder / tag[0]).is_file():
-        atomic_write_text(tag[1], folder / tag[0])
+        try:
+            atomic_write_text(tag[1], folder / tag[0])
+        except RunError as e:
+            raise RunError(f"{flag} {folder}: {str(e).removeprefix('error: ')}") from None
 
 
 # ---------------------------------------------------------------------------

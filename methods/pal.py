@@ -44,7 +44,6 @@ Deviations / choices:
    tests/test_fast_forms.py checks values and gradients); fast=False trains the paper form,
    cap(relative(Z, A), mask, tau_p), written out beside it in pool().
 """
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -170,9 +169,10 @@ class PAL(Method):
         return loss, {"nce": loss.detach()}
 
     @torch.no_grad()
-    def analyse(self, img, txt, images, words, out_dir, n_figures=4, n_anchors=3):
+    def analyse(self, img, txt, images, words, save, n_figures=4, n_anchors=3):
         """Table 4 anchor overlap on all pairs, and Fig. 3 for the first n_figures pairs:
-        the n_anchors anchors contributing most to the pair's score h_v[k] h_l[k]."""
+        the n_anchors anchors contributing most to the pair's score h_v[k] h_l[k]. save(image, name): the run's
+        figure writer (align.py's: into the run folder)."""
         chunks = [torch.arange(len(img))[b:b + 256] for b in range(0, len(img), 256)]  # bound memory
         p_v = torch.cat([self.pool(img[c], "image") for c in chunks])           # (N, K)
         p_l = torch.cat([self.pool(txt[c], "text") for c in chunks])            # (N, K)
@@ -180,7 +180,6 @@ class PAL(Method):
         if img.grid is None:                                # no patch grid to draw on
             return metrics
         H, W = img.grid
-        out_dir = Path(out_dir)
         n = min(n_figures, len(img))
         # CAP attention over the patches / words (drawn whatever `pooling` is), (n, T, K)
         Z_v, mask_v = self.Z(img[:n], "image")                                 # (n, 1 + H*W, D): slot 0 off for images
@@ -199,8 +198,7 @@ class PAL(Method):
                 word_lists.append([words[i][t] for t in range(alpha_l.shape[1])
                                    if txt_mask[i, t] and alpha_l[i, t, k] > 0.5])
             caption = " ".join(w for w, m in zip(words[i], txt_mask[i].tolist()) if m)
-            draw_anchor_figure(images[i], heatmaps, ks, word_lists, caption,
-                               out_dir / f"pal_anchors_{i}.png")
+            save(draw_anchor_figure(images[i], heatmaps, ks, word_lists, caption), f"pal_anchors_{i}.png")
         return metrics
 
 
@@ -232,10 +230,10 @@ def heat_colours(x):
     return torch.stack([(3 * x).clamp(0, 1), (3 * x - 1).clamp(0, 1), (3 * x - 2).clamp(0, 1)])
 
 
-def draw_anchor_figure(image, heatmaps, anchor_ids, word_lists, caption, path, size=160):
+def draw_anchor_figure(image, heatmaps, anchor_ids, word_lists, caption, size=160):
     """Fig. 3, one row: the image, then per anchor its patch attention blended over
     the image with the caption words it attends to (alpha > 0.5) written under it.
-    image: uint8 (3, S, S); heatmaps: list of (H, W) in [0, 1]."""
+    image: uint8 (3, S, S); heatmaps: list of (H, W) in [0, 1]. Returns the PIL image."""
     from PIL import Image, ImageDraw
     x = F.interpolate(image[None].float() / 255, size=(size, size), mode="bilinear",
                       align_corners=False)[0].clamp(0, 1)                      # (3, size, size)
@@ -257,5 +255,4 @@ def draw_anchor_figure(image, heatmaps, anchor_ids, word_lists, caption, path, s
             words = ", ".join(word_lists[n - 1]) or "-"
             for line in range(2):                                              # crude wrap, 26 chars
                 draw.text((left, text_h + size + 4 + 14 * line), words[26 * line:26 * (line + 1)], fill="black")
-    from infra.storage import save_image  # the project's one write gate
-    save_image(canvas, path)
+    return canvas

@@ -381,7 +381,7 @@ def test_cov_analyse_writes_region_maps(tmp_path):
     m, (img, txt) = small(CoV), feats()
     images = torch.randint(0, 255, (5, 3, 32, 32), dtype=torch.uint8)
     words = [["[CLS]"] + ["w"] * 5 for _ in range(5)]
-    out = m.analyse(img, txt, images, words, tmp_path)
+    out = m.analyse(img, txt, images, words, lambda im, name: im.save(tmp_path / name))
     assert sorted(p.name for p in tmp_path.glob("*.png")) == [f"cov_regions_{i}.png" for i in range(4)]
     assert all(math.isfinite(v) for v in out.values())
     assert 1 <= out["cov_patches_per_region"] <= 16

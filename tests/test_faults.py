@@ -163,6 +163,7 @@ BAD_INPUTS = {
     "hp of the wrong type": (["--hp", "K=abc"], ["--hp K=abc", "an integer is expected", "512"]),
     "hp zero": (["--hp", "K=0"], ["--hp K=0: PAL takes K in [5, inf)"]),
     "eval images 0": (["--eval-images", "0"], ["--eval-images 0"]),
+    "eval images 10": (["--eval-images", "10"], ["--eval-images 10", "R@10 of 10, is 100 whatever the method"]),
     "missing model folder": (["--image-encoder", "/no/such/model"],
                              ["--image-encoder /no/such/model: no such directory"]),
     "hub name not downloaded": (["--text-encoder", "org/not-downloaded"], ["--text-encoder", "not available offline"]),
@@ -411,7 +412,7 @@ def test_a_read_only_or_full_cache_is_one_error_naming_it_before_any_work(shared
     try:
         if ro is not None:                                            # the real thing, as a CLI row
             r = run(ro, tmp_path / "out", *RUN)
-            one_line_error(r, f"--cache-dir {ro}", "cannot be written")
+            one_line_error(r, f"--cache-dir {ro}", "cannot write")
             assert "[features]" not in r.stdout
     finally:
         if ro is not None:
@@ -420,18 +421,18 @@ def test_a_read_only_or_full_cache_is_one_error_naming_it_before_any_work(shared
     import errno
     import tempfile
 
-    for code, words in ((errno.EROFS, "is on a read-only file system"), (errno.ENOSPC, "is full")):
+    for code, words in ((errno.EROFS, "Read-only file system"), (errno.ENOSPC, "no space left on its disk")):
         def fails(*a, code=code, **k):
             raise OSError(code, os.strerror(code))
-        monkeypatch.setattr(tempfile, "NamedTemporaryFile", fails)
-        with pytest.raises(SystemExit, match=f"--cache-dir {tmp_path / 'c'} {words}"):
+        monkeypatch.setattr(tempfile, "mkstemp", fails)          # the write gate's temporary file
+        with pytest.raises(SystemExit, match=f"--cache-dir {tmp_path / 'c'}: cannot write .*CACHEDIR.TAG \\({words}"):
             align.main(["--cache-dir", str(tmp_path / "c"), "--out", str(tmp_path / "o")])
         monkeypatch.undo()
     # a disk that fills up during the run: one line naming the folder, no half file
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(torch, "save", full)
-    with pytest.raises(SystemExit, match=f"no space left in {tmp_path / 'f'}"):
+    with pytest.raises(SystemExit, match=f"cannot write {tmp_path / 'f' / 'x.pt'} \\(no space left on its disk\\)"):
         storage.atomic_save({"x": torch.zeros(3)}, tmp_path / "f" / "x.pt")
     assert list((tmp_path / "f").iterdir()) == []
 

@@ -234,7 +234,7 @@ def test_analyse_writes_figures_and_returns_overlaps(tmp_path):
     words = [[f"w{t}" for t in range(int(txt.mask[i].sum()))] for i in range(N)]
     images = torch.randint(0, 256, (N, 3, 32, 32), dtype=torch.uint8)
     m = PAL(24, 32, K=16)
-    out = m.analyse(img, txt, images, words, tmp_path)
+    out = m.analyse(img, txt, images, words, lambda im, name: im.save(tmp_path / name))
     with torch.no_grad():
         assert out == pytest.approx(anchor_overlap(m.pool(img, "image"), m.pool(txt, "text")), abs=1e-6)
     assert set(out) == {"anchor_overlap_matched", "anchor_overlap_mismatched",
