@@ -52,6 +52,8 @@ Deviations / choices (each measured in docs/binding.md, "PAL-Rel's choices, meas
    wordings; "relation" and "index" are the alternatives.
 9. W = 8 words either side: W = 5 misses the object phrases of the longest training style, W = 16
    reaches past the nearer object phrase (worse on held-out templates).
+10. rho's softmax is written out (softmax_rows): torch's CPU softmax backward on short rows gave weights 1e-12
+   apart at 1 and 2 threads on an AMD EPYC (tests/test_threads.py).
 """
 import torch
 import torch.nn as nn
@@ -67,6 +69,13 @@ def sincos(x, P=32):
     """(..., P) sin-cos code of real positions x (...,) (Transformer-style, base 10000)."""
     freq = 10000.0 ** (-torch.arange(0, P, 2, device=x.device, dtype=torch.float32) / P)  # (P/2,)
     return torch.cat([torch.sin(x[..., None] * freq), torch.cos(x[..., None] * freq)], dim=-1)
+
+
+def softmax_rows(x):
+    """softmax over dim 1 written out (choice 10): torch's CPU softmax backward for short rows sums in an order
+    that depends on the thread count (1e-13 apart at 1 and 2 threads), these elementwise ops do not."""
+    e = (x - x.amax(dim=1, keepdim=True)).exp()
+    return e / e.sum(dim=1, keepdim=True)
 
 
 def grid_positions(H, W, device=None):
@@ -128,7 +137,7 @@ class PALRel(Method):
         y = F.normalize(txt.tokens, dim=-1)                                # y_w / ||y_w||, (B, L, D_l)
         w = torch.arange(L, device=y.device, dtype=torch.float32)          # word indices, (L,)
         if self.order == "local":                                          # (R2) each word j places its neighbours
-            rho = (y @ self.u).masked_fill(~txt.mask, float("-inf")).softmax(dim=1)  # (B, L) which words relate
+            rho = softmax_rows((y @ self.u).masked_fill(~txt.mask, float("-inf")))  # (B, L) which words relate
             M = (y @ self.V).view(B, L, 2, self.C)                         # M(y_j), (B, L, 2, C)
             delta = (w[:, None] - w[None, :]).long() + self.W              # w - j + W, (L, L)
             E = F.one_hot(delta.clamp(0, 2 * self.W), self.C) * ((delta >= 0) & (delta <= 2 * self.W))[..., None]
@@ -136,7 +145,7 @@ class PALRel(Method):
         else:
             G = (F.normalize(txt.pooled, dim=-1) @ self.V).view(B, 2, self.C)  # (R2) G(t), (B, 2, P)
             if self.order == "relation":                                   # (R2) r: where the relation word is
-                rho = (y @ self.u).masked_fill(~txt.mask, float("-inf")).softmax(dim=1)  # (B, L)
+                rho = softmax_rows((y @ self.u).masked_fill(~txt.mask, float("-inf")))  # (B, L)
                 w = w - (rho * w).sum(dim=1, keepdim=True)                 # w - r, (B, L)
             q = sincos(w, self.P)                                          # (R2) q_w, (L, P) or (B, L, P)
             o = y @ self.U + q @ G.transpose(1, 2)                         # (R2), (B, L, 2)
