@@ -27,7 +27,7 @@ Each method defines those five. What it may define besides, with the default `Me
     loss = None                     # trained methods: loss(img, txt) -> (loss, logs); img, txt = Features
                                     # of a batch of pairs; logs {name: 0-dim detached tensor or float},
                                     # no host sync: align.py prints their epoch means. None: no training loop.
-    analyse = None                  # analyse(img, txt, images, words, save) -> dict; save(PIL image, name): a figure
+    analyse = None                  # analyse(img, txt, images, words, figure) -> dict; figure(PIL image, name)
     contrastive_scale = None        # contrastive methods: contrastive_scale() -> float | tensor, 1 / temperature
                                     # of the logits; --hard-negatives adds terms at this scale. None: not
                                     # contrastive.

@@ -307,9 +307,9 @@ class CoV(Method):
 
     # --- optional analysis hook: region maps
     @torch.no_grad()
-    def analyse(self, img, txt, images, words, save):
+    def analyse(self, img, txt, images, words, figure):
         """PNG per test image (up to 4): the image, then each region's masked assign
-        attention (barAttn) over the patch grid, in red on the dimmed image. save(image, name): the run's
+        attention (barAttn) over the patch grid, in red on the dimmed image. figure(image, name): the run's
         figure writer."""
         from PIL import Image
         n = min(4, len(img))
@@ -326,7 +326,7 @@ class CoV(Method):
                 black = Image.new("L", (S, S), 0)
                 tile = Image.blend(photo, Image.merge("RGB", (heat, black, black)), 0.6)
                 canvas.paste(tile, ((q + 1) * (S + 4), 0))
-            save(canvas, f"cov_regions_{i}.png")
+            figure(canvas, f"cov_regions_{i}.png")
         spread_full = self.spread(attn, img.grid).mean().item()
         spread_bar = self.spread(attn_bar, img.grid).mean().item()
         kept = (attn_bar > 0).float().sum(-1).mean().item()

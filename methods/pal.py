@@ -169,9 +169,9 @@ class PAL(Method):
         return loss, {"nce": loss.detach()}
 
     @torch.no_grad()
-    def analyse(self, img, txt, images, words, save, n_figures=4, n_anchors=3):
+    def analyse(self, img, txt, images, words, figure, n_figures=4, n_anchors=3):
         """Table 4 anchor overlap on all pairs, and Fig. 3 for the first n_figures pairs:
-        the n_anchors anchors contributing most to the pair's score h_v[k] h_l[k]. save(image, name): the run's
+        the n_anchors anchors contributing most to the pair's score h_v[k] h_l[k]. figure(image, name): the run's
         figure writer (align.py's: into the run folder)."""
         chunks = [torch.arange(len(img))[b:b + 256] for b in range(0, len(img), 256)]  # bound memory
         p_v = torch.cat([self.pool(img[c], "image") for c in chunks])           # (N, K)
@@ -198,7 +198,7 @@ class PAL(Method):
                 word_lists.append([words[i][t] for t in range(alpha_l.shape[1])
                                    if txt_mask[i, t] and alpha_l[i, t, k] > 0.5])
             caption = " ".join(w for w, m in zip(words[i], txt_mask[i].tolist()) if m)
-            save(draw_anchor_figure(images[i], heatmaps, ks, word_lists, caption), f"pal_anchors_{i}.png")
+            figure(draw_anchor_figure(images[i], heatmaps, ks, word_lists, caption), f"pal_anchors_{i}.png")
         return metrics
 
 
