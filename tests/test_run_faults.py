@@ -174,7 +174,7 @@ def test_a_second_run_on_the_same_out_refuses_naming_the_running_one(cache_dir, 
     out = tmp_path / "o"
     with folder.held(out):                            # the first run, still going
         text = refused(capsys, cache_dir, out, "--method", "linear", "--epochs", "1")
-    assert f"--out {out} is in use by a run still going (pid {os.getpid()}, started " in text
+    assert f"--out {out} is in use by a run still going; wait for it to finish, or pass another --out" in text
     run(cache_dir, out, "--method", "linear", "--epochs", "1", "--num-pairs", "300")   # free again
 
 
