@@ -446,7 +446,7 @@ def cli():
     """python align.py: main(); a fault of the input ends in its one `error:` line (RunError, a
     SystemExit), a Ctrl-C in one line saying what was kept, and any other exception (a bug) keeps its
     traceback."""
-    if sys.argv[1:2] and sys.argv[1] in ("classify", "search", "table"):   # use finished runs (aligned.py)
+    if sys.argv[1:2] and sys.argv[1] in ("index", "classify", "search", "table"):   # use runs (aligned.py)
         import aligned
         return aligned.main(sys.argv[1:])
     args = parse_args()
