@@ -224,7 +224,7 @@ class Index:
         """Each file's row in emb, or None when the index does not hold it as it is now (new or changed)."""
         return [self.at.get(file_key_or_none(f)) for f in files]
 
-    def save(self, folder):
+    def write(self, folder):
         from infra.storage import save_tensors
         meta = {"keys": json.dumps(self.keys), "run_key": json.dumps(self.run_key)}
         save_tensors({"emb": self.emb}, Path(folder) / self.FILE, metadata=meta)
@@ -546,7 +546,7 @@ def index(a):
               file=sys.stderr, flush=True)
         old = None
     new = model.index(files, old, batch_size=a.batch_size, workers=a.workers, tag="[index]")
-    new.save(folder)
+    new.write(folder)
     kept = sum(r is not None for r in old.rows(files)) if old is not None else 0
     dropped = len(old.at.keys() - new.at.keys()) if old is not None else 0
     print(f"[index] {len(new)} images in {folder / Index.FILE}: {len(files) - kept} encoded now, {kept} kept as they "
