@@ -174,7 +174,7 @@ def load(run_folder, device="cpu", cache_dir=None):
                    run_key)
 
 
-BATCH = 32            # images per forward of the commands (the encoder rate is measured at 32)
+BATCH = 32            # images per forward of the commands (benchmarks/bench_index.py measures the encoder at it)
 DECODE_WORKERS = 2    # threads decoding and resizing batches ahead of the forward
 
 

@@ -78,6 +78,11 @@ def test_the_flat_view_is_in_percent_rounded_and_metrics_json_keeps_its_values()
     assert flat["retrieval/i2t_r1"] == (60.8, "%") and flat["retrieval/i2t_p1"] == (60.8, "%")
     assert flat["classification/cls/top1"] == (100.0, "%") and flat["train/seconds"] == (1.2346, "s")
     assert flat["layers/image"] == (-1, "")
+    # metrics.json holds them in percent (marked), and its flat view is the same
+    saved = folder.in_percent(metrics)
+    assert saved["retrieval"]["i2t_p1"] == pytest.approx(60.79999804496765) and saved["unit"] == "percent"
+    assert saved["retrieval"]["i2t_r1"] == metrics["retrieval"]["i2t_r1"] and saved["train"] == metrics["train"]
+    assert folder.flat_metrics(saved) == folder.flat_metrics(metrics)
 
 
 @pytest.fixture(scope="module")
@@ -93,13 +98,18 @@ def finished_run(cache_dir, tmp_path_factory):
 def test_a_run_folder_holds_the_ecosystem_files(finished_run):
     names = {p.name for p in finished_run.iterdir()}
     assert {"model.safetensors", "history.csv", "results.csv", "log.txt", "config.json", "metrics.json"} <= names
-    assert "method.pt" not in names
+    assert "method.pt" not in names and "checkpoint.pt" not in names      # finished: nothing left to resume
     history = list(csv.DictReader(open(finished_run / "history.csv")))
     assert [r["epoch"] for r in history] == ["1"] and {"loss", "lr", "seconds"} <= set(history[0])
     config = json.loads((finished_run / "config.json").read_text())
     rebuilds = {"method", "hp", "dims", "image_encoder", "text_encoder", "image_layer", "text_layer"}
     assert rebuilds <= set(config["model"])
     assert "[train] epoch   1/1" in (finished_run / "log.txt").read_text()
+    metrics = json.loads((finished_run / "metrics.json").read_text())        # one unit: results.csv's percent
+    flat = {r["metric"]: float(r["value"]) for r in csv.DictReader(open(finished_run / "results.csv"))}
+    assert metrics["unit"] == "percent" and 1 < metrics["retrieval"]["i2t_p5"] <= 100
+    for key in ("i2t_map", "i2t_p1", "i2t_p5", "t2i_p1", "i2t_r1"):
+        assert round(metrics["retrieval"][key], 2) == flat[f"retrieval/{key}"], key
 
 
 def shapes_pngs(folder, cache_dir, n=3):
