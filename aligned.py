@@ -142,7 +142,12 @@ def read_run(folder):
 
 def check_same_encoder(kind, enc, config):
     """The encoder load() found is the one the run was trained with: its weights' fingerprint against the run's
-    identity (a same-sized model at the recorded path, or another download, would give other scores)."""
+    identity (a same-sized model at the recorded path, or another download, would give other scores); an
+    encoder recorded by a pip package's release (minilm) is that release, whatever its files' mtimes in this
+    environment (a large weight file's fingerprint holds its mtime)."""
+    release = (config.get("model") or {}).get(f"{kind}_release")
+    if release is not None and release == getattr(enc, "release", None):
+        return
     want = config.get("identity", {}).get(f"{kind}_weights")
     got = getattr(enc, "fingerprint", None)
     if want is not None and got is not None and want != got:

@@ -132,11 +132,15 @@ def held(out):
 # ---------------------------------------------------------------------------
 def model_config(args, identity, image_enc, text_enc, dims):
     """config.json's "model": what rebuilds the method and its encoders from the run folder alone (hp: the
-    __init__ keywords as the run passed them, the identity's hp.*)."""
+    __init__ keywords as the run passed them, the identity's hp.*). An encoder is recorded by the name that
+    resolves it in any environment (minilm: the pip package's folder), with that package's release."""
     hp = {k[3:]: v for k, v in identity.items() if k.startswith("hp.")}
-    return dict(method=args.method, hp=hp, dims=list(dims), image_encoder=image_enc.name, text_encoder=text_enc.name,
+    name = lambda enc: getattr(enc, "by_name", enc.name)        # "minilm", not the path it resolved to here
+    releases = {f"{kind}_release": enc.release for kind, enc in (("image", image_enc), ("text", text_enc))
+                if getattr(enc, "release", None)}                # a pip package's name and version
+    return dict(method=args.method, hp=hp, dims=list(dims), image_encoder=name(image_enc), text_encoder=name(text_enc),
                 image_layer=image_enc.layer, text_layer=text_enc.layer,
-                cache_dir=str(Path(args.cache_dir).resolve()), templates=templates_of(args.data))
+                cache_dir=str(Path(args.cache_dir).resolve()), templates=templates_of(args.data), **releases)
 
 
 def templates_of(data_name):

