@@ -4,6 +4,9 @@
     model = aligned.load("results/pal-shapes-seed0")             # any method, on "cpu" or "cuda"
     scores = model.zero_shot(["a.png", "b.png"], ["red circle", "blue square"])   # (2, 2)
     order = model.search(["a.png", "b.png"], "a red circle").argsort(descending=True)
+    files = aligned.image_files(["photos/"])                     # a folder, walked recursively
+    index = model.index(files)                  # .paths, .emb (N, K); index.write(folder), aligned.Index.load(folder)
+    scores = model.class_scores(model.embed_files(files, index), model.classes(["red circle", "blue square"]))
 
 A run folder holds what rebuilds its method (infra/folder.py writes both, rank 0, before metrics.json):
     model.safetensors   the method's state_dict (safetensors: tensors only, nothing to unpickle)
@@ -16,6 +19,13 @@ preprocessing (encoder.transform: the checkpoint's processor; shapes-cnn: 64 x 6
 method.score of the method's embeddings, and zero_shot averages the templates as evaluate.py does
 (template_average, class_logits), so its scores are evaluate.py's for the same images and prompts.
 
+Image files are encoded by a pipeline (encode_files): batches of BATCH files decoded and resized by
+DECODE_WORKERS threads ahead of the forward (features.read_ahead), progress with an ETA on stderr. The
+index (`python align.py index RUN IMAGES...`) keeps their embeddings in RUN/index/images.safetensors (or
+--index FOLDER): the tensor "emb" and, in the file's metadata, each row's key (absolute path, size,
+mtime_ns) and the run's key (its weights, its "model" and its image encoder's fingerprint), written through
+the write gate; classify and search read the rows whose keys match and encode only the other files.
+
 Deviations / choices:
 1. A run folder of an older version (method.pt, no "model" in config.json) loads too: the method and
    encoders from config.json's identity, the weights from method.pt (tensors only).
@@ -23,6 +33,10 @@ Deviations / choices:
    data.rgb (EXIF upright, alpha on white). shapes-cnn reads other sizes than 64 x 64 resized (bicubic).
 3. cache_dir: the run's own --cache-dir when it still exists, else ~/.cache/posthoc-align (only the tiny
    encoders of a non-default seed are pretrained into it).
+4. --top's probabilities: softmax at the method's contrastive_scale (1 / its temperature); the methods
+   without one (csa, asif, mlp, t2c) at 100, CLIP's logit scale, on their cosine-like scores.
+5. The index lives in the run folder by default (a run and the embeddings it made travel together); a
+   classify or search reads it and never writes it: only `index` does.
 """
 import json
 import os
