@@ -44,9 +44,10 @@ USAGE = """examples:
   python align.py --method pal --data coco --data-root /data/coco --image-encoder models/dinov2-large \\
       --text-encoder models/roberta-large --device cuda
 use a finished run (aligned.py; `python align.py classify -h`):
+  python align.py index RUN FOLDER                                         its embeddings kept in RUN/index/
   python align.py classify RUN FOLDER --classes "red circle,blue square"   zero-shot, one line per image
-  python align.py search RUN FOLDER "a red circle"                        the folder ranked for a query
-  python align.py table results/                                          finished runs in one table"""
+  python align.py search RUN FOLDER "a red circle" "a blue cross"          the folder ranked for each query
+  python align.py table results/                                           finished runs in one table"""
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
