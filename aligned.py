@@ -584,7 +584,7 @@ def classify(a):
                                              tag="[classify]"), classes)   # (N, C)
     k = min(a.top or 1, len(names))
     P = model.probabilities(S)                                                # (N, C), rows sum to 1
-    top = P.topk(k, dim=1, sorted=True).indices                               # (N, k): by probability = by score
+    top = S.topk(k, dim=1, sorted=True).indices                               # (N, k): by score = by probability
     best = [[str(p), names[int(t[0])], float(s[t[0]])] for p, s, t in zip(files, S, top)]
     if a.json:
         emit_json([dict(image=r[0], **{"class": r[1]}, score=r[2],
