@@ -5,10 +5,11 @@
         --image-encoder efficientnet-lite1 --text-encoder minilm
 
 Writes into <out>: config.json (every setting as resolved, the run's identity, and "model": what rebuilds
-the method), checkpoint.pt (each epoch, for --resume), model.safetensors (the method's state_dict; load it
-with aligned.load(<out>)), history.csv (per epoch), log.txt, figures, results.csv, and metrics.json last: a
-folder with metrics.json holds a finished run, which no later run replaces (infra/folder.py). Every
-refusal comes before any long work. align.py knows a method only through methods/__init__.py.
+the method), checkpoint.pt (each epoch, for --resume; removed once the run is finished), model.safetensors
+(the method's state_dict; load it with aligned.load(<out>)), history.csv (per epoch), log.txt, figures,
+results.csv, and metrics.json last (every figure in percent): a folder with metrics.json holds a finished
+run, which no later run replaces (infra/folder.py). Every refusal comes before any long work. align.py knows
+a method only through methods/__init__.py.
 """
 import argparse
 import json
@@ -43,9 +44,10 @@ USAGE = """examples:
   python align.py --method pal --data coco --data-root /data/coco --image-encoder models/dinov2-large \\
       --text-encoder models/roberta-large --device cuda
 use a finished run (aligned.py; `python align.py classify -h`):
+  python align.py index RUN FOLDER                                         its embeddings kept in RUN/index/
   python align.py classify RUN FOLDER --classes "red circle,blue square"   zero-shot, one line per image
-  python align.py search RUN FOLDER "a red circle"                        the folder ranked for a query
-  python align.py table results/                                          finished runs in one table"""
+  python align.py search RUN FOLDER "a red circle" "a blue cross"          the folder ranked for each query
+  python align.py table results/                                           finished runs in one table"""
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -116,6 +118,8 @@ def parse_args(argv=None):
     g("--resume", action="store_true",
       help="continue the unfinished run in --out from its checkpoint.pt (refused when its identity differs: "
            "settings, code, encoders, data; default: off)")
+    g("--keep-checkpoint", action="store_true",
+      help="keep checkpoint.pt in the finished run (default: off, removed once metrics.json is written)")
     g("--cache-dir", type=path, default=".cache", help="where pretrained tiny encoders and features are cached")
     g("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto = cuda when available")
     g("--threads", type=int, default=0,
@@ -437,7 +441,9 @@ def write_metrics(metrics, config, run, args, work, device):
     if args.analyses:
         metrics["recycling"] = recycling.recycling_analyses(run, args, device)
     folder.write_flat(metrics, work / "results.csv")            # one unit, rounded: beside metrics.json
-    storage.atomic_write_text(json.dumps(metrics, indent=2), work / "metrics.json")
+    storage.atomic_write_text(json.dumps(folder.in_percent(metrics), indent=2), work / "metrics.json")  # percent
+    if not getattr(args, "keep_checkpoint", False):
+        folder.drop_checkpoint(work)                            # finished: --resume has nothing left to continue
     with folder.shown():                                        # even under --quiet
         print(evaluate.results_table({k: v for k, v in metrics.items() if k != "recycling"}))
 
@@ -446,7 +452,7 @@ def cli():
     """python align.py: main(); a fault of the input ends in its one `error:` line (RunError, a
     SystemExit), a Ctrl-C in one line saying what was kept, and any other exception (a bug) keeps its
     traceback."""
-    if sys.argv[1:2] and sys.argv[1] in ("classify", "search", "table"):   # use finished runs (aligned.py)
+    if sys.argv[1:2] and sys.argv[1] in ("index", "classify", "search", "table"):   # use runs (aligned.py)
         import aligned
         return aligned.main(sys.argv[1:])
     args = parse_args()

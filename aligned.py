@@ -4,6 +4,9 @@
     model = aligned.load("results/pal-shapes-seed0")             # any method, on "cpu" or "cuda"
     scores = model.zero_shot(["a.png", "b.png"], ["red circle", "blue square"])   # (2, 2)
     order = model.search(["a.png", "b.png"], "a red circle").argsort(descending=True)
+    files = aligned.image_files(["photos/"])                     # a folder, walked recursively
+    index = model.index(files)                  # .paths, .emb (N, K); index.write(folder), aligned.Index.load(folder)
+    scores = model.class_scores(model.embed_files(files, index), model.classes(["red circle", "blue square"]))
 
 A run folder holds what rebuilds its method (infra/folder.py writes both, rank 0, before metrics.json):
     model.safetensors   the method's state_dict (safetensors: tensors only, nothing to unpickle)
@@ -16,6 +19,13 @@ preprocessing (encoder.transform: the checkpoint's processor; shapes-cnn: 64 x 6
 method.score of the method's embeddings, and zero_shot averages the templates as evaluate.py does
 (template_average, class_logits), so its scores are evaluate.py's for the same images and prompts.
 
+Image files are encoded by a pipeline (encode_files): batches of BATCH files decoded and resized by
+DECODE_WORKERS threads ahead of the forward (features.read_ahead), progress with an ETA on stderr. The
+index (`python align.py index RUN IMAGES...`) keeps their embeddings in RUN/index/images.safetensors (or
+--index FOLDER): the tensor "emb" and, in the file's metadata, each row's key (absolute path, size,
+mtime_ns) and the run's key (its weights, its "model" and its image encoder's fingerprint), written through
+the write gate; classify and search read the rows whose keys match and encode only the other files.
+
 Deviations / choices:
 1. A run folder of an older version (method.pt, no "model" in config.json) loads too: the method and
    encoders from config.json's identity, the weights from method.pt (tensors only).
@@ -23,6 +33,10 @@ Deviations / choices:
    data.rgb (EXIF upright, alpha on white). shapes-cnn reads other sizes than 64 x 64 resized (bicubic).
 3. cache_dir: the run's own --cache-dir when it still exists, else ~/.cache/posthoc-align (only the tiny
    encoders of a non-default seed are pretrained into it).
+4. --top's probabilities: softmax at the method's contrastive_scale (1 / its temperature); the methods
+   without one (csa, asif, mlp, t2c) at 100, CLIP's logit scale, on their cosine-like scores.
+5. The index lives in the run folder by default (a run and the embeddings it made travel together); a
+   classify or search reads it and never writes it: only `index` does.
 """
 import json
 import os
@@ -142,7 +156,12 @@ def read_run(folder):
 
 def check_same_encoder(kind, enc, config):
     """The encoder load() found is the one the run was trained with: its weights' fingerprint against the run's
-    identity (a same-sized model at the recorded path, or another download, would give other scores)."""
+    identity (a same-sized model at the recorded path, or another download, would give other scores); an
+    encoder recorded by a pip package's release (minilm) is that release, whatever its files' mtimes in this
+    environment (a large weight file's fingerprint holds its mtime)."""
+    release = (config.get("model") or {}).get(f"{kind}_release")
+    if release is not None and release == getattr(enc, "release", None):
+        return
     want = config.get("identity", {}).get(f"{kind}_weights")
     got = getattr(enc, "fingerprint", None)
     if want is not None and got is not None and want != got:
@@ -167,28 +186,97 @@ def load(run_folder, device="cpu", cache_dir=None):
     with guard(f"{Path(run_folder) / 'model.safetensors'}", "its weights do not fit the method config.json names; "
                "copy the run folder again, or rerun the run"):
         method = rebuild(run_folder, model, state)
-    return Aligned(method.to(device), image_enc, text_enc, device, model.get("templates") or ["a photo of a {}."])
+    from infra.storage import state_fingerprint
+    run_key = state_fingerprint(state, json.dumps(model, sort_keys=True, default=str),
+                                getattr(image_enc, "fingerprint", None))  # what an index's embeddings depend on
+    return Aligned(method.to(device), image_enc, text_enc, device, model.get("templates") or ["a photo of a {}."],
+                   run_key)
+
+
+BATCH = 32            # images per forward of the commands (benchmarks/bench_index.py measures the encoder at it)
+DECODE_WORKERS = 2    # threads decoding and resizing batches ahead of the forward
+
+
+def decoded(path):
+    """An image file as an upright 8-bit RGB PIL image, its pixels read (a file cut short is one line here)."""
+    from PIL import Image
+
+    import data
+    with guard(f"{path}", "remove it (or copy it again), then rerun"):
+        image = data.rgb(Image.open(path))
+        image.load()
+        return image
+
+
+def file_key(path):
+    """(absolute path, size, mtime_ns) of a file: what an index entry is keyed by."""
+    st = os.stat(path)
+    return str(Path(path).absolute()), st.st_size, st.st_mtime_ns
+
+
+def file_key_or_none(path):
+    try:
+        return file_key(path)
+    except OSError:
+        return None
+
+
+class Index:
+    """Image files' embeddings under one run: keys [(absolute path, size, mtime_ns)], emb (N, K) (token-level
+    methods: (N, Q, K)), run_key (load's fingerprint of the method's weights, its config and the image
+    encoder's weights: another run's index is never read). One safetensors file: the tensor "emb", and in its
+    metadata the keys and run_key as JSON (written through the write gate, storage.save_tensors)."""
+    FILE = "images.safetensors"
+
+    def __init__(self, keys, emb, run_key):
+        self.keys, self.emb, self.run_key = [tuple(k) for k in keys], emb, run_key
+        self.at = {k: i for i, k in enumerate(self.keys)}
+
+    def __len__(self):
+        return len(self.keys)
+
+    @property
+    def paths(self):
+        return [Path(k[0]) for k in self.keys]
+
+    def rows(self, files):
+        """Each file's row in emb, or None when the index does not hold it as it is now (new or changed)."""
+        return [self.at.get(file_key_or_none(f)) for f in files]
+
+    def write(self, folder):
+        from infra.storage import save_tensors
+        meta = {"keys": json.dumps(self.keys), "run_key": json.dumps(self.run_key)}
+        save_tensors({"emb": self.emb}, Path(folder) / self.FILE, metadata=meta)
+
+    @classmethod
+    def load(cls, folder):
+        """The index in folder, or None when it has none; a file that cannot be read is one line."""
+        path = Path(folder) / cls.FILE
+        if not path.is_file():
+            return None
+        from safetensors import safe_open
+        with guard(f"{path}", f"delete it (rm {path}) and run python align.py index again"):
+            with safe_open(str(path), "pt") as f:
+                meta, emb = f.metadata(), f.get_tensor("emb")
+            keys = json.loads(meta["keys"])
+            if len(keys) != len(emb):
+                raise ValueError(f"{len(keys)} keys for {len(emb)} embeddings")
+            return cls(keys, emb, json.loads(meta["run_key"]))
 
 
 class Aligned:
     """A method with its frozen encoders: raw images and texts in, the method's embeddings and scores out."""
 
-    def __init__(self, method, image_encoder, text_encoder, device="cpu", templates=("a photo of a {}.",)):
+    def __init__(self, method, image_encoder, text_encoder, device="cpu", templates=("a photo of a {}.",),
+                 run_key=None):
         self.method, self.image_encoder, self.text_encoder = method, image_encoder, text_encoder
-        self.device, self.templates = device, list(templates)
+        self.device, self.templates, self.run_key = device, list(templates), run_key
 
     def image_inputs(self, images):
         """Paths, PIL images or uint8 (3, H, W) tensors -> what the image encoder's encode() reads."""
         from PIL import Image
-
-        import data
         if isinstance(images, (str, Path, Image.Image)) or torch.is_tensor(images) and images.dim() == 3:
             images = [images]
-        def decoded(path):                                    # a file cut short is found here, at its pixels
-            with guard(f"{path}", "remove it (or copy it again), then rerun"):
-                image = data.rgb(Image.open(path))
-                image.load()
-                return image
         read = [decoded(x) if isinstance(x, (str, Path)) else x for x in images]
         if hasattr(self.image_encoder, "transform"):          # Hugging Face / torchvision: the model's processor
             return read
@@ -228,6 +316,68 @@ class Aligned:
         with evaluate.inference(self.method):
             return evaluate.score_matrix(self.method, image_emb, text_emb, device=self.device, log=lambda *a: None)
 
+    # ------------------------------------------------------------------ image files -> embeddings, the index
+    def prepared(self, files):
+        """The host half of encoding a batch of files (run in a reader thread): decoded, resized to uint8
+        pixels (the encoder's prepare where it has one: its resize and crop; shapes-cnn: 64 x 64)."""
+        images = [decoded(f) for f in files]
+        return self.image_encoder.prepare(images, self.device) if hasattr(self.image_encoder, "prepare") else \
+            self.image_inputs(images)
+
+    @torch.no_grad()
+    def forward(self, x):
+        """The device half: prepared pixels -> the encoder's features -> the method's embeddings, (B, K)."""
+        import evaluate
+        enc = self.image_encoder
+        f = enc.encode_prepared(x, self.device) if hasattr(enc, "prepare") else enc.encode(x, self.device)
+        with evaluate.inference(self.method):
+            return self.method.embed_image(f.to(self.device)).float().cpu()
+
+    def encode_files(self, files, batch_size=BATCH, workers=DECODE_WORKERS, tag="[images]"):
+        """(N, K) embeddings of image files (token-level methods: (N, Q, K)): batches decoded and resized by
+        `workers` threads, up to workers + 1 batches ahead (features.read_ahead), while this thread runs the
+        forward of the current one; progress (done, rate, ETA) on stderr. encode_image's values (to float
+        rounding: the batches differ)."""
+        import evaluate
+        from features import read_ahead
+        from infra.folder import Progress
+        files = list(files)
+        if not files:
+            return torch.zeros(0)
+        progress, parts = Progress(tag, len(files), unit="images", every=5.0), []
+        batches = [files[i:i + batch_size] for i in range(0, len(files), batch_size)]
+        for x in read_ahead(self.prepared, batches, depth=workers + 1, workers=workers):
+            parts.append(self.forward(x))
+            progress.update(len(parts[-1]))
+        progress.close()
+        return evaluate.pad_cat(parts)
+
+    def embed_files(self, files, index=None, **pipeline):
+        """(N, K) embeddings of image files: each file an index holds (same absolute path, size and mtime, the
+        same run) read from it, the rest encoded (encode_files)."""
+        files = list(files)
+        rows = index.rows(files) if index is not None and index.run_key == self.run_key else [None] * len(files)
+        todo = [f for f, r in zip(files, rows) if r is None]
+        if len(todo) < len(files):
+            print(f"[index] {len(files) - len(todo)} of {len(files)} images read from the index, {len(todo)} to "
+                  f"encode", file=sys.stderr, flush=True)
+        new = iter(self.encode_files(todo, **pipeline)) if todo else None
+        return torch.stack([index.emb[r] if r is not None else next(new) for r in rows]) if files else torch.zeros(0)
+
+    def index(self, files, index=None, **pipeline):
+        """An Index of image files: what index (an earlier Index of this run) holds of them unchanged is
+        kept, new and changed files are encoded; index's other files that still exist unchanged stay in it
+        (a second folder), removed or changed ones drop out."""
+        files = [Path(f).absolute() for f in files]
+        emb = self.embed_files(files, index, **pipeline)
+        keys = [file_key(f) for f in files]
+        if index is not None and index.run_key == self.run_key:
+            taken = {k[0] for k in keys}
+            others = [i for i, k in enumerate(index.keys) if k[0] not in taken and file_key_or_none(k[0]) == k]
+            keys += [index.keys[i] for i in others]
+            emb = torch.cat([emb, index.emb[others]]) if others else emb
+        return Index(keys, emb, self.run_key)
+
     def similarity(self, images, texts):
         """(N_img, N_txt) scores of raw images (paths, PIL, uint8 tensors) against a list of strings."""
         return self.score(self.encode_image(images), self.encode_text(texts))
@@ -249,16 +399,33 @@ class Aligned:
     def zero_shot(self, images, class_names, templates=None, classes=None):
         """(N, C) zero-shot scores, evaluate.py's: each class's prompts (templates, default the run's data's)
         averaged, scored by class_logits. classes: self.classes(...) computed once. Predicted class: .argmax(1)."""
+        return self.class_scores(self.encode_image(images), classes or self.classes(class_names, templates))
+
+    @torch.no_grad()
+    def class_scores(self, img_emb, classes):
+        """(N, C) zero-shot scores of image embeddings (encode_image, embed_files, an Index's emb) against
+        self.classes(...)."""
         import evaluate
-        txt, n_templates = classes or self.classes(class_names, templates)
+        txt, n_templates = classes
         with evaluate.inference(self.method):
-            return evaluate.class_logits(self.method, self.encode_image(images), txt, n_templates, device=self.device)
+            return evaluate.class_logits(self.method, img_emb, txt, n_templates, device=self.device)
+
+    def logit_scale(self):
+        """The scale the method's own softmax puts on its scores: 1 / temperature of a contrastive method
+        (methods/__init__.py's contrastive_scale; SAIL: its logit scale t); for the others (csa, asif, mlp,
+        t2c: no softmax of their own) CLIP's 100 on their cosine-like scores."""
+        scale = self.method.contrastive_scale
+        return 100.0 if scale is None else float(scale())
+
+    def probabilities(self, scores):
+        """(N, C) softmax over the classes of scores at logit_scale: each row sums to 1."""
+        return (self.logit_scale() * scores.float()).softmax(dim=-1)
 
 
 # ---------------------------------------------------------------------------
 # The commands: python align.py classify | search | table
 # ---------------------------------------------------------------------------
-COMMANDS = ("classify", "search", "table")
+COMMANDS = ("index", "classify", "search", "table")
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 KEY_METRICS = ("retrieval/i2t_r1", "retrieval/t2i_r1", "retrieval/rsum", "top1", "miou_fg", "binding/binding_acc")
 
@@ -330,45 +497,131 @@ def emit(header, rows, csv_path):
         print("  ".join(f"{v:.4f}" if isinstance(v, float) else str(v) for v in row), flush=True)
 
 
-def check_csv(path):
-    """--csv FILE before any work: a new file in a folder that exists (never onto a file: the gate refuses too)."""
+def emit_json(records, json_path):
+    """--json FILE: a JSON list, one record per row, into a new file through the write gate ("-": stdout)."""
+    text = json.dumps(records, indent=1, ensure_ascii=False) + "\n"
+    if json_path == "-":
+        sys.stdout.write(text)
+    else:
+        from infra.storage import atomic_write_text
+        atomic_write_text(text, json_path, new=True)
+
+
+def check_new(flag, path):
+    """--csv / --json FILE before any work: a new file in a folder that exists (never onto a file: the gate
+    refuses too)."""
     if path and path != "-":
         if os.path.lexists(path):
-            raise RunError(f"--csv {path} exists; pass a new file name (nothing is ever written over), or delete it")
+            raise RunError(f"{flag} {path} exists; pass a new file name (nothing is ever written over), or delete it")
         if not Path(path).parent.is_dir():
-            raise RunError(f"--csv {path}: its folder {Path(path).parent} does not exist; create it or pass another")
+            raise RunError(f"{flag} {path}: its folder {Path(path).parent} does not exist; create it or pass another")
 
 
-def in_chunks(files, fn, n=256):
-    """fn over files n at a time (a large folder is never read whole), concatenated."""
-    return torch.cat([fn(files[i:i + n]) for i in range(0, len(files), n)])
+def check_csv(path):
+    check_new("--csv", path)
+
+
+def check_top(top):
+    if top is not None and top < 1:
+        raise RunError(f"--top {top}: give a count of at least 1 (leave it out for every image / class)")
+
+
+def index_folder(a):
+    """Where a run's image index lives: --index FOLDER, else <RUN>/index/ (the run's own folder)."""
+    return Path(a.index) if getattr(a, "index", None) else Path(a.run) / "index"
+
+
+def read_index(a):
+    """The index of --index / <RUN>/index/ when there is one (else None); a folder there that is no index
+    holds no images.safetensors and is read as none."""
+    folder = index_folder(a)
+    if folder.exists() and not folder.is_dir():
+        raise RunError(f"--index {folder} is a file, not a folder; pass --index a folder (or leave it out: "
+                       f"{Path(a.run) / 'index'})")
+    return Index.load(folder) if folder.is_dir() else None
+
+
+def set_threads(a):
+    """--threads N: torch's CPU threads for the forward (0: torch's default, all cores)."""
+    if a.threads < 0:
+        raise RunError(f"--threads {a.threads}: give 0 (torch's default) or a count of at least 1")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+
+
+def index(a):
+    """python align.py index RUN FOLDER_OR_FILES...: the images' embeddings under this run, kept in
+    <RUN>/index/images.safetensors (or --index FOLDER) for classify and search. A second call encodes only
+    new or changed files (path, size, mtime); files removed drop out."""
+    files = image_files(a.paths)
+    folder = index_folder(a)
+    from infra.storage import check_folder
+    check_folder(folder, "--index")
+    old = read_index(a)
+    set_threads(a)
+    model = load(a.run, a.device)
+    if old is not None and old.run_key != model.run_key:
+        print(f"[index] {folder / Index.FILE} was made for other weights (another run); encoding every image",
+              file=sys.stderr, flush=True)
+        old = None
+    new = model.index(files, old, batch_size=a.batch_size, workers=a.workers, tag="[index]")
+    new.write(folder)
+    kept = sum(r is not None for r in old.rows(files)) if old is not None else 0
+    dropped = len(old.at.keys() - new.at.keys()) if old is not None else 0
+    print(f"[index] {len(new)} images in {folder / Index.FILE}: {len(files) - kept} encoded now, {kept} kept as they "
+          f"were, {dropped} dropped (removed or changed)", flush=True)
 
 
 def classify(a):
+    """Each image's best class (--top K: the K best, with their probabilities), as lines, CSV or JSON."""
     names, templates = class_names(a), check_templates(a.template)          # every input read before work
-    files, model = image_files(a.paths), load(a.run, a.device)
-    classes = model.classes(names, templates or None)                               # the prompts, encoded once
-    S = in_chunks(files, lambda f: model.zero_shot(f, names, classes=classes))      # (N, C)
-    rows = [[str(p), names[int(s.argmax())], float(s.max())] for p, s in zip(files, S)]
-    if a.csv:                                                 # every class's score besides the best
-        header, rows = ["image", "class", "score", *names], [r + [float(v) for v in s] for r, s in zip(rows, S)]
-    emit(header if a.csv else None, rows, a.csv)
+    check_top(a.top)
+    files, index = image_files(a.paths), read_index(a)
+    set_threads(a)
+    model = load(a.run, a.device)
+    classes = model.classes(names, templates or None)                       # the prompts, encoded once
+    S = model.class_scores(model.embed_files(files, index, batch_size=a.batch_size, workers=a.workers,
+                                             tag="[classify]"), classes)   # (N, C)
+    k = min(a.top or 1, len(names))
+    P = model.probabilities(S)                                                # (N, C), rows sum to 1
+    top = S.topk(k, dim=1, sorted=True).indices                               # (N, k): by score = by probability
+    best = [[str(p), names[int(t[0])], float(s[t[0]])] for p, s, t in zip(files, S, top)]
+    if a.json:
+        emit_json([dict(image=r[0], **{"class": r[1]}, score=r[2],
+                        **({"top": [{"class": names[int(c)], "probability": float(p[c]), "score": float(s[c])}
+                                    for c in t]} if a.top else {"scores": dict(zip(names, s.tolist()))}))
+                   for r, s, p, t in zip(best, S, P, top)], a.json)
+    if a.json and not a.csv:                                     # --json alone: the file, no lines
+        return
+    if a.top:
+        header = ["image", "class", "score"] + [f"{w}_{i + 1}" for i in range(k) for w in ("class", "probability")]
+        rows = [r + [v for c in t for v in (names[int(c)], float(p[c]))] for r, p, t in zip(best, P, top)]
+        emit(header, rows, a.csv)
+    else:                                                        # CSV: every class's score besides the best
+        emit(["image", "class", "score", *names], [r + [float(v) for v in s] for r, s in zip(best, S)] if a.csv
+             else best, a.csv)
 
 
 def search(a):
-    """Each query's ranking of the images (the images are encoded once for all the queries)."""
+    """Each query's ranking of the images (the images are encoded once for all the queries, or read from
+    the index)."""
     if any(not q.strip() for q in a.queries):
         raise RunError("a query is empty; give a text, e.g. \"a red circle\"")
-    if a.top is not None and a.top < 1:
-        raise RunError(f"--top {a.top}: give a count of at least 1 (leave it out for every image)")
-    files, model = image_files([a.folder]), load(a.run, a.device)
-    img = in_chunks(files, model.encode_image)
+    check_top(a.top)
+    files, index = image_files([a.folder]), read_index(a)
+    set_threads(a)
+    model = load(a.run, a.device)
+    img = model.embed_files(files, index, batch_size=a.batch_size, workers=a.workers, tag="[search]")
     S = model.score(img, model.encode_text(a.queries))                              # (N, queries)
     many, rows = len(a.queries) > 1, []
     for q, query in enumerate(a.queries):
         order = S[:, q].argsort(descending=True, stable=True)[:a.top]
         rows += [[query] * many + [r + 1, float(S[i, q]), str(files[i])] for r, i in enumerate(order.tolist())]
-    emit(["query"] * many + ["rank", "score", "image"], rows, a.csv)
+    if a.json:
+        emit_json([{"query": a.queries[0], **dict(zip(["query"] * many + ["rank", "score", "image"], r))}
+                   for r in rows], a.json)
+    if a.csv or not a.json:
+        emit(["query"] * many + ["rank", "score", "image"], rows, a.csv)
 
 
 def finished_runs(paths):
@@ -417,9 +670,14 @@ def table(a):
 
 def parse_args(argv=None):
     import argparse
-    p = argparse.ArgumentParser(prog="align.py", description="Use finished runs: zero-shot classify images, rank "
-                                "them for a text query, or gather runs into one table.")
+    p = argparse.ArgumentParser(prog="align.py", description="Use finished runs: index a folder of images, "
+                                "zero-shot classify images, rank them for text queries, or gather runs into one "
+                                "table.")
     sub = p.add_subparsers(dest="command", required=True)
+    i = sub.add_parser("index", help="keep images' embeddings under a run (RUN/index/), for classify and search")
+    i.add_argument("run", help="a finished run folder (results/<method>-<data>-seed<seed>)")
+    i.add_argument("paths", nargs="+", metavar="IMAGES", help="folders of images (walked recursively), or image "
+                   "files")
     c = sub.add_parser("classify", help="zero-shot classify images: one line per image")
     c.add_argument("run", help="a finished run folder (results/<method>-<data>-seed<seed>)")
     c.add_argument("paths", nargs="+", metavar="IMAGES", help="a folder of images (walked recursively), or image "
@@ -428,17 +686,30 @@ def parse_args(argv=None):
     c.add_argument("--classes-file", default=None, help="a text file of class names, one per line (default: none)")
     c.add_argument("--template", action="append", default=[],
                    help="a prompt with {} for the class name, repeatable (default: the run's data's templates)")
-    s = sub.add_parser("search", help="rank images for a text query: one line per image")
+    c.add_argument("--top", type=int, default=None, help="the K best classes of each image with their "
+                   "probabilities (softmax at the method's own logit scale) (default: the best class and its score)")
+    s = sub.add_parser("search", help="rank images for text queries: one line per image and query")
     s.add_argument("run", help="a finished run folder")
     s.add_argument("folder", help="a folder of images (walked recursively), or one image file")
     s.add_argument("queries", nargs="+", metavar="QUERY", help="text queries, e.g. \"a red circle\" (each its own "
                    "ranking; the images are encoded once)")
     s.add_argument("--top", type=int, default=None, help="print only the N best (default: every image)")
-    for q in (c, s):
+    for q in (i, c, s):
         q.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"], help="(default: cpu)")
+        q.add_argument("--threads", type=int, default=0, help="torch CPU threads of the forward (default: 0, "
+                       "torch's own: all cores)")
+        q.add_argument("--batch-size", type=int, default=BATCH, help=f"images per forward (default: {BATCH})")
+        q.add_argument("--workers", type=int, default=DECODE_WORKERS, help="threads decoding images ahead of the "
+                       f"forward (default: {DECODE_WORKERS})")
+        q.add_argument("--index", default=None, metavar="FOLDER", help="the image index's folder (default: "
+                       "RUN/index)")
+    for q in (c, s):
         q.add_argument("--csv", default=None, metavar="FILE",
-                       help="write CSV to FILE, a new file (- for stdout; classify adds every class's score) "
-                            "(default: lines)")
+                       help="write CSV to FILE, a new file (- for stdout; classify adds every class's score, or "
+                            "with --top the K best and their probabilities) (default: lines)")
+        q.add_argument("--json", default=None, metavar="FILE",
+                       help="write JSON to FILE, a new file (- for stdout): one record per image (search: per "
+                            "image and query) (default: lines)")
     t = sub.add_parser("table", help="gather finished run folders into one markdown (or CSV) table")
     t.add_argument("paths", nargs="+", help="run folders, or folders holding them (results/)")
     t.add_argument("--metrics", default="key", choices=["key", "all"],
@@ -449,11 +720,17 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    """python align.py classify | search | table ... (the console script posthoc-align takes the same): every
-    input read and checked first (the read gate), then the work; a fault is one error line (RunError)."""
+    """python align.py index | classify | search | table ... (the console script posthoc-align takes the same):
+    every input read and checked first (the read gate), then the work; a fault is one error line (RunError)."""
     a = parse_args(argv)
-    check_csv(a.csv)
+    check_csv(getattr(a, "csv", None))
+    check_new("--json", getattr(a, "json", None))
+    if getattr(a, "csv", None) == "-" and getattr(a, "json", None) == "-":
+        raise RunError("--csv - and --json - would both write to stdout; give one of them a file")
+    for flag in ("batch_size", "workers"):
+        if getattr(a, flag, 1) < 1:
+            raise RunError(f"--{flag.replace('_', '-')} {getattr(a, flag)}: give a count of at least 1")
     try:
-        {"classify": classify, "search": search, "table": table}[a.command](a)
+        {"index": index, "classify": classify, "search": search, "table": table}[a.command](a)
     except KeyboardInterrupt:
         raise SystemExit("interrupted: nothing was written") from None

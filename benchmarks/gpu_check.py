@@ -113,7 +113,7 @@ def steps(args, work, world, models):
            str(ROOT / "align.py"), "--device", args.device, "--cache-dir", cache, *coco, *dino,
            "--method", "pal", "--no-figures", *epochs, *quick[2:], *out("torchrun")]
     return [("default", [*py, *quick, *out("default")], work / "default" / "metrics.json", None),
-            ("cov", [*py, *coco, *dino, "--method", "cov", *epochs, *quick[2:], *out("cov")],
+            ("cov", [*py, *coco, *dino, "--method", "cov", *epochs, *quick[2:], "--keep-checkpoint", *out("cov")],
              work / "cov" / "metrics.json", None),
             ("analyses", [*py, *coco, "--image-encoder", str(models / "beit"), "--method", "pal", "--analyses",
                           *epochs, *quick[2:], *out("analyses")], work / "analyses" / "metrics.json", None),

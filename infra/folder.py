@@ -16,8 +16,10 @@ With no --out, a run goes into results/<method>-<data>-seed<seed>, or -2, -3, ..
 finished run (version folders: a rerun never collides with an earlier one).
 
 The files (aligned.load reads a finished run back): config.json (every setting, the identity, and "model":
-what rebuilds the method), checkpoint.pt (train.py, each epoch), model.safetensors (the method's state_dict),
-history.csv (per epoch), results.csv (a flat view in percent), log.txt, metrics.json.
+what rebuilds the method), checkpoint.pt (train.py, each epoch; removed once metrics.json is written, unless
+--keep-checkpoint: 3x the model's size, and nothing is left to resume), model.safetensors (the method's state_dict),
+history.csv (per epoch), results.csv (a flat view in percent, rounded), log.txt, metrics.json (every
+evaluation figure in percent).
 
 log.txt: everything the run prints (stdout and stderr, the progress lines of long loops too) also goes
 there (LogFile: written whole through the write gate). Nothing is written before config.json exists (begin
@@ -130,11 +132,15 @@ def held(out):
 # ---------------------------------------------------------------------------
 def model_config(args, identity, image_enc, text_enc, dims):
     """config.json's "model": what rebuilds the method and its encoders from the run folder alone (hp: the
-    __init__ keywords as the run passed them, the identity's hp.*)."""
+    __init__ keywords as the run passed them, the identity's hp.*). An encoder is recorded by the name that
+    resolves it in any environment (minilm: the pip package's folder), with that package's release."""
     hp = {k[3:]: v for k, v in identity.items() if k.startswith("hp.")}
-    return dict(method=args.method, hp=hp, dims=list(dims), image_encoder=image_enc.name, text_encoder=text_enc.name,
+    name = lambda enc: getattr(enc, "by_name", enc.name)        # "minilm", not the path it resolved to here
+    releases = {f"{kind}_release": enc.release for kind, enc in (("image", image_enc), ("text", text_enc))
+                if getattr(enc, "release", None)}                # a pip package's name and version
+    return dict(method=args.method, hp=hp, dims=list(dims), image_encoder=name(image_enc), text_encoder=name(text_enc),
                 image_layer=image_enc.layer, text_layer=text_enc.layer,
-                cache_dir=str(Path(args.cache_dir).resolve()), templates=templates_of(args.data))
+                cache_dir=str(Path(args.cache_dir).resolve()), templates=templates_of(args.data), **releases)
 
 
 def templates_of(data_name):
@@ -143,6 +149,11 @@ def templates_of(data_name):
         import shapes
         return list(shapes.TEMPLATES)
     return ["a photo of a {}."]
+
+
+def drop_checkpoint(out):
+    """A finished run's checkpoint.pt removed (metrics.json is written: --resume has nothing to continue)."""
+    (Path(out) / "checkpoint.pt").unlink(missing_ok=True)
 
 
 def save_weights(method, path):
@@ -166,11 +177,23 @@ PERCENT_GROUPS = ("retrieval", "classification", "segmentation", "binding")   # 
 FRACTIONS = ("i2t_map", "i2t_p1", "i2t_p5", "t2i_p1")                        # in [0, 1]: x 100 here
 
 
+def in_percent(metrics):
+    """metrics.json's form of evaluate.py's metrics: every evaluation figure in percent, as results.csv (the
+    weight-recycling fractions FRACTIONS x 100, unrounded), marked "unit": "percent" (a metrics.json without
+    that mark, an older run's, holds those four as fractions)."""
+    def walk(prefix, v):
+        if isinstance(v, dict):
+            return {k: walk(f"{prefix}/{k}" if prefix else str(k), x) for k, x in v.items()}
+        fraction = prefix.startswith(PERCENT_GROUPS) and prefix.rsplit("/", 1)[-1] in FRACTIONS
+        return 100 * v if fraction and isinstance(v, (int, float)) and not isinstance(v, bool) else v
+    return {**walk("", metrics), "unit": "percent"}
+
+
 def flat_metrics(metrics):
     """[(name, value, unit)] of a metrics.json dict, one row per number, names joined by "/": every evaluation
-    figure in percent (the weight-recycling fractions x 100), rounded to 2 decimals; the rest as it is (4
-    decimals). metrics.json keeps evaluate.py's values untouched; this is the view beside it."""
-    rows = []
+    figure in percent (an older run's weight-recycling fractions x 100), rounded to 2 decimals; the rest as it
+    is (4 decimals)."""
+    rows, scale = [], 1 if metrics.get("unit") == "percent" else 100
 
     def walk(prefix, v):
         if isinstance(v, dict):
@@ -179,7 +202,7 @@ def flat_metrics(metrics):
         elif isinstance(v, (int, float)) and not isinstance(v, bool):
             name = prefix.rsplit("/", 1)[-1]
             if prefix.startswith(PERCENT_GROUPS):
-                rows.append((prefix, round(100 * v if name in FRACTIONS else v, 2), "%"))
+                rows.append((prefix, round(scale * v if name in FRACTIONS else v, 2), "%"))
             else:
                 rows.append((prefix, round(v, 4) if isinstance(v, float) else v,
                              "s" if name == "seconds" else ""))

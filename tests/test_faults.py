@@ -91,7 +91,7 @@ def shared(cache_dir):
 def reference(shared, tmp_path_factory):
     """One uninterrupted run on the shared cache: what every interrupted or concurrent run must reproduce."""
     out = tmp_path_factory.mktemp("reference")
-    r = run(shared, out, *RUN)
+    r = run(shared, out, *RUN, "--keep-checkpoint")                   # its checkpoint: test 8 copies it
     assert r.returncode == 0, r.stderr[-3000:]
     return out, metrics(out)
 

@@ -76,7 +76,7 @@ def test_config_holds_the_resolved_loop_settings_of_a_run_without_epochs(cache_d
     """No --epochs, --batch-size, --lr: config.json holds what ran (Linear's own 20 epochs at batch
     256, within the CPU budget), not the flags' nulls, and the pairs it aligned on; a step budget
     resolves to its epochs."""
-    run(cache_dir, tmp_path, "--method", "linear", "--num-pairs", "300")
+    run(cache_dir, tmp_path, "--method", "linear", "--num-pairs", "300", "--keep-checkpoint")
     config = json.loads((tmp_path / "config.json").read_text())
     assert (config["epochs"], config["batch_size"], config["lr"], config["weight_decay"]) == (20, 256, 1e-3, 1e-4)
     assert config["train_threads"] == config["encode_threads"] == 1 and config["seed"] == 0

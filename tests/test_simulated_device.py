@@ -70,7 +70,8 @@ def test_hard_negatives_on_the_device(cache_dir, tmp_path, monkeypatch):
 def test_resume_on_the_device(cache_dir, tmp_path, monkeypatch):
     """--resume on CUDA of a run stopped after its last checkpoint (before metrics.json): the checkpoint is read
     back onto the device, no epoch reruns."""
-    first, _ = run(cache_dir, tmp_path / "r", "--method", "mlp", "--no-figures", monkeypatch=monkeypatch)
+    first, _ = run(cache_dir, tmp_path / "r", "--method", "mlp", "--no-figures", "--keep-checkpoint",
+                   monkeypatch=monkeypatch)
     (tmp_path / "r" / "metrics.json").unlink()                     # unfinished: stopped before the evaluation
     again, _ = run(cache_dir, tmp_path / "r", "--method", "mlp", "--no-figures", "--resume", monkeypatch=monkeypatch)
     assert again["train"]["final_loss"] == first["train"]["final_loss"]
