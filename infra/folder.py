@@ -225,8 +225,8 @@ _LOUD = [0]
 class Tee(io.TextIOBase):
     """A console stream that also writes into the run's log.txt (see the module docstring)."""
 
-    def __init__(self, console, out, quiet, buffer):
-        self.console, self.out, self.quiet, self.buffer_ = console, Path(out), quiet, buffer
+    def __init__(self, console, quiet, buffer):
+        self.console, self.quiet, self.buffer_ = console, quiet, buffer
 
     def write(self, s):
         if not self.quiet or _LOUD[0]:
@@ -288,7 +288,7 @@ class LogFile:
 def run_log(out, quiet=False):
     log = LogFile(out)
     streams = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = Tee(streams[0], out, quiet, log), Tee(streams[1], out, quiet, log)
+    sys.stdout, sys.stderr = Tee(streams[0], quiet, log), Tee(streams[1], quiet, log)
     global QUIET
     was_quiet, QUIET = QUIET, quiet
     try:
