@@ -51,7 +51,7 @@ def poisoned_world(cache_dir):
 
 
 def pairs_kept_poison(cache_dir):
-    """The former, weaker poison: test images noise, captions reversed TOGETHER with their image links (so every
+    """A weaker poison: test images noise, captions reversed TOGETHER with their image links (so every
     (caption, image) pair and every group of paraphrases is unchanged), cls reordered, seg and binding untouched.
     Kept to show what it misses (test_the_poison_catches_a_captions_only_leak)."""
     world = dict(shapes.cached_world(cache_dir))
@@ -165,7 +165,7 @@ def test_the_per_run_choice_reads_no_test_pair(cache_dir, tmp_path, monkeypatch,
 
 
 def plant_captions_only_leak(monkeypatch, cache_dir):
-    """The leak issue 59 describes, planted: during CSA's ridge selection every ridge is also scored on the test
+    """A captions-only leak, planted: during CSA's ridge selection every ridge is also scored on the test
     captions alone, their features extracted under the label split="train" (so a spy on the extracted splits sees
     nothing): the share of test captions whose nearest caption under the ridge's text map is a paraphrase of the
     same image (txt_to_img's grouping). No test image is read."""
@@ -203,8 +203,8 @@ def plant_captions_only_leak(monkeypatch, cache_dir):
 @pytest.mark.slow
 def test_the_poison_catches_a_captions_only_leak(cache_dir, tmp_path, monkeypatch):
     """The poisoning check is honest: with the captions-only leak planted, it fails (the ridge table moves under
-    poisoned_world, whose shuffled links scatter the paraphrases), where the former poison, which kept every
-    (caption, image) pair, let the same leak through."""
+    poisoned_world, whose shuffled links scatter the paraphrases), where a poison that keeps every (caption,
+    image) pair (pairs_kept_poison) lets the same leak through."""
     plant = lambda: plant_captions_only_leak(monkeypatch, cache_dir)
     plant()
     clean, poisoned = clean_and_poisoned("csa", (), cache_dir, tmp_path, monkeypatch)
@@ -213,7 +213,7 @@ def test_the_poison_catches_a_captions_only_leak(cache_dir, tmp_path, monkeypatc
     assert "test_captions" in clean[1]["table"][0], "(the test's own check) the leak was not planted"
     plant()
     clean, weak = clean_and_poisoned("csa", (), cache_dir, tmp_path, monkeypatch, poison=pairs_kept_poison)
-    assert_the_choice_did_not_move("csa", clean, weak)      # the former poison: the leak passes unseen
+    assert_the_choice_did_not_move("csa", clean, weak)      # the pair-keeping poison: the leak passes unseen
 
 
 @pytest.mark.parametrize("flags, says", [(("--lr", "5e37"), "lr in (0, 3.40"),
