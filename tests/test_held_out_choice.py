@@ -216,6 +216,61 @@ def test_the_poison_catches_a_captions_only_leak(cache_dir, tmp_path, monkeypatc
     assert_the_choice_did_not_move("csa", clean, weak)      # the pair-keeping poison: the leak passes unseen
 
 
+def test_inputs(world):
+    """Every input of the world's test sets, as cache.extract would be handed it: {captions and prompts}, {image
+    bytes}."""
+    texts, images = set(), set()
+    for split, s in world.items():
+        if split == "train":
+            continue
+        texts |= set(getattr(s, "captions", [])) | {c for caps in getattr(s, "distractors", {}).values() for c in caps}
+        images |= {bytes(x.numpy().tobytes()) for x in s.images}
+    return texts, images
+
+
+def watch_the_choice(monkeypatch, cache_dir):
+    """While train.fit_or_train runs (the method's fit and every choice made on held-out pairs), record each
+    cache.extract call whose inputs hold a test set's caption or image, whatever split it is labelled."""
+    from infra import cache  # noqa: PLC0415
+    texts, images = test_inputs(shapes.cached_world(cache_dir))
+    state, reads = {"in_fit": False}, []
+    real_fit, real_extract = train.fit_or_train, cache.extract
+
+    def fit_or_train(*a, **k):
+        state["in_fit"] = True
+        try:
+            return real_fit(*a, **k)
+        finally:
+            state["in_fit"] = False
+
+    def extract(enc, inputs, cache_dir, **key):
+        if state["in_fit"]:
+            hit = (set(inputs) & texts) if isinstance(inputs, list) else \
+                {i for i, x in enumerate(inputs) if bytes(x.numpy().tobytes()) in images}
+            if hit:
+                reads.append(f"{key.get('split')}/{key.get('modality')}: {len(hit)} test inputs")
+        return real_extract(enc, inputs, cache_dir, **key)
+
+    monkeypatch.setattr(train, "fit_or_train", fit_or_train)
+    monkeypatch.setattr(cache, "extract", extract)
+    return reads
+
+
+@pytest.mark.slow
+def test_no_choice_extracts_a_test_input_whatever_its_label(cache_dir, tmp_path, monkeypatch):
+    """During the fit and its choice on held-out pairs no extraction is handed a test caption or image, checked by
+    content, not by the split label; with the captions-only leak planted (labelled split="train") it is caught."""
+    run = lambda out: align.main(["--method", "csa", "--cache-dir", str(cache_dir), "--out", str(tmp_path / out),
+                                  *QUICK])
+    reads = watch_the_choice(monkeypatch, cache_dir)
+    run("clean")
+    assert not reads, f"the choice extracted test inputs: {reads}"
+    plant_captions_only_leak(monkeypatch, cache_dir)
+    run("leak")
+    assert len(reads) == 1 and reads[0].startswith("train/text: "), f"(the test's own check) the planted leak " \
+        f"(the test captions, labelled train) was not seen: {reads}"
+
+
 @pytest.mark.parametrize("flags, says", [(("--lr", "5e37"), "lr in (0, 3.40"),
                                          (("--weight-decay", "1e300"), "--weight-decay 1e+300: with lr 0.001")])
 def test_loop_settings_that_overflow_are_refused_in_one_line(tmp_path, capsys, flags, says):
