@@ -216,7 +216,7 @@ def test_the_poison_catches_a_captions_only_leak(cache_dir, tmp_path, monkeypatc
     assert_the_choice_did_not_move("csa", clean, weak)      # the pair-keeping poison: the leak passes unseen
 
 
-def test_inputs(world):
+def inputs_of_the_test_sets(world):
     """Every input of the world's test sets, as cache.extract would be handed it: {captions and prompts}, {image
     bytes}."""
     texts, images = set(), set()
@@ -232,7 +232,7 @@ def watch_the_choice(monkeypatch, cache_dir):
     """While train.fit_or_train runs (the method's fit and every choice made on held-out pairs), record each
     cache.extract call whose inputs hold a test set's caption or image, whatever split it is labelled."""
     from infra import cache  # noqa: PLC0415
-    texts, images = test_inputs(shapes.cached_world(cache_dir))
+    texts, images = inputs_of_the_test_sets(shapes.cached_world(cache_dir))
     state, reads = {"in_fit": False}, []
     real_fit, real_extract = train.fit_or_train, cache.extract
 
