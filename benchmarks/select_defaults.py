@@ -49,7 +49,7 @@ TASKS = ("retrieval", "classification", "segmentation")
 
 # what each sweep tries, and the setting it trains at (the results table's, docs/results.md)
 SWEEPS = {
-    "cov": dict(hp="eps", values=[0.0, 0.5, 0.7, 0.9], split="image", fixed=dict(dim=128),
+    "cov": dict(hp="eps", values=[0.0, 0.5, 0.7, 0.9], split="image", fixed=dict(dim=128, mask="scores_renorm"),
                 loop=dict(epochs=5, batch_size=64), paper=0.7),
     "sail": dict(hp="epochs", values=[5, 10, 20, 40, 60], split="image", fixed={}, loop={}),
     "csa": dict(hp="ridge", values=["auto", 0.01, 0.03, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0], split="image",
@@ -115,7 +115,7 @@ def fit(name, setting, img, txt, seed):
     loop_over = dict(sweep["loop"])
     (loop_over if sweep["hp"] == "epochs" else hp)[sweep["hp"]] = setting
     torch.manual_seed(seed)
-    method = METHODS[name](img.pooled.shape[-1], txt.pooled.shape[-1], **hp)
+    method = METHODS[sweep.get("method", name)](img.pooled.shape[-1], txt.pooled.shape[-1], **hp)
     if method.fit is not None:
         method.fit(Features.from_vectors(img.pooled.float()), Features.from_vectors(txt.pooled.float()))
         return method

@@ -23,7 +23,8 @@ Deviations / choices:
    xavier init, is not reproduced), and the schedule is chosen per run by a stop on validation: the best
    schedule depends on the encoders (on the tiny ones validation mIoU-fg falls from 89.1 at 40 epochs to
    81.3 at 60; on EfficientNet-Lite2 + MiniLM segmentation is 96.8 at 20 epochs and 83.7 at 40), so 20% of
-   the alignment images are held out with their pairs (holds_out), the rest trained on, and the epoch of
+   the alignment images, at most 1,000 (holds_out; train.held_out_pairs: 1,000 of the 6,000 Shapes images), are
+   held out with their pairs, the rest trained on, and the epoch of
    the best validation score, the mean of the held-out RSum and the RSum with each image the mean of its
    patch embeddings (what segmentation reads), is the one kept (train.py; --epochs is the most it runs).
 4. lr = 0.1 / max(d_image, d_text), set per instance in self.defaults (--lr overrides): Adam
@@ -72,7 +73,7 @@ class SAIL(Method):
     defaults = dict(lr="0.1 / max(d_image, d_text)", epochs=40, batch_size=256, weight_decay=1e-4, optimizer="adamw")
     ranges = dict(K="[1, inf)", width="[1, inf)", t_init="(0, inf)", b_init="(-inf, inf)")  # valid --hp
 
-    holds_out = 0.2    # choice 3: 20% of the alignment images held out, the epoch kept chosen on them (train.py)
+    holds_out = 0.2    # choice 3: 20% of the alignment images (at most 1,000) held out, the epoch chosen on them
     split_loss = True  # its loss reads the batch only through embed_image / embed_text (infra/distributed.py)
 
     def contrastive_scale(self):  # its logit scale (--hard-negatives): SigLIP's learned t

@@ -600,7 +600,7 @@ def reference_cases():
     w[1, 2:] = 0                                                              # padded words
     r = torch.randn(2, 5, 6, generator=g, dtype=torch.float64)
     r[0, 4] = 0                                                               # a padded region
-    cov = CoV(8, 6, dim=16, n_regions=4, eps=0.5, n_heads=2, n_points=2).double()
+    cov = CoV(8, 6, dim=16, n_regions=4, eps=0.5, mask="scores_renorm", n_heads=2, n_points=2).double()  # exercise 5's
     img = random_features(3, 9 + 1, 8, grid=(3, 3)).to("cpu", torch.float64)
     import evaluate
     import methods.cov as mc
