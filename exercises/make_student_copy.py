@@ -43,6 +43,8 @@ SKIP_FILES = {Path("exercises/answers.md"),     # the experiments' answers, for 
               Path("exercises/make_answers.py"), Path("tests/test_answers.py"),              # ... and their check
               Path("methods/fast_cap.py"),       # PAL's fast CAP computes exercise 3's p: PAPER_CAP instead
               Path("tests/test_exercises.py"),   # the course's own test: it plants each exercise's answer
+              Path("tests/test_official.py"),    # the official grade's checks against the course's own functions
+              Path("tests/test_grade_planted.py"),  # the official grade against planted mistakes (plants answers)
               Path("tests/course_references.py"),  # grade.py's references of the exercises (the answers)
               Path("tests/oracles.py"),          # the graded tests' references as loops: tests/goldens.pt instead
               Path("exercises/make_goldens.py"),  # ... and what records them
@@ -129,8 +131,11 @@ def make_copy(out_dir, only=None, root=ROOT):
         else:
             shutil.copy2(src, dst)
     shutil.copy2(Path(root) / PAPER_CAP, out_dir / "methods" / "fast_cap.py")
-    # which exercises this copy blanks (align.py's refusal reads it to advise the right --only)
-    (out_dir / "exercises" / "this_copy.json").write_text(json.dumps({"blanked": sorted(only or blanked)}) + "\n")
+    # which exercises this copy blanks (align.py's refusal reads it to advise the right --only), and the course
+    # version it was made from (the official grade says when a copy is from another: exercises/official.py)
+    from official import course_version
+    (out_dir / "exercises" / "this_copy.json").write_text(json.dumps({"blanked": sorted(only or blanked),
+                                                                       "course": course_version(root)}) + "\n")
     return blanked
 
 

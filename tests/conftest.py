@@ -18,6 +18,36 @@ except ImportError:
 
 torch.set_num_threads(1)
 
+GRADING_SEED = int(os.environ.get("COURSE_GRADING_SEED") or 0)   # exercises/grade.py's official grade
+_manual_seed = torch.manual_seed
+
+
+class _MovedGenerator(torch.Generator):
+    """Under the official grade, a test that compares with a recorded value draws its inputs with every seed moved
+    by the grade's own seed: inputs no value stored in a student copy was recorded on (tests/recorded.py then
+    computes the expected value on them)."""
+    offset = 0
+
+    def manual_seed(self, seed):
+        return super().manual_seed(seed + _MovedGenerator.offset)
+
+
+if GRADING_SEED:
+    torch.Generator = _MovedGenerator
+    torch.manual_seed = lambda seed: _manual_seed(seed + _MovedGenerator.offset)
+
+
+if os.environ.get("COURSE_GRADING"):             # exercises/grade.py: an input changed in place is named
+    import in_place
+    in_place.guard()
+
+
+def pytest_runtest_setup(item):
+    """Before the test's fixtures draw anything: move the seeds of a test that calls expected(...), only."""
+    import inspect
+    fn = getattr(item, "function", None)
+    _MovedGenerator.offset = GRADING_SEED if GRADING_SEED and fn and 'expected("' in inspect.getsource(fn) else 0
+
 
 @pytest.fixture(autouse=True)
 def numbered_calls(request):

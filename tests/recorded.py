@@ -13,6 +13,7 @@ import torch
 
 GOLDENS = Path(__file__).with_name("goldens.pt")
 RECORD = "RECORD_GOLDENS"                    # set by exercises/make_goldens.py: compute with the references, keep
+LIVE = "COURSE_GRADING_SEED"                # set by exercises/grade.py's official grade: compute, on fresh inputs
 _now = {"node": None, "calls": {}}
 _table = {}
 
@@ -59,10 +60,11 @@ def expected(name, *inputs):
     """The recorded value of reference `name` on these inputs, for the running test."""
     i = _now["calls"][name] = _now["calls"].get(name, -1) + 1
     key = f"{_now['node']}::{name}#{i}"
-    if os.environ.get(RECORD):                                   # the reference checkout, recording
+    if os.environ.get(RECORD) or os.environ.get(LIVE):          # the reference checkout: recording, or grading
         import oracles
         out = getattr(oracles, name)(*inputs)
-        _table[key] = (fingerprint(inputs), _detached(out))
+        if os.environ.get(RECORD):
+            _table[key] = (fingerprint(inputs), _detached(out))
         return out
     if not _table:
         _table.update(torch.load(GOLDENS, weights_only=False))
