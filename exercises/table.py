@@ -3,7 +3,9 @@
 regions: the files holding its `# EXERCISE N` ... `# END EXERCISE N` markers (the
     marker text says what to write; make_student_copy.py blanks what is between).
 tests:   pytest node ids of the project's OWN tests covering those regions (values recorded
-    on fixed inputs, closed forms, planted structures, invariances); grade.py runs exactly these.
+    on fixed inputs, closed forms, planted structures, invariances, gradients); grade.py runs exactly these.
+official: node ids of the checks only the official grade runs (the reference checkout: tests/test_official.py,
+    a speed bound against the course's own function), on top of tests.
 hint:    the classic mistakes, printed when a graded test fails: the symptom and the equation, never the line.
 Grading logic lives only in the tests; nothing here recomputes an answer.
 
@@ -119,9 +121,11 @@ EXERCISES = {
                "tests/test_recycling.py::test_mutual_knn_matches_naive_loop",
                "tests/test_recycling.py::test_prototype_alignment_head_rows_vs_noisy_means",
                "tests/test_pipeline.py::test_mutual_knn_and_cka_tables_equal_the_pairwise_measures"],
+        official=["tests/test_official.py::test_mutual_knn_is_vectorised"],
         hint="a row counted as its own neighbour (Fig. 1's kNN is over the OTHER rows, duplicate rows included); "
              "Euclidean instead of cosine neighbours (a row's length must not move them); the overlap divided "
-             "by N instead of k"),
+             "by N instead of k; a loop over the rows in Python (the sheet asks for it vectorised: the official "
+             "grade allows at most 5x the course's time)"),
     10: dict(
         title="Zero-shot segmentation: upsampled per-patch scores and mIoU over foreground classes",
         regions=["evaluate.py"],
@@ -140,10 +144,12 @@ EXERCISES = {
         regions=["methods/structure.py"],
         tests=["tests/test_structure.py::test_rs_matches_loops",
                "tests/test_structure.py::test_rs_zero_for_identity_and_rotation_positive_otherwise",
-               "tests/test_structure.py::test_identity_head_has_zero_regulariser"],
+               "tests/test_structure.py::test_identity_head_has_zero_regulariser",
+               "tests/test_structure.py::test_rs_gradient_matches_finite_differences"],
         hint="centring before normalising (R_S normalises each row, then centres over the batch), or centring over "
              "the features instead of the batch; KL in the wrong direction (JS = (KL(P || M) + KL(Q || M)) / 2); "
-             "softmax over the columns; a sum over the rows where R_S takes their mean"),
+             "softmax over the columns; a sum over the rows where R_S takes their mean; a .detach() (or .item(), "
+             "torch.no_grad) that stops R_S's gradient: LinearRS and MLPRS train through it"),
     12: dict(
         title="ASIF: sparse, sharpened relative representations",
         regions=["methods/asif.py"],
