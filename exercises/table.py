@@ -40,7 +40,9 @@ EXERCISES = {
         tests=["tests/test_pal.py::test_info_nce_is_the_mean_of_both_directions",
                "tests/test_pal.py::test_gradients_reach_the_anchors_and_only_them"],
         hint="one direction only (Eq. 8 averages the image->text and the text->image cross-entropies); the "
-             "temperature tau missing from the logits; targets that are not each row's own pair"),
+             "temperature tau missing from the logits, or applied twice (info_nce dividing by tau, then "
+             "info_nce_of_logits again: Eq. 8 divides the cosines by tau once); targets that are not each row's own "
+             "pair"),
     3: dict(
         title="PAL: token-to-anchor cosines and cross-attention pooling (Eq. 3-6)",
         regions=["methods/pal.py"],
@@ -59,11 +61,13 @@ EXERCISES = {
         regions=["methods/cov.py"],
         tests=["tests/test_cov.py::test_deformable_sample_matches_naive_bilinear_loop",
                "tests/test_cov.py::test_deformable_sample_pixel_centre_reads_the_patch",
-               "tests/test_cov.py::test_deformable_attention_init_is_deformable_detr"],
+               "tests/test_cov.py::test_deformable_attention_init_is_deformable_detr",
+               "tests/test_cov.py::test_deformable_sample_gradient_matches_finite_differences"],
         hint="align_corners=True or pixel coordinates that put the patch centres elsewhere than (j + .5) / W; "
              "locations left in [0, 1] where grid_sample reads [-1, 1]; x and y swapped (grid_sample's last dim "
              "is (x, y)); reads outside the grid that are not 0 (Deformable DETR pads with zeros); the head and "
-             "query axes mixed up when flattening"),
+             "query axes mixed up when flattening; a gradient that does not reach the values, locations and "
+             "weights (CoV learns its offsets through them: no .detach(), no reads by rounded indices alone)"),
     5: dict(
         title="CoV: consistent assign attention, threshold mask, spatial concentration (CVSFE, CDFO)",
         regions=["methods/cov.py"],
@@ -87,7 +91,8 @@ EXERCISES = {
                "tests/test_cov.py::test_padded_words_do_not_change_the_score[TextGuided]",
                "tests/test_cov.py::test_cov_dense_image_slice_is_a_one_region_image",
                "tests/test_cov.py::test_permuting_the_batch_permutes_the_scores[CoV]",
-               "tests/test_cov.py::test_chunked_score_equals_unchunked[CoV]"],
+               "tests/test_cov.py::test_chunked_score_equals_unchunked[CoV]",
+               "tests/test_cov.py::test_token_max_gradient_matches_finite_differences"],
         hint="padded words counted in the mean or allowed to win the max (all-zero rows are padding: they take part "
              "in neither, FILIP Eq. 4-5 average over the REAL tokens); max and mean over the same axis; only one "
              "of the two directions"),
@@ -100,7 +105,9 @@ EXERCISES = {
                "tests/test_csa.py::test_score_is_rho_weighted_dot_and_permutes_with_batch",
                "tests/test_csa.py::test_few_samples_and_dense_image",
                "tests/test_csa.py::test_covariances_in_chunks_match_the_whole_set"],
-        hint="centring with the wrong mean (mu is the mean over the samples of the WHOLE set); covariances divided "
+        hint="computing in float32 (the reference works in float64, as the marker says: sums over many rows in "
+             "float32 lose digits); centring with the wrong mean (mu is the mean over the samples of the WHOLE set); "
+             "covariances divided "
              "by N instead of N - 1 (the tests compare with torch.cov); the way back from the whitened space "
              "not undoing the whitening (check A^T S_xx A = I); one view whitened only; both views' directions "
              "taken from the same side of the SVD"),
@@ -135,7 +142,9 @@ EXERCISES = {
                "tests/test_evaluate.py::test_segmentation_with_token_level_method_runs_per_patch",
                "tests/test_evaluate.py::test_segmentation_upsamples_logits_bilinearly",
                "tests/test_evaluate.py::test_segmentation_sums_intersections_and_unions_over_all_batches"],
-        hint="nearest instead of bilinear upsampling, or align_corners=True (MaskCLIP upsamples the LOGITS "
+        hint="H and W swapped when the patch logits (B*H*W, C) become (B, C, H, W) (right for square grids only: "
+             "img.grid is (H, W), the patches row after row, and the tests' grids are not square); "
+             "nearest instead of bilinear upsampling, or align_corners=True (MaskCLIP upsamples the LOGITS "
              "bilinearly, pixel centres at (j + .5) / W, then takes the argmax); IoU averaged per image instead "
              "of over the set's summed intersections and unions; ignored (background) pixels counted; classes "
              "absent from both prediction and truth counted as IoU 0; no ValueError for a gt label outside 0..C-1"),

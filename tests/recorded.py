@@ -73,8 +73,9 @@ def expected(name, *inputs):
                              f"since it was made: ask the instructor)")
     seen, out = _table[key]
     if not _close(fingerprint(inputs), seen):
-        raise AssertionError(f"the inputs of {key} are not those its expected value was recorded on (the test or "
-                             f"its fixtures were changed: restore them)")
+        raise AssertionError(f"the inputs of {key} are not those its expected value was recorded on: a function "
+                             f"the test called first changed them in place (exercises/grade.py names it), or the "
+                             f"test or its fixtures were changed (restore them)")
     return out
 
 

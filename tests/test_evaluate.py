@@ -316,7 +316,8 @@ def test_segmentation_upsamples_logits_bilinearly():
     masks[:, 0, :3] = 255                                                           # a few ignored pixels
     prompts = Features.from_vectors(torch.eye(C))
     want(ev.segmentation(Cosine(), img, masks, prompts, 1, batch_size=3), "miou_fg", 100,
-         "the truth is the argmax of the logits upsampled bilinearly (align_corners=False) to 10 x 11")
+         "the truth is the argmax of the logits of the 3 x 4 grid (H x W: not square, img.grid is (H, W) and the "
+         "patches come row after row) upsampled bilinearly (align_corners=False) to 10 x 11")
     valid = masks != 255
     for kw in (dict(mode="nearest"), dict(mode="bilinear", align_corners=True)):
         other = F.interpolate(logits, size=(Hm, Wm), **kw).argmax(1)
