@@ -37,20 +37,14 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))    # the project: infra.errors
 import official  # noqa: E402
+from course_error import CourseError  # noqa: E402
 from table import DEPENDS, EXERCISES, blank_exercises  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SELF_CHECK = ("self-check: this copy's own tests, against the values recorded in tests/goldens.pt; it is NOT the "
               "grade (the instructor grades the code of your exercise regions with the course's own tests, on "
               "inputs drawn at grading time, and checks speed where the sheet says vectorised)")
-
-
-class GradeError(SystemExit):
-    """A grade that cannot start: one line, exit 1 (the grader's own error, not infra's, which is being reshaped)."""
-    def __init__(self, msg):
-        super().__init__(f"error: {msg}")
 
 
 def node_of(case):
@@ -252,10 +246,10 @@ def main(argv=None):
     numbers = args.numbers or sorted(EXERCISES)
     unknown = [n for n in numbers if n not in EXERCISES]
     if unknown:
-        raise GradeError(f"no exercise {unknown}; the exercises are {sorted(EXERCISES)}")
+        raise CourseError(f"no exercise {unknown}; the exercises are {sorted(EXERCISES)}")
     root = Path(args.root).resolve()
     if not (root / "tests").is_dir():
-        raise GradeError(f"{root} has no tests/ folder: is it a copy of the project?")
+        raise CourseError(f"{root} has no tests/ folder: is it a copy of the project?")
     t0 = time.time()
     report, head, tail = grade(root, numbers, args.seed)
     print("\n".join(head))

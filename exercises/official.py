@@ -32,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_student_copy as msc  # noqa: E402
+from course_error import CourseError  # noqa: E402
 from table import COPY_RECORD, EXERCISES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,7 +156,7 @@ def calibrated_seed(ids, given=None, tries=8):
         if r.returncode == 0:
             return seed
         if given:
-            raise SystemExit(f"error: the course's own code fails its tests at --seed {seed}: "
+            raise CourseError(f"the course's own code fails its tests at --seed {seed}: "
                              f"{r.stdout.strip().splitlines()[-1]}")
-    raise SystemExit(f"error: no seed of {tries} drawn lets the course's own code pass its tests "
+    raise CourseError(f"no seed of {tries} drawn lets the course's own code pass its tests "
                      f"(run the tests in {ROOT} with COURSE_GRADING_SEED set)")

@@ -16,8 +16,6 @@ align.py --skip-blank, the evaluation's exercises may be blank: their evaluation
 import re
 from pathlib import Path
 
-from infra.errors import RunError
-
 ROOT = Path(__file__).resolve().parents[1]
 COPY_RECORD = Path("exercises/this_copy.json")    # written into a student copy: the exercises it blanked
 BLANK_LINE = re.compile(r"^[ \t]*raise NotImplementedError\(['\"]Exercise (\d+) ", re.M)
@@ -225,6 +223,7 @@ def run_needs(method, analyses=False, select_layers=None):
 def refuse_blank_exercises(method, analyses=False, select_layers=None, root=ROOT, skip_blank=False):
     """Stop with one error line if the run needs an exercise that is still blank here; silent otherwise.
     skip_blank (align.py --skip-blank): the evaluation's exercises may be blank, their evaluations are left out."""
+    from infra.errors import RunError  # (align.py's error; the grader imports nothing of infra/)
     blank = blank_exercises(root)
     if not blank:                                  # the reference, or every exercise done
         return
