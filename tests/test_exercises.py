@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "exercises"))
 import grade as grader  # noqa: E402
 import make_student_copy as msc  # noqa: E402
+import official  # noqa: E402
 import table  # noqa: E402
 from table import EXERCISES  # noqa: E402
 
@@ -464,7 +465,8 @@ def test_a_commented_out_raise_above_a_finished_body_is_not_blank(tmp_path):
 
 def test_the_refusal_says_finish_it_and_skip_blank_leaves_out_only_the_evaluation(tmp_path):
     msc.make_copy(tmp_path / "only3", only={3})
-    assert json.loads((tmp_path / "only3" / "exercises" / "this_copy.json").read_text()) == {"blanked": [3]}
+    assert json.loads((tmp_path / "only3" / "exercises" / "this_copy.json").read_text()) == {
+        "blanked": [3], "course": official.course_version()}
     with pytest.raises(SystemExit) as e:
         table.refuse_blank_exercises("pal", root=tmp_path / "only3")
     assert str(e.value) == ("error: --method pal needs exercises 1, 2, 3, 10, 13; still blank: 3 (finish it: "
@@ -522,8 +524,8 @@ def test_the_sheet_gives_each_exercise_its_needs_and_time_and_an_order_that_keep
     days = [l for l in sheet.split("## A two-week module")[1].splitlines() if re.match(r"\| \d+ \|", l)]
     day_of = {}
     for d, line in enumerate(days):
-        if m := re.search(r"\bexercises? (\d+(?:, \d+)*)", line.split("|")[2]):
-            for n in map(int, m[1].split(", ")):
+        if m := re.search(r"\bexercises? (\d+(?:(?:, then |, | and )\d+)*)", line.split("|")[2]):
+            for n in map(int, re.findall(r"\d+", m[1])):
                 day_of.setdefault(n, d)
     assert sorted(day_of) == sorted(EXERCISES)
     for n, deps in table.DEPENDS.items():
