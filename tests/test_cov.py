@@ -283,7 +283,7 @@ def test_regions_match_naive_loop():
     assert_same(attn_bar.double(), ref_bar, "attn_bar (the threshold mask) against the loop", atol=1e-5, rtol=1e-4)
     assert_same(r.double(), ref_r, "the regions r = attn_bar V F against the loop", atol=1e-5, rtol=1e-4)
     kept = (attn_bar > 0).float().mean()
-    assert 0 < kept < 0.5, f"attn_bar keeps {100 * kept:.0f}% of the patches, expected under 50% at eps 0.5"
+    assert 0 < kept < 1, f"attn_bar keeps {100 * kept:.0f}% of the patches, expected some but not all at eps 0.5"
 
 
 def test_conc_loss_reads_the_full_softmax_attention():
