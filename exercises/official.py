@@ -157,6 +157,6 @@ def calibrated_seed(ids, given=None, tries=8):
             return seed
         if given:
             raise CourseError(f"the course's own code fails its tests at --seed {seed}: "
-                             f"{r.stdout.strip().splitlines()[-1]}")
+                              f"{r.stdout.strip().splitlines()[-1]}")
     raise CourseError(f"no seed of {tries} drawn lets the course's own code pass its tests "
-                     f"(run the tests in {ROOT} with COURSE_GRADING_SEED set)")
+                      f"(run the tests in {ROOT} with COURSE_GRADING_SEED set)")
