@@ -97,12 +97,12 @@ EXERCISES = {
     7: dict(
         title="CSA: CCA by Cholesky whitening and SVD",
         regions=["methods/csa.py"],
-        tests=["tests/test_csa.py::test_planted_correlations_are_recovered",
+        tests=["tests/test_csa.py::test_covariances_in_chunks_match_the_whole_set",     # step (2) first: its dtype
+               "tests/test_csa.py::test_planted_correlations_are_recovered",
                "tests/test_csa.py::test_matches_generalised_eigenproblem",
                "tests/test_csa.py::test_one_dimensional_views_give_absolute_pearson",
                "tests/test_csa.py::test_score_is_rho_weighted_dot_and_permutes_with_batch",
-               "tests/test_csa.py::test_few_samples_and_dense_image",
-               "tests/test_csa.py::test_covariances_in_chunks_match_the_whole_set"],
+               "tests/test_csa.py::test_few_samples_and_dense_image"],
         hint="computing in float32 (the reference works in float64, as the marker says: sums over many rows in "
              "float32 lose digits); centring with the wrong mean (mu is the mean over the samples of the WHOLE set); "
              "covariances divided "

@@ -84,8 +84,11 @@ PLANTS = {
 }
 
 
-# A tests/course_references.py planted in a copy: its fixture puts a working InfoNCE in place of exercise 2's.
-PLANTED_REFERENCES = """import pytest
+# A tests/course_references.py planted in a copy: its fixture puts a working InfoNCE in place of exercise 2's,
+# wherever a module holds it (the tests' `from methods.losses import info_nce` too).
+PLANTED_REFERENCES = """import sys
+
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -95,10 +98,20 @@ def course_references(monkeypatch):
     import methods.losses as L
     ce = lambda s, t=None: (F.cross_entropy(s, torch.arange(len(s)))
                             + F.cross_entropy((s if t is None else t).T, torch.arange(len(s)))) / 2
-    monkeypatch.setattr(L, "info_nce_of_logits", ce)
-    monkeypatch.setattr(L, "info_nce", lambda a, b, tau: ce(a @ b.T / tau))
+    working = {"info_nce_of_logits": ce, "info_nce": lambda a, b, tau: ce(a @ b.T / tau)}
+    blank = {name: getattr(L, name) for name in working}
+    for mod in list(sys.modules.values()):
+        for name, fn in working.items():
+            if getattr(mod, name, None) is blank[name]:
+                monkeypatch.setattr(mod, name, fn)
     yield
 """
+
+
+# the cases whose first failing check names the planted cause (in the others, the lookup's or the loop's wrong
+# fallback may fail an earlier check first: any of its lines then names the cause)
+FIRST = {"goldens lookup, first template only (13)", "detach on P (11)", "in-place normalisation (13)",
+         "tau applied twice (2)", "H and W swapped: right for square grids only (10)", "float32 covariances (7)"}
 
 
 def plant(copy, rel, right, wrong):
@@ -223,6 +236,8 @@ def test_a_planted_mistake_fails_the_grade_naming_it(right_copy, tmp_path, name)
     head, checks = exercise_line(lines, n)
     assert code == 1 and "  FAILED  " in head and says in head, lines
     assert any(re.search(blame, check) for check in checks), lines
+    if name in FIRST:                                           # the first failing check names the cause itself
+        assert re.search(blame, checks[0]), lines
 
 
 @pytest.mark.slow
