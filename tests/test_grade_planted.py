@@ -187,6 +187,21 @@ def test_the_copys_tests_readme_names_only_files_the_copy_holds(right_copy):
     assert not missing, f"the copy's tests/README.md names files it does not hold: {missing}"
 
 
+def test_a_hand_out_carries_e5s_text_model_or_is_refused(tmp_path, monkeypatch):
+    """Experiment E5 runs offline: the copy carries all-MiniLM-L6-v2 where the sheet's command reads it."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    monkeypatch.setattr(msc, "text_model_folder", lambda: model)
+    msc.make_copy(tmp_path / "with", only=set(), text_model=True)
+    assert (tmp_path / "with" / msc.TEXT_MODEL / "config.json").read_text() == "{}"
+    assert f"--text-encoder {msc.TEXT_MODEL}" in (ROOT / "exercises" / "README.md").read_text()
+    monkeypatch.setattr(msc, "text_model_folder", lambda: None)
+    with pytest.raises(SystemExit, match="E5 needs all-MiniLM-L6-v2 in the hand-out"):
+        msc.make_copy(tmp_path / "without", only=set(), text_model=True)
+    assert not (tmp_path / "without").exists()
+
+
 def test_in_place_guard_names_the_function_and_the_argument():
     import in_place
     import torch
