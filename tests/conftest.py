@@ -18,6 +18,36 @@ except ImportError:
 
 torch.set_num_threads(1)
 
+GRADING_SEED = int(os.environ.get("COURSE_GRADING_SEED") or 0)   # exercises/grade.py's official grade
+_manual_seed = torch.manual_seed
+
+
+class _MovedGenerator(torch.Generator):
+    """Under the official grade, a test that compares with a recorded value draws its inputs with every seed moved
+    by the grade's own seed: inputs no value stored in a student copy was recorded on (tests/recorded.py then
+    computes the expected value on them)."""
+    offset = 0
+
+    def manual_seed(self, seed):
+        return super().manual_seed(seed + _MovedGenerator.offset)
+
+
+if GRADING_SEED:
+    torch.Generator = _MovedGenerator
+    torch.manual_seed = lambda seed: _manual_seed(seed + _MovedGenerator.offset)
+
+
+if os.environ.get("COURSE_GRADING"):             # exercises/grade.py: an input changed in place is named
+    import in_place
+    in_place.guard()
+
+
+def pytest_runtest_setup(item):
+    """Before the test's fixtures draw anything: move the seeds of a test that calls expected(...), only."""
+    import inspect
+    fn = getattr(item, "function", None)
+    _MovedGenerator.offset = GRADING_SEED if GRADING_SEED and fn and 'expected("' in inspect.getsource(fn) else 0
+
 
 @pytest.fixture(autouse=True)
 def numbered_calls(request):
@@ -91,6 +121,35 @@ def assert_same(got, want, what, atol=None, rtol=None):
         raise AssertionError(f"{what}: {int(bad.sum())} of {bad.numel()} entries differ, by up to "
                              f"{diff.flatten()[worst].item():.3g} (at {list(at)}: {g.flatten()[worst].item():.4g}, "
                              f"expected {w.flatten()[worst].item():.4g})")
+
+
+def assert_gradient_matches_finite_differences(f, inputs, what, h=1e-2, atol=2e-3, rtol=5e-2, directions=4):
+    """The gradient autograd gives of the scalar f(*inputs) agrees with f's own central differences along a few
+    random directions, input by input: a function that is trained through must send its gradient back (a
+    .detach(), .item() or torch.no_grad inside it sends back none, or part). f may compute in float32 (the step h
+    and the tolerances allow for it)."""
+    import inspect
+    names = list(inspect.signature(f).parameters)
+    inputs = [x.detach().double().requires_grad_() for x in inputs]
+    out = f(*inputs)
+    grads = torch.autograd.grad(out, inputs, allow_unused=True) if out.requires_grad else [None] * len(inputs)
+    g = torch.Generator().manual_seed(0)
+    for i, (x, grad) in enumerate(zip(inputs, grads)):
+        grad = torch.zeros_like(x) if grad is None else grad
+        for _ in range(directions):
+            v = torch.randn(x.shape, generator=g, dtype=x.dtype)
+            moved = lambda s, i=i, v=v: f(*[y.detach() + s * h * v if j == i else y.detach()
+                                            for j, y in enumerate(inputs)])
+            with torch.no_grad():
+                fd = (float(moved(1)) - float(moved(-1))) / (2 * h)
+            ad = float((grad * v).sum())
+            if not abs(ad - fd) <= atol + rtol * abs(fd):
+                none = not grad.abs().sum()
+                raise AssertionError(
+                    f"{what}: the gradient with respect to {names[i]} {tuple(x.shape)} along a random direction is "
+                    f"{ad:.4g} by autograd, {fd:.4g} by finite differences" + (
+                        ": no gradient flows back to it (something inside is cut from the graph: .detach(), "
+                        ".item(), torch.no_grad, a tensor rebuilt from the values)" if none else ""))
 
 
 class HostSyncs:

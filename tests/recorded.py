@@ -13,6 +13,7 @@ import torch
 
 GOLDENS = Path(__file__).with_name("goldens.pt")
 RECORD = "RECORD_GOLDENS"                    # set by exercises/make_goldens.py: compute with the references, keep
+LIVE = "COURSE_GRADING_SEED"                # set by exercises/grade.py's official grade: compute, on fresh inputs
 _now = {"node": None, "calls": {}}
 _table = {}
 
@@ -59,10 +60,11 @@ def expected(name, *inputs):
     """The recorded value of reference `name` on these inputs, for the running test."""
     i = _now["calls"][name] = _now["calls"].get(name, -1) + 1
     key = f"{_now['node']}::{name}#{i}"
-    if os.environ.get(RECORD):                                   # the reference checkout, recording
+    if os.environ.get(RECORD) or os.environ.get(LIVE):          # the reference checkout: recording, or grading
         import oracles
         out = getattr(oracles, name)(*inputs)
-        _table[key] = (fingerprint(inputs), _detached(out))
+        if os.environ.get(RECORD):
+            _table[key] = (fingerprint(inputs), _detached(out))
         return out
     if not _table:
         _table.update(torch.load(GOLDENS, weights_only=False))
@@ -71,8 +73,9 @@ def expected(name, *inputs):
                              f"since it was made: ask the instructor)")
     seen, out = _table[key]
     if not _close(fingerprint(inputs), seen):
-        raise AssertionError(f"the inputs of {key} are not those its expected value was recorded on (the test or "
-                             f"its fixtures were changed: restore them)")
+        raise AssertionError(f"the inputs of {key} are not those its expected value was recorded on: a function "
+                             f"the test called first changed them in place (exercises/grade.py names it), or the "
+                             f"test or its fixtures were changed (restore them)")
     return out
 
 

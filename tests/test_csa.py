@@ -209,6 +209,9 @@ def test_covariances_in_chunks_match_the_whole_set():
     C = torch.cov(torch.cat([X, Y], 1).double().T)                                # (7, 7), divides by N - 1
     for name, got, want in (("mu_x", mu_x, X.double().mean(0)), ("mu_y", mu_y, Y.double().mean(0)),
                             ("S_xx", S_xx, C[:4, :4]), ("S_yy", S_yy, C[4:, 4:]), ("S_xy", S_xy, C[:4, 4:])):
+        assert tuple(got.shape) == tuple(want.shape), f"{name} has shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+        assert got.dtype == torch.float64, (f"{name} is {got.dtype}, expected torch.float64: the reference works in "
+                                            f"float64 (the marker says so; .double() before the sums)")
         assert torch.allclose(got, want), (f"{name} in chunks of 7 rows differs by up to "
                                            f"{(got - want).abs().max():.3g} from the expected whole set's (torch.cov, "
                                            f"dividing by N - 1)")

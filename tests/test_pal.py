@@ -140,9 +140,14 @@ def test_info_nce_is_the_mean_of_both_directions():
     i2t, t2i = expected("info_nce_directions", h_v @ h_l.T / tau)              # image->text, text->image
     assert abs(i2t - t2i) > 0.1, "(the test's own check) expected the two directions to differ here"
     got, want = info_nce(h_v, h_l, tau).item(), (i2t + t2i) / 2
+    # the loss with tau left out, and with tau applied twice: a wrong value that matches one names it
+    tau_wrong = {f"the loss with tau applied {how} ({form})": sum(expected("info_nce_directions", h_v @ h_l.T / t)) / 2
+                 for how, form, t in (("nowhere", "cosines as logits", 1.0), ("twice", "logits / tau^2", tau ** 2))}
+    which = [name for name, value in tau_wrong.items() if got == pytest.approx(value, rel=1e-5)]
     assert got == pytest.approx(want, rel=1e-5), (
         f"info_nce = {got:.4f}, expected {want:.4f} (Eq. 8: the mean of image->text, {i2t:.4f} alone, and "
-        f"text->image, {t2i:.4f} alone)")
+        f"text->image, {t2i:.4f} alone)" + (f": {got:.4f} is {which[0]}, Eq. 8 divides the cosines by tau once"
+                                            if which else ""))
     got = info_nce_of_logits(h_v @ h_l.T / tau).item()
     assert got == pytest.approx(want, rel=1e-5), (
         f"info_nce_of_logits = {got:.4f}, expected {want:.4f} (the mean of the rows' cross-entropy, {i2t:.4f} "

@@ -153,10 +153,13 @@ def test_neural_collapse_check_matches_naive_loop():
     """Table 1 on random rows of different norms, one image at a time: argmax_i of w_i . f + b_i,
     of cos(w_i, f) and of w_i . f."""
     g = torch.Generator().manual_seed(2)
-    W = torch.randn(6, 5, generator=g) * torch.rand(6, 1, generator=g).add(0.2) * 3
-    b = torch.randn(6, generator=g)
-    feats = torch.randn(40, 5, generator=g)
-    labels, expect = expected("naive_neural_collapse", W, b, feats)   # labels: the cosine's argmax but for 8 images
+    for _ in range(20):          # heads whose three figures differ (the first draw, at seed 2)
+        W = torch.randn(6, 5, generator=g) * torch.rand(6, 1, generator=g).add(0.2) * 3
+        b = torch.randn(6, generator=g)
+        feats = torch.randn(40, 5, generator=g)
+        labels, expect = expected("naive_neural_collapse", W, b, feats)   # labels: the cosine's argmax but for 8
+        if len(set(expect.values())) == 3:                                # images
+            break
     assert len(set(expect.values())) == 3, f"(the test's own check) {expect}: expected three different figures"
     got = R.neural_collapse_check(W, b, feats, labels)
     assert got.keys() == expect.keys(), f"keys {sorted(got)}, expected {sorted(expect)}"

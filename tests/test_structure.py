@@ -2,7 +2,7 @@
 import math
 
 import torch
-from conftest import random_features
+from conftest import assert_gradient_matches_finite_differences, random_features
 from recorded import expected
 
 from methods.structure import MLPRS, LinearRS, js_divergence, structure_reg
@@ -31,6 +31,13 @@ def test_rs_zero_for_identity_and_rotation_positive_otherwise():
     assert js_divergence(P, P).abs() < 1e-7, f"JS(P || P) = {js_divergence(P, P).item():.3g}, expected 0"
     assert js_divergence(P, P.flip(0)) <= math.log(2), \
         f"JS divergence {js_divergence(P, P.flip(0)).item():.4f}, expected at most its bound log 2 = 0.6931"
+
+
+def test_rs_gradient_matches_finite_differences():
+    """LinearRS and MLPRS train THROUGH R_S: its gradient must reach both spaces, through P as through Q."""
+    g = torch.Generator().manual_seed(2)
+    X, Z = torch.randn(7, 5, generator=g), torch.randn(7, 4, generator=g)
+    assert_gradient_matches_finite_differences(lambda X, Z: structure_reg(X, Z, 0.5), [X, Z], "R_S(X, Z) at tau 0.5")
 
 
 def test_identity_head_has_zero_regulariser():
