@@ -248,15 +248,11 @@ def first_examples(run, device):
                     raise ValueError("its features hold NaN or inf (image_std 0? a broken weight?)")
 
 
-def extract_features(args, run, device):
-    """Every set's features into run.features (encoders run once, then cached); not the training
-    pairs when the run aligns on the head rows alone."""
-    t0 = time.time()
-    def ext(enc, inputs, split, modality):
-        return cache.extract(enc, inputs, args.cache_dir, device=device, dataset=args.data,
-                             split=split, modality=modality)
-    image_enc, text_enc, jobs = run.image_encoder, run.text_encoder, {}   # (split, kind) -> extract's arguments
-    for split, s in run.sets.items():
+def feature_jobs(args, run, sets):
+    """{(split, kind): extract's arguments} of sets: images, captions or a labelled set's prompts, a binding
+    set's distractors; not the training pairs when the run aligns on the head rows alone."""
+    image_enc, text_enc, jobs = run.image_encoder, run.text_encoder, {}
+    for split, s in sets.items():
         if split == "train" and args.align_data == "weights":
             continue
         jobs[split, "image"] = (image_enc, s.images, split, "image")
@@ -268,14 +264,34 @@ def extract_features(args, run, device):
         if isinstance(s, data.BindingSet):
             for kind, caps in s.distractors.items():
                 jobs[split, kind] = (text_enc, caps, split, kind)
+    return jobs
+
+
+def extract_features(args, run, device, sets, plan=()):
+    """The features of sets into run.features (encoders run once, then cached). plan: sets extracted later
+    (the test sets, once the method is frozen), whose disk space is checked now with these, before any work."""
+    t0 = time.time()
+    def ext(enc, inputs, split, modality):
+        return cache.extract(enc, inputs, args.cache_dir, device=device, dataset=args.data,
+                             split=split, modality=modality)
+    jobs, later = feature_jobs(args, run, sets), feature_jobs(args, run, dict(plan))
     planned = [cache.planned_bytes(*job[:2], args.cache_dir, device, dataset=args.data, split=job[2],
-                                   modality=job[3]) for job in jobs.values()]
+                                   modality=job[3]) for job in (*jobs.values(), *later.values())]
     cache.check_disk(sum(planned), args.cache_dir, cached=planned.count(0))   # one line; refused when short
-    run.features = {key: ext(*job) for key, job in jobs.items()}
-    if args.hard_negatives:
+    run.features |= {key: ext(*job) for key, job in jobs.items()}
+    if args.hard_negatives and "train" in sets:
         flat, index = run.negative_captions
-        run.features["train", "negatives"] = ext(text_enc, flat, "train", "negatives"), index
-    print(f"[features] ready in {time.time() - t0:.0f}s (cache: {args.cache_dir})")
+        run.features["train", "negatives"] = ext(run.text_encoder, flat, "train", "negatives"), index
+    print(f"[features] {', '.join(sets)} ready in {time.time() - t0:.0f}s (cache: {args.cache_dir})")
+
+
+def test_sets(run):
+    """The test sets, taken out of run: nothing that chooses or trains the method can reach them (the fit
+    sees the training pairs alone; tests/test_held_out_choice.py); they come back, with their features,
+    once the method is frozen."""
+    tests = {split: s for split, s in run.sets.items() if split != "train"}
+    run.sets = {split: s for split, s in run.sets.items() if split == "train"}
+    return tests
 
 
 def alignment_data(args, run, device="cpu"):
@@ -371,7 +387,8 @@ def main(argv=None):
         settings.read_inputs(run.image_encoder, run.text_encoder, run.sets)   # the run's identity
         resume = train.resume_state(settings)           # a checkpoint of another identity stops here
         folder.begin(settings)                            # config.json: --out is this run's
-        extract_features(args, run, device)
+        tests = test_sets(run)                          # read and checked above; out of reach until the freeze
+        extract_features(args, run, device, run.sets, plan=tests)
         if not builtin_encoders(args):
             encoders.check_features_vary(args, run)       # a layer whose pooled vector ignores its input
         # -> the method and its loop's settings, resolved once
@@ -385,7 +402,10 @@ def main(argv=None):
         if distributed.JOINED and not distributed.finish():   # torchrun: the group ends; rank 0 goes on alone
             return {}
         save_method(method, metrics["train"].pop("history", []), out)   # model.safetensors, history.csv
-        # -> evaluation -> results (metrics.json last: it marks the run finished)
+        # -> the method frozen -> the test sets -> evaluation -> results (metrics.json last: the run finished)
+        method.eval().requires_grad_(False)
+        run.sets |= tests
+        extract_features(args, run, device, tests)
         metrics |= evaluate_all(method, run, args, out, device)
         write_metrics(metrics, config, run, args, out, device)
     print(f"[done] results in {out}/")

@@ -96,7 +96,7 @@ def main():
     run = align.parse_args(["--image-encoder", args.image_encoder, "--text-encoder", args.text_encoder,
                             "--cache-dir", args.cache_dir, "--threads", str(args.threads)])
     inputs = align.load_inputs(run, "cpu")
-    align.extract_features(run, inputs, "cpu")
+    align.extract_features(run, inputs, "cpu", inputs.sets)
     F = inputs.features
     train_set, test = inputs.sets["train"], inputs.sets["test"]
     seen_rows = torch.tensor([j for j, c in enumerate(train_set.captions) if side(c) == "seen"])

@@ -175,14 +175,14 @@ def plant_captions_only_leak(monkeypatch, cache_dir):
     from infra import cache  # noqa: PLC0415
     seen, real_load, real_select = {}, align.load_inputs, csa.select_ridge
 
-    def load_inputs(args, device):
-        seen["run"] = real_load(args, device)
+    def load_inputs(args, device):               # the run's test set kept aside at load: align.main hands the fit
+        seen["run"] = real_load(args, device)    # none (test_the_test_sets_are_read_only_after_the_method_is_frozen)
+        seen["test"] = seen["run"].sets["test"]
         return seen["run"]
 
     def leaky_select(X, Y, d, **kw):
         ridge, table = real_select(X, Y, d, **kw)
-        run = seen["run"]
-        test = run.sets["test"]
+        run, test = seen["run"], seen["test"]
         T = cache.extract(run.text_encoder, test.captions, cache_dir, dataset="shapes", split="train",
                           modality="text")                               # the test captions, labelled "train"
         T = F.normalize(T.pooled.double(), dim=-1)
@@ -295,3 +295,45 @@ def test_a_word_default_takes_a_number_or_its_word():
     assert parse_hp(CSA, ["ridge=auto"]) == {"ridge": "auto"}
     with pytest.raises(RunError, match="takes a number or auto"):
         parse_hp(CSA, ["ridge=abc"])
+
+
+@pytest.mark.slow
+def test_the_test_sets_are_read_only_after_the_method_is_frozen(cache_dir, tmp_path, monkeypatch):
+    """Structurally, not by a poison: while the method is chosen and trained (train.fit_or_train, CSA's held-out
+    ridge included) the run holds the training split alone, and no test set's features are extracted; they are
+    extracted after the fit returns, with every parameter of the method frozen."""
+    import train  # noqa: PLC0415
+    from infra import cache  # noqa: PLC0415
+    events, seen = [], {}
+    real_fit, real_split, real_extract = train.fit_or_train, align.test_sets, cache.extract
+
+    def test_sets(run):
+        seen["run"] = run
+        return real_split(run)
+
+    def fit_or_train(method, *a, **kw):
+        seen["method"] = method
+        run = seen["run"]
+        events.append(("fit", set(run.sets), {split for split, _ in run.features}))
+        try:
+            return real_fit(method, *a, **kw)
+        finally:
+            events.append(("fitted", None, None))
+
+    def extract(enc, inputs, *a, split=None, **kw):
+        frozen = "method" in seen and not any(p.requires_grad for p in seen["method"].parameters())
+        events.append(("extract", split, frozen))
+        return real_extract(enc, inputs, *a, split=split, **kw)
+    monkeypatch.setattr(align, "test_sets", test_sets)
+    monkeypatch.setattr(train, "fit_or_train", fit_or_train)
+    monkeypatch.setattr(cache, "extract", extract)
+    align.main(["--method", "csa", "--cache-dir", str(cache_dir), "--out", str(tmp_path / "o"), "--threads", "1",
+                "--no-figures", "--eval-images", "20", "--quiet"])
+    fit = next(i for i, e in enumerate(events) if e[0] == "fit")
+    fitted = events.index(("fitted", None, None))
+    assert events[fit][1] == {"train"} and events[fit][2] == {"train"}, events[fit]      # the run during the fit
+    before = [e for e in events[:fitted] if e[0] == "extract"]
+    after = [e for e in events[fitted:] if e[0] == "extract"]
+    assert before and all(split == "train" for _, split, _ in before), before
+    assert {split for _, split, _ in after} >= {"test", "cls", "seg", "binding"}, after
+    assert all(frozen for _, split, frozen in after if split != "train"), after
