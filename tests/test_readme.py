@@ -77,6 +77,6 @@ def test_the_readme_s_output_block_is_what_the_default_run_prints(cache_dir, tmp
     run = {(g, k): f"{m[g.split('/')[0]][g.split('/')[1]][k] if '/' in g else m[g][k]:.2f}" for g, k in documented}
     # the figures the README says another CPU's kernels print ("a 2-core AMD EPYC VM printed binding_templates
     # 52.11"): that machine's value, stated beside the block, is the other value the test accepts
-    other = {(group, "binding_acc"): value for group, value in re.findall(r"VM printed (\w+) (\d+\.\d+)", README)}
+    other = {(group, "binding_acc"): value for group, value in re.findall(r"VM printed\s+(\w+)\s+(\d+\.\d+)", README)}
     assert other, "the README states what another CPU prints"
     assert {k: v for k, v in documented.items() if run[k] not in (v, other.get(k))} == {}, run
