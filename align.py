@@ -267,17 +267,19 @@ def feature_jobs(args, run, sets):
     return jobs
 
 
-def extract_features(args, run, device, sets, plan=()):
+def extract_features(args, run, device, sets, plan=(), checked=False):
     """The features of sets into run.features (encoders run once, then cached). plan: sets extracted later
-    (the test sets, once the method is frozen), whose disk space is checked now with these, before any work."""
+    (the test sets, once the method is frozen), whose disk space is checked now with these, before any work;
+    checked: these sets' space was checked so already."""
     t0 = time.time()
     def ext(enc, inputs, split, modality):
         return cache.extract(enc, inputs, args.cache_dir, device=device, dataset=args.data,
                              split=split, modality=modality)
     jobs, later = feature_jobs(args, run, sets), feature_jobs(args, run, dict(plan))
-    planned = [cache.planned_bytes(*job[:2], args.cache_dir, device, dataset=args.data, split=job[2],
-                                   modality=job[3]) for job in (*jobs.values(), *later.values())]
-    cache.check_disk(sum(planned), args.cache_dir, cached=planned.count(0))   # one line; refused when short
+    if not checked:
+        planned = [cache.planned_bytes(*job[:2], args.cache_dir, device, dataset=args.data, split=job[2],
+                                       modality=job[3]) for job in (*jobs.values(), *later.values())]
+        cache.check_disk(sum(planned), args.cache_dir, cached=planned.count(0))   # one line; refused when short
     run.features |= {key: ext(*job) for key, job in jobs.items()}
     if args.hard_negatives and "train" in sets:
         flat, index = run.negative_captions
@@ -405,7 +407,7 @@ def main(argv=None):
         # -> the method frozen -> the test sets -> evaluation -> results (metrics.json last: the run finished)
         method.eval().requires_grad_(False)
         run.sets |= tests
-        extract_features(args, run, device, tests)
+        extract_features(args, run, device, tests, checked=True)   # their space: checked before the fit
         metrics |= evaluate_all(method, run, args, out, device)
         write_metrics(metrics, config, run, args, out, device)
     print(f"[done] results in {out}/")
