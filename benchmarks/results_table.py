@@ -4,6 +4,7 @@
     python benchmarks/results_table.py --methods pal linear --seeds 0
     python benchmarks/results_table.py --image-encoder efficientnet-lite2 --text-encoder minilm \
         --out results/table-real --cache-dir .cache                  # every method on real encoders
+    python benchmarks/results_table.py --methods pal linear --cpu-defaults --no-variants   # as `python align.py` runs
 
 Runs align.py once per (row, seed) in a subprocess (the encoders and features come from the shared
 cache), then prints a markdown table of the means ± sd: retrieval R@1 both ways and RSum, zero-shot
@@ -96,6 +97,9 @@ def main():
     p.add_argument("--methods", nargs="+", default=METHODS, help="methods to run")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="seeds (the table shows mean ± sd)")
     p.add_argument("--epochs", type=int, default=5, help="the epochs of every trained method (the budget rule)")
+    p.add_argument("--cpu-defaults", action="store_true",
+                   help="no --epochs: each method at align.py's CPU default (its own schedule, cut to the CPU FLOP "
+                        "budget where over it; train.py's cpu_default), as a user's `python align.py` runs")
     p.add_argument("--no-variants", action="store_true", help="only the rule's rows (no VARIANTS)")
     p.add_argument("--reuse", action="store_true", help="read a row's finished run in --out instead of running it")
     p.add_argument("--out", default="results/table", help="where each run's folder goes")
@@ -110,7 +114,8 @@ def main():
     for method in args.methods:
         plan = [(method, method, [], True)] + ([] if args.no_variants else VARIANTS.get(method, []))
         for row, name, flags, budget in plan:
-            epochs = ["--epochs", str(args.epochs)] if budget and name not in CLOSED_FORM else []
+            epochs = ["--epochs", str(args.epochs)] if budget and name not in CLOSED_FORM and not args.cpu_defaults \
+                else []
             extra = encoders + CPU_SETTING.get(name, []) + flags + epochs
             runs = [run(row, name, s, extra, Path(args.out), args.cache_dir, args.reuse) for s in args.seeds]
             runs = [r for r in runs if r is not None]
@@ -122,7 +127,8 @@ def main():
     print()
     print(markdown({"columns": [c for _, _, c in columns], "rows": dict(rows)}))
     command = f"python benchmarks/results_table.py {' '.join(sys.argv[1:])}"
-    print(f"\nmean ± sd over seeds {args.seeds}; every trained method {args.epochs} epochs; command: {command}")
+    budget = "at align.py's CPU defaults" if args.cpu_defaults else f"{args.epochs} epochs"
+    print(f"\nmean ± sd over seeds {args.seeds}; every trained method {budget}; command: {command}")
     table = {"command": command, "seeds": args.seeds, "columns": [c for _, _, c in columns],
              "rows": {row: [[round(x, 4) for x in v] for v in values] for row, values in rows}}
     Path(args.out).mkdir(parents=True, exist_ok=True)
