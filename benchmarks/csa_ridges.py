@@ -12,6 +12,7 @@ freezes the method before the test sets are loaded); this script reads them to s
 cannot see: a run's pairs carry captions, not masks, so every held-out score is a retrieval score.
 """
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -23,15 +24,25 @@ import evaluate  # noqa: E402
 from methods import METHODS  # noqa: E402
 from methods.csa import RIDGES, select_ridge  # noqa: E402
 
+HEADER = f"{'ridge':>7} {'mrr':>7} {'dense_mrr':>9} {'score':>7} | {'test RSum':>9} {'test seg mIoU-fg':>16}"
 
-def main():
+
+def lines(table):
+    """The printed table of {"rows": [[ridge, mrr, dense_mrr, score, rsum, miou], ...], "chosen"}, one row a line."""
+    return [HEADER] + [f"{r:7g} {mrr:7.4f} {dense:9.4f} {score:7.4f} | {rsum:9.1f} {miou:16.1f}"
+                       + ("   <- chosen (ridge=auto)" if r == table["chosen"] else "")
+                       for r, mrr, dense, score, rsum, miou in table["rows"]]
+
+
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--image-encoder", default="shapes-cnn", help="as align.py's")
     p.add_argument("--text-encoder", default="shapes-text", help="as align.py's")
     p.add_argument("--cache-dir", default=".cache", help="align.py's encoder and feature cache")
     p.add_argument("--ridges", nargs="*", type=float, default=[0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0],
                    help="ridges to refit and score on the test sets (of the grid's)")
-    args = p.parse_args()
+    p.add_argument("--out", default=None, help="also write the table as JSON (docs/tables/ holds it)")
+    args = p.parse_args(argv)
     torch.set_num_threads(1)
     run_args = align.parse_args(["--method", "csa", "--image-encoder", args.image_encoder, "--text-encoder",
                                  args.text_encoder, "--cache-dir", args.cache_dir, "--threads", "1"])
@@ -40,18 +51,25 @@ def main():
     img, txt, _ = align.alignment_data(run_args, run)
     D_v, D_l = img.pooled.shape[-1], txt.pooled.shape[-1]
     csa = METHODS["csa"](D_v, D_l)
-    chosen, table = select_ridge(csa.unit(img.pooled), csa.unit(txt.pooled), csa.d, patches=img, unit=csa.unit)
+    chosen, scores = select_ridge(csa.unit(img.pooled), csa.unit(txt.pooled), csa.d, patches=img, unit=csa.unit)
     feats, test, seg = run.features, run.sets["test"], run.sets["seg"]
-    print(f"{'ridge':>7} {'mrr':>7} {'dense_mrr':>9} {'score':>7} | {'test RSum':>9} {'test seg mIoU-fg':>16}")
+    given = sys.argv[1:] if argv is None else list(argv)
+    kept = [a for i, a in enumerate(given) if a not in ("--out", "--cache-dir") and
+            (i == 0 or given[i - 1] not in ("--out", "--cache-dir"))]     # where it ran is no part of the table
+    table = {"command": " ".join(["python benchmarks/csa_ridges.py", *kept]), "chosen": chosen, "rows": []}
+    print(HEADER)
     for r in [r for r in RIDGES if any(abs(r - x) < 1e-9 for x in args.ridges)]:
         m = METHODS["csa"](D_v, D_l, ridge=r).fit(img, txt)
         rsum = evaluate.retrieval(m, feats["test", "image"], feats["test", "text"], test.txt_to_img)["rsum"]
         miou = evaluate.segmentation(m, feats["seg", "image"], seg.masks, feats["seg", "text"],
                                      len(seg.templates))["miou_fg"]
-        row = table[r]
-        print(f"{r:7g} {row['mrr']:7.4f} {row['dense_mrr']:9.4f} {row['score']:7.4f} | {rsum:9.1f} {miou:16.1f}"
-              + ("   <- chosen (ridge=auto)" if r == chosen else ""), flush=True)
+        v = scores[r]
+        table["rows"].append([r, v["mrr"], v["dense_mrr"], v["score"], rsum, miou])
+        print(lines(table)[-1], flush=True)
     print(f"{args.image_encoder} + {args.text_encoder}: ridge=auto chose {chosen:g} on the held-out pairs")
+    if args.out:
+        Path(args.out).write_text(json.dumps(table, indent=1))
+    return table
 
 
 if __name__ == "__main__":
