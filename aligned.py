@@ -138,7 +138,7 @@ def read_run(folder):
         raise RunError(f"{folder} is not a folder; pass a run folder of align.py (results/<method>-<data>-seed<N>)")
     with guard(f"{folder / 'config.json'}", "pass a run folder that align.py wrote (results/...)"):
         config = json.loads((folder / "config.json").read_text())
-        if not isinstance(config, dict) or "identity" not in config:
+        if not isinstance(config, dict) or not isinstance(config.get("identity"), dict):
             raise ValueError("it is not the config.json of a run of align.py (no identity)")
     if not (folder / "metrics.json").is_file():
         raise RunError(f"{folder} is an unfinished run (no metrics.json); finish it with python align.py --resume "
@@ -148,6 +148,10 @@ def read_run(folder):
         if model["method"] not in METHODS:
             raise ValueError(f"its method {model['method']!r} is not one of this code's ({', '.join(sorted(METHODS))}"
                              f"): renamed since?")
+        templates = model.get("templates") or []
+        if not isinstance(templates, list) or not all(isinstance(t, str) and one_slot(t) for t in templates):
+            raise ValueError(f"its templates {templates!r} are not a list of prompts that each hold {{}} once and "
+                             f"no other brace")
     name = "model.safetensors" if (folder / "model.safetensors").exists() else "method.pt"
     with guard(f"{folder / name}", "copy the run folder again from where it was made, or rerun the run"):
         state = read_weights(folder)
@@ -470,9 +474,14 @@ def class_names(a):
     return names
 
 
+def one_slot(template):
+    """A prompt template holds {} once, where the class name goes, and no other brace (str.format's fields)."""
+    return template.count("{}") == 1 and "{" not in template.replace("{}", "") and "}" not in template.replace("{}", "")
+
+
 def check_templates(templates):
     for t in templates:
-        if t.count("{}") != 1 or t.replace("{}", "").count("{") or t.replace("{}", "").count("}"):
+        if not one_slot(t):
             raise RunError(f"--template {t!r}: a prompt holds {{}} once, where the class name goes, and no other "
                            f"brace, e.g. --template \"a photo of a {{}}.\"")
     return templates

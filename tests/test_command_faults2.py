@@ -1,0 +1,62 @@
+"""More faults on the use surfaces, found by benchmarks/fault_sweep.py (each failed before its fix): a run's
+config.json with a malformed identity or templates, --classes with --classes-file, a --classes-file with a
+byte-order mark or that is a fifo, --csv and --json on one file or on a folder's name, an encoder's notice
+on stdout, an index of another width, two index calls at once, a --device torch has no backend for, runs
+nested in a results folder. Each: a correct result, or one `error:` line before any work, nothing lost."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from test_command_faults import run, snapshot  # noqa: F401  (the module's finished run and its three PNGs)
+
+import aligned
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def copy(run, tmp_path):  # noqa: F811
+    """A writable copy of the run and its images, a scratch folder, and what they held before."""
+    src, images = run
+    r, imgs, t = tmp_path / "runs" / src.name, tmp_path / "imgs", tmp_path / "t"
+    shutil.copytree(src, r)
+    shutil.copytree(images, imgs)
+    t.mkdir()
+    return r, imgs, t
+
+
+def fails(argv, *words, before=None, capsys=None):
+    """argv ends in one error line holding words."""
+    with pytest.raises(SystemExit) as stop:
+        aligned.main(argv)
+    text = str(stop.value.code)
+    assert text.startswith("error: ") and "\n" not in text and all(w in text for w in words), text
+    return text
+
+
+def no_work(monkeypatch):
+    """load() must not be reached: the fault is said before any encoder loads."""
+    monkeypatch.setattr(aligned, "load", lambda *a, **k: pytest.fail("the work began before the refusal"))
+
+
+def edit_model(r, key, value):
+    c = json.loads((r / "config.json").read_text())
+    c["model"][key] = value
+    (r / "config.json").write_text(json.dumps(c))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("templates", [["a photo of a {x}."], ["a photo"], "a photo of a {}.", [3]])
+def test_a_runs_malformed_templates_are_one_line_naming_config_json(copy, templates):
+    r, imgs, t = copy
+    edit_model(r, "templates", templates)
+    before = snapshot(r, imgs)
+    fails(["classify", str(r), str(imgs), "--classes", "a,b"], "config.json", "templates")
+    assert snapshot(r, imgs) == before
+
+
+def test_a_config_whose_identity_is_not_a_dict_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"identity": [1]}))
+    with pytest.raises(SystemExit, match=r"^error: .*config.json.*no identity"):
+        aligned.load(tmp_path)
