@@ -460,9 +460,13 @@ def image_files(paths):
 
 def class_names(a):
     """--classes (comma-separated) or --classes-file (one name per line): at least one, none twice."""
+    if a.classes_file and a.classes is not None:
+        raise RunError("--classes and --classes-file both name the classes; give one of them")
     if a.classes_file:
         with guard(f"--classes-file {a.classes_file}", "pass a UTF-8 text file with one class name per line"):
-            names = [line.strip() for line in Path(a.classes_file).read_text(encoding="utf-8").splitlines()]
+            if not Path(a.classes_file).is_file() and Path(a.classes_file).exists():    # a fifo would never end
+                raise ValueError("it is not a regular file")
+            names = [line.strip() for line in Path(a.classes_file).read_text(encoding="utf-8-sig").splitlines()]
     else:
         names = [c.strip() for c in (a.classes or "").split(",")]
     names = [n for n in names if n]

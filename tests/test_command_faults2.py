@@ -4,7 +4,9 @@ byte-order mark or that is a fifo, --csv and --json on one file or on a folder's
 on stdout, an index of another width, two index calls at once, a --device torch has no backend for, runs
 nested in a results folder. Each: a correct result, or one `error:` line before any work, nothing lost."""
 import json
+import os
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -60,3 +62,37 @@ def test_a_config_whose_identity_is_not_a_dict_is_one_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"identity": [1]}))
     with pytest.raises(SystemExit, match=r"^error: .*config.json.*no identity"):
         aligned.load(tmp_path)
+
+
+@pytest.mark.slow
+def test_classes_with_classes_file_is_refused(copy, monkeypatch):
+    r, imgs, t = copy
+    (t / "c.txt").write_text("cat\ndog\n")
+    no_work(monkeypatch)
+    fails(["classify", str(r), str(imgs), "--classes", "a,b", "--classes-file", str(t / "c.txt")],
+          "--classes and --classes-file")
+
+
+@pytest.mark.slow
+def test_a_classes_file_with_a_byte_order_mark_names_its_classes_without_it(copy, capsys):
+    r, imgs, t = copy
+    (t / "c.txt").write_bytes("\ufeffcat\r\ndog\n".encode("utf-8"))
+    aligned.main(["classify", str(r), str(imgs), "--classes-file", str(t / "c.txt"), "--json", "-"])
+    records = json.loads(capsys.readouterr().out)
+    assert set(records[0]["scores"]) == {"cat", "dog"}
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no fifos here")
+def test_a_classes_file_that_is_a_fifo_is_refused_not_waited_on(tmp_path):
+    os.mkfifo(tmp_path / "c.txt")
+    a = aligned.parse_args(["classify", "run", "imgs", "--classes-file", str(tmp_path / "c.txt")])
+    done = []
+    reader = threading.Thread(target=lambda: done.append(pytest.raises(SystemExit, aligned.class_names, a)),
+                              daemon=True)
+    reader.start()
+    reader.join(10)
+    if not done:                                  # it waits for a writer: let it go, and fail
+        with open(tmp_path / "c.txt", "w") as f:
+            f.write("x\n")
+        pytest.fail("--classes-file a fifo: read, waiting for a writer")
+    assert "not a regular file" in str(done[0].value)
