@@ -524,6 +524,8 @@ def check_new(flag, path):
     """--csv / --json FILE before any work: a new file in a folder that exists (never onto a file: the gate
     refuses too)."""
     if path and path != "-":
+        if path.endswith(("/", os.sep)):
+            raise RunError(f"{flag} {path} names a folder; pass a file name (a new file), e.g. {flag} out.csv")
         if os.path.lexists(path):
             raise RunError(f"{flag} {path} exists; pass a new file name (nothing is ever written over), or delete it")
         if not Path(path).parent.is_dir():
@@ -740,6 +742,9 @@ def main(argv=None):
     check_new("--json", getattr(a, "json", None))
     if getattr(a, "csv", None) == "-" and getattr(a, "json", None) == "-":
         raise RunError("--csv - and --json - would both write to stdout; give one of them a file")
+    if getattr(a, "csv", None) and getattr(a, "json", None) and a.csv != "-" and \
+            os.path.abspath(a.csv) == os.path.abspath(a.json):
+        raise RunError(f"--csv and --json both name {a.csv}; give each its own file")
     for flag in ("batch_size", "workers"):
         if getattr(a, flag, 1) < 1:
             raise RunError(f"--{flag.replace('_', '-')} {getattr(a, flag)}: give a count of at least 1")

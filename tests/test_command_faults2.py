@@ -96,3 +96,13 @@ def test_a_classes_file_that_is_a_fifo_is_refused_not_waited_on(tmp_path):
             f.write("x\n")
         pytest.fail("--classes-file a fifo: read, waiting for a writer")
     assert "not a regular file" in str(done[0].value)
+
+
+def test_csv_and_json_on_one_file_or_a_folders_name_are_refused_before_any_work(tmp_path, monkeypatch):
+    no_work(monkeypatch)
+    same = str(tmp_path / "out")
+    fails(["classify", "run", "imgs", "--classes", "a", "--csv", same, "--json", same], "--csv and --json", same)
+    fails(["search", "run", "imgs", "q", "--csv", str(tmp_path / "out.csv"), "--json",
+           str(tmp_path / "." / "out.csv")], "--csv and --json")
+    fails(["classify", "run", "imgs", "--classes", "a", "--csv", str(tmp_path / "out") + "/"], "names a folder")
+    assert not list(tmp_path.iterdir())
