@@ -174,6 +174,13 @@ def check_same_encoder(kind, enc, config):
                        f"a new run on this one")
 
 
+def notices_to_stderr():
+    """The encoders' notices ("[cache] another run is writing ...; waiting", "[text] captions longer than ...
+    are cut") printed on stderr: stdout holds the results alone (--json -, --csv -, a pipe)."""
+    import contextlib
+    return contextlib.redirect_stdout(sys.stderr)
+
+
 def load(run_folder, device="cpu", cache_dir=None):
     """The trained aligner of a finished run folder, with its frozen encoders, on device ("cpu", "cuda")."""
     import encoders
@@ -182,8 +189,9 @@ def load(run_folder, device="cpu", cache_dir=None):
     config, model, state = read_run(run_folder)
     cache = cache_dir or model.get("cache_dir")
     cache = Path(cache) if cache and Path(cache).is_dir() else ENV_CACHE
-    image_enc, text_enc = encoders.load_encoders(model["image_encoder"], model["text_encoder"], cache,
-                                                 model["image_layer"], model["text_layer"])
+    with notices_to_stderr():
+        image_enc, text_enc = encoders.load_encoders(model["image_encoder"], model["text_encoder"], cache,
+                                                     model["image_layer"], model["text_layer"])
     for kind, enc in (("image", image_enc), ("text", text_enc)):
         check_same_encoder(kind, enc, config)
     model["dims"] = model.get("dims") or [image_enc.dim, text_enc.dim]     # an older run: its encoders' dims
@@ -308,7 +316,7 @@ class Aligned:
         """(N, K) text embeddings (token-level methods: (N, L, K), padded words 0) of a list of strings."""
         import evaluate
         texts = [texts] if isinstance(texts, str) else list(texts)
-        with evaluate.inference(self.method):
+        with evaluate.inference(self.method), notices_to_stderr():
             return evaluate.pad_cat([self.method.embed_text(self.text_encoder.encode(texts[i:i + batch_size],
                                                                                       self.device).to(self.device))
                                      .float().cpu() for i in range(0, len(texts), batch_size)])

@@ -106,3 +106,13 @@ def test_csv_and_json_on_one_file_or_a_folders_name_are_refused_before_any_work(
            str(tmp_path / "." / "out.csv")], "--csv and --json")
     fails(["classify", "run", "imgs", "--classes", "a", "--csv", str(tmp_path / "out") + "/"], "names a folder")
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_an_encoders_notice_goes_to_stderr_not_into_the_results(copy, capsys):
+    """A query longer than the text encoder reads: its "[text] ... cut" notice on stderr; --csv - is CSV."""
+    r, imgs, t = copy
+    aligned.main(["search", str(r), str(imgs), "red circle " * 100, "--csv", "-"])
+    captured = capsys.readouterr()
+    assert len(captured.out.splitlines()) == 4 and captured.out.startswith("rank,score,image"), captured.out
+    assert "[text]" in captured.err
