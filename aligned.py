@@ -273,7 +273,9 @@ class Index:
             keys = json.loads(meta["keys"])
             if len(keys) != len(emb):
                 raise ValueError(f"{len(keys)} keys for {len(emb)} embeddings")
-            return cls(keys, emb, json.loads(meta["run_key"]))
+            index = cls(keys, emb, json.loads(meta["run_key"]))
+            index.path = path
+            return index
 
 
 class Aligned:
@@ -373,7 +375,15 @@ class Aligned:
         if len(todo) < len(files):
             print(f"[index] {len(files) - len(todo)} of {len(files)} images read from the index, {len(todo)} to "
                   f"encode", file=sys.stderr, flush=True)
-        new = iter(self.encode_files(todo, **pipeline)) if todo else None
+        fresh = self.encode_files(todo, **pipeline) if todo else None
+        if fresh is not None and len(todo) < len(files):     # the index's rows shaped as this method's embeddings
+            like = fresh
+            if index.emb.dim() != like.dim() or index.emb.shape[-1] != like.shape[-1]:
+                where = getattr(index, "path", None) or "the image index"
+                raise RunError(f"{where} holds embeddings of shape {tuple(index.emb.shape[1:])}, this run's are "
+                               f"{tuple(like.shape[1:])}: not this run's index; delete it (rm {where}) and run "
+                               f"python align.py index again")
+        new = iter(fresh) if fresh is not None else None
         return torch.stack([index.emb[r] if r is not None else next(new) for r in rows]) if files else torch.zeros(0)
 
     def index(self, files, index=None, **pipeline):

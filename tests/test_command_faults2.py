@@ -116,3 +116,18 @@ def test_an_encoders_notice_goes_to_stderr_not_into_the_results(copy, capsys):
     captured = capsys.readouterr()
     assert len(captured.out.splitlines()) == 4 and captured.out.startswith("rank,score,image"), captured.out
     assert "[text]" in captured.err
+
+
+@pytest.mark.slow
+def test_an_index_of_another_width_is_one_line(copy):
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    r, imgs, t = copy
+    aligned.main(["index", str(r), str(imgs)])
+    p = r / "index" / "images.safetensors"
+    with safe_open(str(p), "pt") as f:
+        meta, emb = f.metadata(), f.get_tensor("emb")
+    save_file({"emb": torch.zeros(len(emb), 7)}, str(p), metadata=meta)   # the run's key, another width
+    shutil.copy(imgs / "a.png", imgs / "new.png")                           # and one image to encode beside it
+    fails(["classify", str(r), str(imgs), "--classes", "a,b"], str(p), "(7,)", "index again")
