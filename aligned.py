@@ -588,17 +588,22 @@ def index(a):
     new or changed files (path, size, mtime); files removed drop out."""
     files = image_files(a.paths)
     folder = index_folder(a)
-    from infra.storage import check_folder
+    from infra.storage import check_folder, check_target, file_lock
     check_folder(folder, "--index")
-    old = read_index(a)
+    check_target(folder / Index.FILE)                  # a link or a folder there: refused now, not after the work
+    read_index(a)
     set_threads(a)
     model = load(a.run, a.device)
-    if old is not None and old.run_key != model.run_key:
-        print(f"[index] {folder / Index.FILE} was made for other weights (another run); encoding every image",
-              file=sys.stderr, flush=True)
-        old = None
-    new = model.index(files, old, batch_size=a.batch_size, workers=a.workers, tag="[index]")
-    new.write(folder)
+    wait = lambda _: print(f"[index] another index call is writing {folder / Index.FILE}; waiting for it",
+                           file=sys.stderr, flush=True)
+    with file_lock(folder / ".images.lock", log=wait):  # two calls at once: the second adds to the first's index
+        old = read_index(a)                              # as it is now, under the lock
+        if old is not None and old.run_key != model.run_key:
+            print(f"[index] {folder / Index.FILE} was made for other weights (another run); encoding every image",
+                  file=sys.stderr, flush=True)
+            old = None
+        new = model.index(files, old, batch_size=a.batch_size, workers=a.workers, tag="[index]")
+        new.write(folder)
     kept = sum(r is not None for r in old.rows(files)) if old is not None else 0
     dropped = len(old.at.keys() - new.at.keys()) if old is not None else 0
     print(f"[index] {len(new)} images in {folder / Index.FILE}: {len(files) - kept} encoded now, {kept} kept as they "

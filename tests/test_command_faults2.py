@@ -6,6 +6,8 @@ nested in a results folder. Each: a correct result, or one `error:` line before 
 import json
 import os
 import shutil
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -131,3 +133,37 @@ def test_an_index_of_another_width_is_one_line(copy):
     save_file({"emb": torch.zeros(len(emb), 7)}, str(p), metadata=meta)   # the run's key, another width
     shutil.copy(imgs / "a.png", imgs / "new.png")                           # and one image to encode beside it
     fails(["classify", str(r), str(imgs), "--classes", "a,b"], str(p), "(7,)", "index again")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("planted", ["folder", "link"])
+def test_an_index_target_that_is_a_link_or_folder_is_refused_before_any_work(copy, monkeypatch, planted):
+    r, imgs, t = copy
+    target = r / "index" / "images.safetensors"
+    target.parent.mkdir()
+    if planted == "folder":
+        target.mkdir()
+    else:
+        (t / "mine").write_text("mine")
+        os.symlink(t / "mine", target)
+    no_work(monkeypatch)
+    fails(["index", str(r), str(imgs)], str(target), "a link" if planted == "link" else "not a regular file")
+    assert planted == "folder" or (t / "mine").read_text() == "mine"
+
+
+@pytest.mark.slow
+def test_two_index_calls_at_once_keep_both_folders(copy):
+    """The second call waits for the first (a lock beside the index) and adds to what it wrote: no update lost."""
+    r, imgs, t = copy
+    more = t / "more"
+    more.mkdir()
+    for n, f in enumerate(sorted(imgs.iterdir())):
+        shutil.copy(f, more / f"m{n}.png")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    calls = [subprocess.Popen([sys.executable, "align.py", "index", str(r), str(folder), "--threads", "1"], cwd=ROOT,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for folder in (imgs, more)]
+    for c in calls:
+        out, err = c.communicate(timeout=300)
+        assert c.returncode == 0, err.decode()[-2000:]
+    index = aligned.Index.load(r / "index")
+    assert len(index) == 6 and {p.parent for p in index.paths} == {imgs.absolute(), more.absolute()}
