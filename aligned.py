@@ -413,6 +413,9 @@ class Aligned:
         """The classes' text side, encoded once: (each class's prompts averaged as template_average does,
         the number of templates). Pass it to zero_shot for many batches of images."""
         import evaluate
+        if isinstance(class_names, str) or not len(class_names):
+            raise RunError(f"class_names {class_names!r}: pass a list of at least one class name, e.g. "
+                           f"[\"red circle\", \"blue square\"]")
         templates = list(templates or self.templates)
         prompts = [t.format(c) for c in class_names for t in templates]           # class-major, as align.py
         return evaluate.template_average(self.encode_text(prompts), len(templates)), len(templates)

@@ -167,3 +167,17 @@ def test_two_index_calls_at_once_keep_both_folders(copy):
         assert c.returncode == 0, err.decode()[-2000:]
     index = aligned.Index.load(r / "index")
     assert len(index) == 6 and {p.parent for p in index.paths} == {imgs.absolute(), more.absolute()}
+
+
+def test_a_device_torch_has_no_backend_for_is_one_line(tmp_path):
+    with pytest.raises(SystemExit, match=r"^error: --device mps: give cpu, cuda"):
+        aligned.load(tmp_path, device="mps")
+
+
+@pytest.mark.slow
+def test_zero_shot_without_class_names_is_one_line(run):  # noqa: F811
+    src, images = run
+    model = aligned.load(src)
+    for names in ([], "cat"):
+        with pytest.raises(SystemExit, match="pass a list of at least one class name"):
+            model.zero_shot([images / "a.png"], names)
