@@ -665,6 +665,29 @@ def search(a):
         emit(["query"] * many + ["rank", "score", "image"], rows, a.csv)
 
 
+def run_folders(root, depth=4):
+    """root when it holds metrics.json, else the folders under it that do, down to `depth` levels
+    (results/<group>/<run>): never below a run folder, never into a link's folder (a link to a run is read;
+    a link loop is not walked), nor a hidden folder (.git, .cache)."""
+    if (root / "metrics.json").exists():
+        return [root]
+    found, level = [], [root]
+    for _ in range(depth):
+        below = []
+        for folder in level:
+            try:
+                subs = sorted(q for q in folder.iterdir() if q.is_dir() and not q.name.startswith("."))
+            except OSError:
+                continue
+            for q in subs:
+                if (q / "metrics.json").exists():
+                    found.append(q)
+                elif not q.is_symlink():
+                    below.append(q)
+        level = below
+    return sorted(found)
+
+
 def finished_runs(paths):
     """{run folder: (config, metrics)} of the finished runs (a config.json with an identity and a metrics.json,
     both readable) among paths and their subfolders, by path; and the folders left out (not runs)."""
@@ -672,7 +695,7 @@ def finished_runs(paths):
     for p in map(Path, paths):
         if not p.exists():
             raise RunError(f"{p}: no such folder; pass run folders or folders holding them (results/)")
-        for folder in [p] if (p / "metrics.json").exists() else sorted(q.parent for q in p.glob("*/metrics.json")):
+        for folder in run_folders(p):
             try:
                 config = json.loads((folder / "config.json").read_text())
                 metrics = json.loads((folder / "metrics.json").read_text())

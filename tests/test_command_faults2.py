@@ -181,3 +181,16 @@ def test_zero_shot_without_class_names_is_one_line(run):  # noqa: F811
     for names in ([], "cat"):
         with pytest.raises(SystemExit, match="pass a list of at least one class name"):
             model.zero_shot([images / "a.png"], names)
+
+
+@pytest.mark.slow
+def test_table_finds_runs_nested_in_a_results_folder(copy, capsys):
+    """results/<group>/<run> as well as results/<run>; a link loop inside is not walked."""
+    r, imgs, t = copy
+    results = t / "results"
+    shutil.copytree(r, results / "top-run")
+    shutil.copytree(r, results / "group" / "deep-run")
+    os.symlink(results, results / "group" / "loop")
+    aligned.main(["table", str(results)])
+    rows = capsys.readouterr().out.splitlines()[2:]
+    assert len(rows) == 2 and rows[0].startswith("| deep-run |") and rows[1].startswith("| top-run |"), rows
