@@ -13,7 +13,7 @@ would: python align.py ...), and sorts the outcome:
     DATA LOSS   a file that existed before the command changed or gone (not one the command owns)
     HANG        still running after its timeout
 
-    OMP_NUM_THREADS=1 python benchmarks/fault_sweep.py --cache-dir .cache [--jobs 2] [--only WORD] [--keep]
+    OMP_NUM_THREADS=1 python benchmarks/fault_sweep.py --cache-dir .cache [--jobs 2] [--only WORD] [--keep] [--long]
 
 It trains one tiny run (PAL, one epoch, 512 pairs: seconds when the Shapes world is cached) into a temp
 folder, then copies it per case. Prints a table and the OK share; exit status 0 when every case is OK.
@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
 CACHE = None          # --cache-dir, set in main
-VERBOSE = False
+VERBOSE = LONG = False
 
 
 # --------------------------------------------------------------------------- fixtures
@@ -310,7 +310,50 @@ def _(c):
     return c.cls(run=c.t / "loop")
 
 
+@case("config.json a fifo", "config.json", timeout=30)
+def _(c):
+    (c.r / "config.json").unlink()
+    os.mkfifo(c.r / "config.json")
+    return c.cls()
+
+
+@case("weights a link to /dev/zero", "model.safetensors|method.pt", timeout=30)
+def _(c):
+    (c.r / "model.safetensors").unlink()
+    os.symlink("/dev/zero", c.r / "model.safetensors")
+    return c.cls()
+
+
 # ---- the images
+@case("an image a link to /dev/zero in the folder", "ok", check=lines(3), timeout=30)
+def _(c):
+    os.symlink("/dev/zero", c.i / "z.png")
+    return c.cls()
+
+
+@case("PNG with a broken chunk CRC", "bad.png|ok")
+def _(c):
+    p = c.png("bad.png", size=(30, 30))
+    data = bytearray(p.read_bytes())
+    data[-20] ^= 0xFF                                         # inside IDAT's data or CRC
+    p.write_bytes(bytes(data))
+    return c.cls()
+
+
+@case("bilevel (mode 1) image", "ok", check=lines(4))
+def _(c):
+    c.png("bw.png", mode="1")
+    return c.cls()
+
+
+@case("multi-page TIFF", "ok", check=lines(4))
+def _(c):
+    from PIL import Image
+    frames = [Image.new("RGB", (20, 20), col) for col in ("red", "green")]
+    frames[0].save(c.i / "pages.tif", save_all=True, append_images=frames[1:])
+    return c.cls()
+
+
 @case("16-bit grey PNG", "ok", check=lines(4))
 def _(c):
     c.png("g16.png", mode="I;16")
@@ -515,6 +558,16 @@ def _(c):
 def _(c):
     c.write(c.t / "c.txt", "cat\ndog\ncat\n")
     return ["classify", str(c.r), str(c.i), "--classes-file", str(c.t / "c.txt"), "--threads", "1"]
+
+
+@case("2,000 classes", "ok", check=lines(3), timeout=120)
+def _(c):
+    return c.cls(classes=",".join(f"class {n}" for n in range(2000)))
+
+
+@case("--csv /dev/stdout", "exists|--csv")
+def _(c):
+    return c.cls("--csv", "/dev/stdout")
 
 
 @case("--template empty", "--template")
@@ -864,6 +917,20 @@ def _(c):
     return ("signal", slowly(c.idx("--batch-size", "4", imgs=many_images(c))), signal.SIGKILL)
 
 
+@case("SIGTERM during index keeps the old index", "killed", owned=(IDX,), check=old_index_whole, timeout=120)
+def _(c):
+    c.index_now()
+    return ("signal", slowly(c.idx("--batch-size", "4", imgs=many_images(c))), signal.SIGTERM)
+
+
+@case("Ctrl-C while the run loads (before any work)", "interrupted", timeout=60)
+def _(c):
+    return ("signal", ["-c", "import time, aligned\nload = aligned.load\n"
+                       "def slow(*a, **k):\n    time.sleep(30)\n    return load(*a, **k)\n"
+                       f"aligned.load = slow\naligned.main({c.cls('--json', str(c.t / 'o.json'))!r})\n"],
+            signal.SIGINT)
+
+
 @case("Ctrl-C during classify --json writes nothing", "interrupted", timeout=120)
 def _(c):
     return ("signal", slowly(c.cls("--batch-size", "4", "--json", str(c.t / "o.json"), imgs=many_images(c))),
@@ -902,6 +969,43 @@ def _(c):
     return ("signal", train_argv(c), signal.SIGKILL, c.t / "train" / "checkpoint.pt")
 
 
+def fresh_cache(c):
+    """A cache folder holding the Shapes world alone (no feature extracted yet)."""
+    (c.t / "cache" / "world").mkdir(parents=True)
+    for f in (CACHE / "world").glob("shapes-world-*.pt"):
+        shutil.copy(f, c.t / "cache" / "world" / f.name)
+    return c.t / "cache"
+
+
+def extraction_argv(c):
+    return ["--epochs", "1", "--num-pairs", "512", "--eval-images", "20", "--no-figures", "--threads", "1",
+            "--cache-dir", str(c.t / "cache"), "--out", str(c.t / "train")]
+
+
+def extraction_goes_on(res, c):
+    """check: what was extracted before the kill is still whole, and the rerun finishes the run."""
+    done = {p.name: p.stat().st_mtime_ns for p in (c.t / "cache" / "features").glob("*.pt")}
+    r = subprocess.run([PY, "align.py", *extraction_argv(c), "--resume"], cwd=ROOT, env=ENV, capture_output=True,
+                       text=True, timeout=600)
+    if r.returncode:
+        r = subprocess.run([PY, "align.py", *extraction_argv(c)], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                           timeout=600)
+    if r.returncode or not (c.t / "train" / "metrics.json").is_file():
+        return f"the rerun failed: {r.stderr.strip().splitlines()[-1:]}"
+    redone = [n for n, t in done.items() if (c.t / "cache" / "features" / n).stat().st_mtime_ns != t]
+    return f"extracted again: {redone}" if redone else None
+
+
+@case("kill -9 during feature extraction, then rerun (--long)", "killed", check=extraction_goes_on, timeout=900,
+      owned=("t/train", "t/cache"))
+def _(c):
+    if not LONG:
+        raise RuntimeError("a long case (minutes of extraction): pass --long")
+    fresh_cache(c)
+    first = c.t / "cache" / "features"
+    return ("signal", extraction_argv(c), signal.SIGKILL, first, 12.0)
+
+
 # ---- table
 @case("table nested run folders", "ok")
 def _(c):
@@ -914,6 +1018,21 @@ def _(c):
 
 CASES[-1]["check"] = lambda res, c: None if "deep-run" in res.out and "top-run" in res.out else \
     "a nested run is missing from the table"
+
+
+@case("table a metrics.json that is a fifo beside a good run", "ok", timeout=30,
+      check=lambda res, c: None if "pal-shapes-seed0" in res.out else "the good run is missing")
+def _(c):
+    (c.r.parent / "odd").mkdir()
+    os.mkfifo(c.r.parent / "odd" / "metrics.json")
+    c.write(c.r.parent / "odd" / "config.json", (c.r / "config.json").read_text())
+    return ["table", str(c.r.parent)]
+
+
+@case("table a results folder and a run in it", "ok",
+      check=lambda res, c: None if res.out.count("pal-shapes-seed0") == 1 else "not one row")
+def _(c):
+    return ["table", str(c.r.parent), str(c.r.parent / "." / c.r.name)]
 
 
 @case("table metrics.json missing a key", "ok", check=lambda res, c: None if "pal-shapes-seed0" in res.out
@@ -1024,6 +1143,11 @@ def _(c):
     return api(c, f"aligned.load({str(c.r)!r}, device='mps')")
 
 
+@case("load with cache_dir a missing folder", "cache_dir|no-cache")
+def _(c):
+    return api(c, f"aligned.load({str(c.r)!r}, cache_dir={str(c.t / 'no-cache')!r})")
+
+
 @case("load, zero_shot on a missing image", "nope.png")
 def _(c):
     return api(c, f"m = aligned.load({str(c.r)!r})\nm.zero_shot([{str(c.i / 'nope.png')!r}], ['a', 'b'])")
@@ -1094,10 +1218,10 @@ def execute(spec, timeout):
         wait_for = spec[3] if len(spec) > 3 else None
         p = launch(argv)
         deadline = t0 + timeout / 2
-        if wait_for is not None:                               # the signal once that file exists
+        if wait_for is not None:                               # the signal once that file exists (and then some)
             while not Path(wait_for).exists() and p.poll() is None and time.time() < deadline:
                 time.sleep(0.05)
-            time.sleep(0.3)
+            time.sleep(spec[4] if len(spec) > 4 else 0.3)
         else:                                                  # the signal once the work has begun
             time.sleep(6)
         if p.poll() is not None:
@@ -1105,7 +1229,7 @@ def execute(spec, timeout):
             return Res(p.returncode, out, "(finished before the signal) " + err, time.time() - t0, False)
         p.send_signal(sig)
         res = finish(p, t0, timeout)
-        if sig == signal.SIGKILL and res.rc == -9:
+        if sig != signal.SIGINT and res.rc == -sig:
             res.err += "\nerror: killed (the signal was sent)"
         return res
     return finish(launch(spec), t0, timeout)
@@ -1167,15 +1291,17 @@ def run_case(k, spec, base_run, imgs, work):
 
 
 def main():
-    global CACHE, VERBOSE
+    global CACHE, VERBOSE, LONG
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cache-dir", default=str(ROOT / ".cache"))
     p.add_argument("--jobs", type=int, default=2, help="cases run at once (default: 2)")
     p.add_argument("--only", default=None, help="only the cases whose name holds this")
     p.add_argument("--keep", action="store_true", help="keep the temp folder")
     p.add_argument("--verbose", action="store_true", help="print each case's stdout and stderr")
+    p.add_argument("--long", action="store_true", help="also the cases that take minutes (a kill during feature "
+                   "extraction into a fresh cache, then the rerun)")
     a = p.parse_args()
-    CACHE, VERBOSE = Path(a.cache_dir).absolute(), a.verbose
+    CACHE, VERBOSE, LONG = Path(a.cache_dir).absolute(), a.verbose, a.long
     work = Path(tempfile.mkdtemp(prefix="fault-sweep-"))
     t0 = time.time()
     try:
