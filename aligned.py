@@ -137,6 +137,8 @@ def read_run(folder):
     if not folder.is_dir():
         raise RunError(f"{folder} is not a folder; pass a run folder of align.py (results/<method>-<data>-seed<N>)")
     with guard(f"{folder / 'config.json'}", "pass a run folder that align.py wrote (results/...)"):
+        if (folder / "config.json").exists() and not (folder / "config.json").is_file():   # a fifo: read forever
+            raise ValueError("it is not a regular file")
         config = json.loads((folder / "config.json").read_text())
         if not isinstance(config, dict) or not isinstance(config.get("identity"), dict):
             raise ValueError("it is not the config.json of a run of align.py (no identity)")
@@ -186,6 +188,9 @@ def load(run_folder, device="cpu", cache_dir=None):
     import encoders
     from infra.run import check_device
     device = check_device(device)
+    if cache_dir is not None and not Path(cache_dir).is_dir():
+        raise RunError(f"cache_dir {cache_dir} is not a folder; pass the folder the run's encoders are cached in "
+                       f"(its --cache-dir), or leave it out")
     config, model, state = read_run(run_folder)
     cache = cache_dir or model.get("cache_dir")
     cache = Path(cache) if cache and Path(cache).is_dir() else ENV_CACHE
@@ -697,6 +702,8 @@ def finished_runs(paths):
             raise RunError(f"{p}: no such folder; pass run folders or folders holding them (results/)")
         for folder in run_folders(p):
             try:
+                if not all((folder / f).is_file() for f in ("config.json", "metrics.json")):   # a fifo, a folder
+                    raise ValueError
                 config = json.loads((folder / "config.json").read_text())
                 metrics = json.loads((folder / "metrics.json").read_text())
                 if not isinstance(config, dict) or "identity" not in config or not isinstance(metrics, dict):

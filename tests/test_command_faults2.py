@@ -194,3 +194,29 @@ def test_table_finds_runs_nested_in_a_results_folder(copy, capsys):
     aligned.main(["table", str(results)])
     rows = capsys.readouterr().out.splitlines()[2:]
     assert len(rows) == 2 and rows[0].startswith("| deep-run |") and rows[1].startswith("| top-run |"), rows
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no fifos here")
+def test_a_run_whose_config_json_is_a_fifo_is_one_line_not_a_wait(tmp_path):
+    os.mkfifo(tmp_path / "config.json")
+    (tmp_path / "metrics.json").write_text("{}")
+    with pytest.raises(SystemExit, match=r"^error: .*config.json: ValueError: it is not a regular file"):
+        aligned.load(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no fifos here")
+def test_table_leaves_out_a_folder_whose_metrics_json_is_a_fifo(copy, capsys):
+    r, imgs, t = copy
+    odd = r.parent / "odd"
+    odd.mkdir()
+    shutil.copy(r / "config.json", odd / "config.json")
+    os.mkfifo(odd / "metrics.json")
+    aligned.main(["table", str(r.parent)])
+    captured = capsys.readouterr()
+    assert len(captured.out.splitlines()) == 3 and f"| {r.name} |" in captured.out and "odd" in captured.err
+
+
+def test_load_with_a_cache_dir_that_is_not_a_folder_is_one_line(tmp_path):
+    with pytest.raises(SystemExit, match=r"^error: cache_dir .*no-cache is not a folder"):
+        aligned.load(tmp_path, cache_dir=tmp_path / "no-cache")
