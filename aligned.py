@@ -381,13 +381,15 @@ class Aligned:
             print(f"[index] {len(files) - len(todo)} of {len(files)} images read from the index, {len(todo)} to "
                   f"encode", file=sys.stderr, flush=True)
         fresh = self.encode_files(todo, **pipeline) if todo else None
-        if fresh is not None and len(todo) < len(files):     # the index's rows shaped as this method's embeddings
-            like = fresh
-            if index.emb.dim() != like.dim() or index.emb.shape[-1] != like.shape[-1]:
-                where = getattr(index, "path", None) or "the image index"
-                raise RunError(f"{where} holds embeddings of shape {tuple(index.emb.shape[1:])}, this run's are "
-                               f"{tuple(like.shape[1:])}: not this run's index; delete it (rm {where}) and run "
-                               f"python align.py index again")
+        if len(todo) < len(files):                 # the index's rows are embeddings this method scores, shaped so
+            where = getattr(index, "path", None) or "the image index"
+            row = index.emb[[r for r in rows if r is not None][:1]]
+            with guard(f"{where}", f"not this run's embeddings; delete it (rm {where}) and run python align.py "
+                                   f"index again"):
+                if fresh is not None and (row.dim() != fresh.dim() or row.shape[-1] != fresh.shape[-1]):
+                    raise ValueError(f"embeddings of shape {tuple(row.shape[1:])}, this run's are "
+                                     f"{tuple(fresh.shape[1:])}")
+                self.score(row, self.encode_text(["a"]))      # no image encoded: one text, one score
         new = iter(fresh) if fresh is not None else None
         return torch.stack([index.emb[r] if r is not None else next(new) for r in rows]) if files else torch.zeros(0)
 
