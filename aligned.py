@@ -137,8 +137,10 @@ def read_run(folder):
     if not folder.is_dir():
         raise RunError(f"{folder} is not a folder; pass a run folder of align.py (results/<method>-<data>-seed<N>)")
     with guard(f"{folder / 'config.json'}", "pass a run folder that align.py wrote (results/...)"):
+        if (folder / "config.json").exists() and not (folder / "config.json").is_file():   # a fifo: read forever
+            raise ValueError("it is not a regular file")
         config = json.loads((folder / "config.json").read_text())
-        if not isinstance(config, dict) or "identity" not in config:
+        if not isinstance(config, dict) or not isinstance(config.get("identity"), dict):
             raise ValueError("it is not the config.json of a run of align.py (no identity)")
     if not (folder / "metrics.json").is_file():
         raise RunError(f"{folder} is an unfinished run (no metrics.json); finish it with python align.py --resume "
@@ -148,6 +150,10 @@ def read_run(folder):
         if model["method"] not in METHODS:
             raise ValueError(f"its method {model['method']!r} is not one of this code's ({', '.join(sorted(METHODS))}"
                              f"): renamed since?")
+        templates = model.get("templates") or []
+        if not isinstance(templates, list) or not all(isinstance(t, str) and one_slot(t) for t in templates):
+            raise ValueError(f"its templates {templates!r} are not a list of prompts that each hold {{}} once and "
+                             f"no other brace")
     name = "model.safetensors" if (folder / "model.safetensors").exists() else "method.pt"
     with guard(f"{folder / name}", "copy the run folder again from where it was made, or rerun the run"):
         state = read_weights(folder)
@@ -170,16 +176,27 @@ def check_same_encoder(kind, enc, config):
                        f"a new run on this one")
 
 
+def notices_to_stderr():
+    """The encoders' notices ("[cache] another run is writing ...; waiting", "[text] captions longer than ...
+    are cut") printed on stderr: stdout holds the results alone (--json -, --csv -, a pipe)."""
+    import contextlib
+    return contextlib.redirect_stdout(sys.stderr)
+
+
 def load(run_folder, device="cpu", cache_dir=None):
     """The trained aligner of a finished run folder, with its frozen encoders, on device ("cpu", "cuda")."""
     import encoders
     from infra.run import check_device
     device = check_device(device)
+    if cache_dir is not None and not Path(cache_dir).is_dir():
+        raise RunError(f"cache_dir {cache_dir} is not a folder; pass the folder the run's encoders are cached in "
+                       f"(its --cache-dir), or leave it out")
     config, model, state = read_run(run_folder)
     cache = cache_dir or model.get("cache_dir")
     cache = Path(cache) if cache and Path(cache).is_dir() else ENV_CACHE
-    image_enc, text_enc = encoders.load_encoders(model["image_encoder"], model["text_encoder"], cache,
-                                                 model["image_layer"], model["text_layer"])
+    with notices_to_stderr():
+        image_enc, text_enc = encoders.load_encoders(model["image_encoder"], model["text_encoder"], cache,
+                                                     model["image_layer"], model["text_layer"])
     for kind, enc in (("image", image_enc), ("text", text_enc)):
         check_same_encoder(kind, enc, config)
     model["dims"] = model.get("dims") or [image_enc.dim, text_enc.dim]     # an older run: its encoders' dims
@@ -261,7 +278,9 @@ class Index:
             keys = json.loads(meta["keys"])
             if len(keys) != len(emb):
                 raise ValueError(f"{len(keys)} keys for {len(emb)} embeddings")
-            return cls(keys, emb, json.loads(meta["run_key"]))
+            index = cls(keys, emb, json.loads(meta["run_key"]))
+            index.path = path
+            return index
 
 
 class Aligned:
@@ -304,7 +323,7 @@ class Aligned:
         """(N, K) text embeddings (token-level methods: (N, L, K), padded words 0) of a list of strings."""
         import evaluate
         texts = [texts] if isinstance(texts, str) else list(texts)
-        with evaluate.inference(self.method):
+        with evaluate.inference(self.method), notices_to_stderr():
             return evaluate.pad_cat([self.method.embed_text(self.text_encoder.encode(texts[i:i + batch_size],
                                                                                       self.device).to(self.device))
                                      .float().cpu() for i in range(0, len(texts), batch_size)])
@@ -361,7 +380,17 @@ class Aligned:
         if len(todo) < len(files):
             print(f"[index] {len(files) - len(todo)} of {len(files)} images read from the index, {len(todo)} to "
                   f"encode", file=sys.stderr, flush=True)
-        new = iter(self.encode_files(todo, **pipeline)) if todo else None
+        fresh = self.encode_files(todo, **pipeline) if todo else None
+        if len(todo) < len(files):                 # the index's rows are embeddings this method scores, shaped so
+            where = getattr(index, "path", None) or "the image index"
+            row = index.emb[[r for r in rows if r is not None][:1]]
+            with guard(f"{where}", f"not this run's embeddings; delete it (rm {where}) and run python align.py "
+                                   f"index again"):
+                if fresh is not None and (row.dim() != fresh.dim() or row.shape[-1] != fresh.shape[-1]):
+                    raise ValueError(f"embeddings of shape {tuple(row.shape[1:])}, this run's are "
+                                     f"{tuple(fresh.shape[1:])}")
+                self.score(row, self.encode_text(["a"]))      # no image encoded: one text, one score
+        new = iter(fresh) if fresh is not None else None
         return torch.stack([index.emb[r] if r is not None else next(new) for r in rows]) if files else torch.zeros(0)
 
     def index(self, files, index=None, **pipeline):
@@ -391,6 +420,9 @@ class Aligned:
         """The classes' text side, encoded once: (each class's prompts averaged as template_average does,
         the number of templates). Pass it to zero_shot for many batches of images."""
         import evaluate
+        if isinstance(class_names, str) or not len(class_names):
+            raise RunError(f"class_names {class_names!r}: pass a list of at least one class name, e.g. "
+                           f"[\"red circle\", \"blue square\"]")
         templates = list(templates or self.templates)
         prompts = [t.format(c) for c in class_names for t in templates]           # class-major, as align.py
         return evaluate.template_average(self.encode_text(prompts), len(templates)), len(templates)
@@ -456,9 +488,13 @@ def image_files(paths):
 
 def class_names(a):
     """--classes (comma-separated) or --classes-file (one name per line): at least one, none twice."""
+    if a.classes_file and a.classes is not None:
+        raise RunError("--classes and --classes-file both name the classes; give one of them")
     if a.classes_file:
         with guard(f"--classes-file {a.classes_file}", "pass a UTF-8 text file with one class name per line"):
-            names = [line.strip() for line in Path(a.classes_file).read_text(encoding="utf-8").splitlines()]
+            if not Path(a.classes_file).is_file() and Path(a.classes_file).exists():    # a fifo would never end
+                raise ValueError("it is not a regular file")
+            names = [line.strip() for line in Path(a.classes_file).read_text(encoding="utf-8-sig").splitlines()]
     else:
         names = [c.strip() for c in (a.classes or "").split(",")]
     names = [n for n in names if n]
@@ -470,9 +506,14 @@ def class_names(a):
     return names
 
 
+def one_slot(template):
+    """A prompt template holds {} once, where the class name goes, and no other brace (str.format's fields)."""
+    return template.count("{}") == 1 and "{" not in template.replace("{}", "") and "}" not in template.replace("{}", "")
+
+
 def check_templates(templates):
     for t in templates:
-        if t.count("{}") != 1 or t.replace("{}", "").count("{") or t.replace("{}", "").count("}"):
+        if not one_slot(t):
             raise RunError(f"--template {t!r}: a prompt holds {{}} once, where the class name goes, and no other "
                            f"brace, e.g. --template \"a photo of a {{}}.\"")
     return templates
@@ -511,6 +552,8 @@ def check_new(flag, path):
     """--csv / --json FILE before any work: a new file in a folder that exists (never onto a file: the gate
     refuses too)."""
     if path and path != "-":
+        if path.endswith(("/", os.sep)):
+            raise RunError(f"{flag} {path} names a folder; pass a file name (a new file), e.g. {flag} out.csv")
         if os.path.lexists(path):
             raise RunError(f"{flag} {path} exists; pass a new file name (nothing is ever written over), or delete it")
         if not Path(path).parent.is_dir():
@@ -555,17 +598,22 @@ def index(a):
     new or changed files (path, size, mtime); files removed drop out."""
     files = image_files(a.paths)
     folder = index_folder(a)
-    from infra.storage import check_folder
+    from infra.storage import check_folder, check_target, file_lock
     check_folder(folder, "--index")
-    old = read_index(a)
+    check_target(folder / Index.FILE)                  # a link or a folder there: refused now, not after the work
+    read_index(a)
     set_threads(a)
     model = load(a.run, a.device)
-    if old is not None and old.run_key != model.run_key:
-        print(f"[index] {folder / Index.FILE} was made for other weights (another run); encoding every image",
-              file=sys.stderr, flush=True)
-        old = None
-    new = model.index(files, old, batch_size=a.batch_size, workers=a.workers, tag="[index]")
-    new.write(folder)
+    wait = lambda _: print(f"[index] another index call is writing {folder / Index.FILE}; waiting for it",
+                           file=sys.stderr, flush=True)
+    with file_lock(folder / ".images.lock", log=wait):  # two calls at once: the second adds to the first's index
+        old = read_index(a)                              # as it is now, under the lock
+        if old is not None and old.run_key != model.run_key:
+            print(f"[index] {folder / Index.FILE} was made for other weights (another run); encoding every image",
+                  file=sys.stderr, flush=True)
+            old = None
+        new = model.index(files, old, batch_size=a.batch_size, workers=a.workers, tag="[index]")
+        new.write(folder)
     kept = sum(r is not None for r in old.rows(files)) if old is not None else 0
     dropped = len(old.at.keys() - new.at.keys()) if old is not None else 0
     print(f"[index] {len(new)} images in {folder / Index.FILE}: {len(files) - kept} encoded now, {kept} kept as they "
@@ -624,6 +672,29 @@ def search(a):
         emit(["query"] * many + ["rank", "score", "image"], rows, a.csv)
 
 
+def run_folders(root, depth=4):
+    """root when it holds metrics.json, else the folders under it that do, down to `depth` levels
+    (results/<group>/<run>): never below a run folder, never into a link's folder (a link to a run is read;
+    a link loop is not walked), nor a hidden folder (.git, .cache)."""
+    if (root / "metrics.json").exists():
+        return [root]
+    found, level = [], [root]
+    for _ in range(depth):
+        below = []
+        for folder in level:
+            try:
+                subs = sorted(q for q in folder.iterdir() if q.is_dir() and not q.name.startswith("."))
+            except OSError:
+                continue
+            for q in subs:
+                if (q / "metrics.json").exists():
+                    found.append(q)
+                elif not q.is_symlink():
+                    below.append(q)
+        level = below
+    return sorted(found)
+
+
 def finished_runs(paths):
     """{run folder: (config, metrics)} of the finished runs (a config.json with an identity and a metrics.json,
     both readable) among paths and their subfolders, by path; and the folders left out (not runs)."""
@@ -631,8 +702,10 @@ def finished_runs(paths):
     for p in map(Path, paths):
         if not p.exists():
             raise RunError(f"{p}: no such folder; pass run folders or folders holding them (results/)")
-        for folder in [p] if (p / "metrics.json").exists() else sorted(q.parent for q in p.glob("*/metrics.json")):
+        for folder in run_folders(p):
             try:
+                if not all((folder / f).is_file() for f in ("config.json", "metrics.json")):   # a fifo, a folder
+                    raise ValueError
                 config = json.loads((folder / "config.json").read_text())
                 metrics = json.loads((folder / "metrics.json").read_text())
                 if not isinstance(config, dict) or "identity" not in config or not isinstance(metrics, dict):
@@ -727,6 +800,9 @@ def main(argv=None):
     check_new("--json", getattr(a, "json", None))
     if getattr(a, "csv", None) == "-" and getattr(a, "json", None) == "-":
         raise RunError("--csv - and --json - would both write to stdout; give one of them a file")
+    if getattr(a, "csv", None) and getattr(a, "json", None) and a.csv != "-" and \
+            os.path.abspath(a.csv) == os.path.abspath(a.json):
+        raise RunError(f"--csv and --json both name {a.csv}; give each its own file")
     for flag in ("batch_size", "workers"):
         if getattr(a, flag, 1) < 1:
             raise RunError(f"--{flag.replace('_', '-')} {getattr(a, flag)}: give a count of at least 1")

@@ -19,6 +19,7 @@ import contextlib
 import inspect
 import json
 import os
+import re
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -165,6 +166,8 @@ def before_any_work(args, method_cls):
 def check_device(device):
     """--device of every command: auto -> cuda when torch sees one, else cpu; cuda without a GPU refused."""
     device = device if device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", str(device)):
+        raise RunError(f"--device {device}: give cpu, cuda (cuda:N) or auto")
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         raise RunError(f"--device {device}, but torch sees no CUDA GPU here; use --device cpu (or auto)")
     return device

@@ -116,9 +116,7 @@ def atomic_target(path, new=False):
       error) is one line naming path (write_failure); KeyboardInterrupt passes through."""
     path, tmp = Path(path), None
     try:
-        if path.is_symlink() or (path.exists() and not path.is_file()):
-            what = "a link" if path.is_symlink() else "not a regular file"
-            raise RunError(f"{path} is {what} where this program writes a file; move it away, then rerun")
+        check_target(path)
         if new and path.exists():
             raise RunError(f"{path} exists; pass a new file name (this program never writes over a file it did "
                            f"not make), or delete it yourself")
@@ -139,6 +137,15 @@ def atomic_target(path, new=False):
     finally:
         if tmp is not None:
             tmp.unlink(missing_ok=True)
+
+
+def check_target(path):
+    """The write gate's refusal of a path, for a command to say before its work: path is a link, or a folder
+    (anything but a regular file) where this program writes a file."""
+    path = Path(path)
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        what = "a link" if path.is_symlink() else "not a regular file"
+        raise RunError(f"{path} is {what} where this program writes a file; move it away, then rerun")
 
 
 def atomic_save(obj, path):
