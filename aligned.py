@@ -47,8 +47,8 @@ Deviations / choices:
    GAMMA is the user's, not guessed here: choose_gamma picks it on held-out training pairs, names held out as
    if novel (benchmarks/gzsl.py), never on a test set. The search is exact rather than a grid: a prediction
    changes only where GAMMA crosses an image's margin (best seen score - best novel score), so every
-   midpoint between sorted margins, and 0, is tried; of equal best H, the median GAMMA (the middle of the
-   best range, not its edge).
+   midpoint between sorted margins (and one past either end) is tried; of equal best H, the median GAMMA
+   (the middle of the best range, not its edge).
 8. Seen / novel top-1 are per-class means over each side's classes (as Xian, Schiele, Akata, "Zero-shot
    learning - the good, the bad and the ugly", CVPR 2017, which defines H, the harmonic mean of the two),
    each image ranked among all the names, seen and novel.
@@ -491,12 +491,12 @@ def gzsl_top1(scores, labels, seen):
 def choose_gamma(scores, labels, seen):
     """(gamma, H) of the calibrated stacking that maximises H on held-out scores (N, C) with labels (N,), seen
     (C,) bool. Exact, no grid: a prediction flips only where gamma crosses an image's margin (its best seen
-    minus its best novel score), so 0 and every midpoint between consecutive distinct margins (and one past
-    either end) are tried; of equal best H, the median gamma (the middle of the best range; choice 7)."""
+    minus its best novel score), so every midpoint between consecutive distinct margins, and one past either
+    end, is tried; of equal best H, the median gamma (the middle of the best range; choice 7)."""
     if seen.all() or not seen.any():
         raise ValueError("choose_gamma needs seen and novel classes both")
     margin = (scores[:, seen].max(1).values - scores[:, ~seen].max(1).values).unique()        # sorted
-    candidates = torch.cat([torch.zeros(1), (margin[1:] + margin[:-1]) / 2, margin[:1] - 1, margin[-1:] + 1])
+    candidates = torch.cat([margin[:1] - 1, (margin[1:] + margin[:-1]) / 2, margin[-1:] + 1])
     candidates = candidates.unique().tolist()
     H = torch.tensor([gzsl_top1(calibrated_stacking(scores, seen, g), labels, seen)[2] for g in candidates])
     best = [g for g, h in zip(candidates, H.tolist()) if h == H.max()]
