@@ -2,7 +2,7 @@
 plain and with calibrated stacking (Chao, Changpinyo, Gong, Sha, "An empirical study and analysis of generalized
 zero-shot learning for object recognition in the wild", ECCV 2016, §3.2), its gamma chosen on the training pairs.
 
-    python benchmarks/gzsl.py --cache-dir /work/main/.cache --threads 1
+    python benchmarks/gzsl.py --threads 1                          # the tiny encoders, linear, pal and csa
     python benchmarks/gzsl.py --image-encoder efficientnet-lite2 --text-encoder minilm --cache-dir CACHE
 
 The split is benchmarks/novel_classes.py's checkerboard of the 24 colour-shape classes: 12 seen, 12 novel. Each
