@@ -659,7 +659,7 @@ def check_calibrate(gamma, vocabulary, run):
     if gamma is not None and not math.isfinite(gamma):
         raise RunError(f"--calibrate {gamma}: give a finite number, the score subtracted from the seen names' "
                        f"(e.g. --calibrate 0.1; benchmarks/gzsl.py chooses one on the training pairs)")
-    if gamma is not None and vocabulary is None:
+    if gamma is not None and vocabulary is None and Path(run).is_dir():      # no folder: load() says so
         raise RunError(f"--calibrate: {run} holds no {VOCABULARY} (a run of an older version), so its seen class "
                        f"names cannot be told from novel ones; leave --calibrate out, or train the run again")
 
