@@ -113,6 +113,17 @@ def seen_by_vocabulary(captions):
         return aligned.seen_names(shapes.CLASS_NAMES, aligned.read_vocabulary(tmp))
 
 
+def features(image_encoder, text_encoder, cache_dir, threads=1):
+    """({(split, kind): fp32 Features} of the training pairs and the cls set (its images and prompts), the
+    training PairSet, the cls LabelSet): align.py's features, read from cache_dir (extracted there when missing)."""
+    run = align.parse_args(["--image-encoder", image_encoder, "--text-encoder", text_encoder, "--cache-dir",
+                            str(cache_dir), "--threads", str(threads)])
+    inputs = align.load_inputs(run, "cpu")
+    sets = {k: inputs.sets[k] for k in ("train", "cls")}
+    align.extract_features(run, inputs, "cpu", sets)
+    return {k: v.to("cpu") for k, v in inputs.features.items() if k[0] in sets}, sets["train"], sets["cls"]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--image-encoder", default="shapes-cnn", help="as align.py's")
@@ -125,13 +136,7 @@ def main():
                    "(default: each method's own, methods/)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    run = align.parse_args(["--image-encoder", args.image_encoder, "--text-encoder", args.text_encoder,
-                            "--cache-dir", args.cache_dir, "--threads", str(args.threads)])
-    inputs = align.load_inputs(run, "cpu")
-    sets = {k: inputs.sets[k] for k in ("train", "cls")}
-    align.extract_features(run, inputs, "cpu", sets)
-    F = {k: v.to("cpu") for k, v in inputs.features.items() if k[0] in sets}   # fp32
-    train_set, cls = sets["train"], sets["cls"]
+    F, train_set, cls = features(args.image_encoder, args.text_encoder, args.cache_dir, args.threads)
     labels = [classes_of(c) for c in train_set.captions]                        # each caption's classes
     seen_classes = [k for k in range(len(shapes.CLASS_NAMES)) if not is_novel(k)]
     seen = torch.tensor([not is_novel(k) for k in range(len(shapes.CLASS_NAMES))])

@@ -142,3 +142,34 @@ def test_an_old_run_without_vocabulary_classifies_and_refuses_calibrate_in_one_l
         aligned.main(["classify", str(tiny_run), str(photos), "--classes", "red circle", "--calibrate", "0.1"])
     with pytest.raises(SystemExit, match="--calibrate inf: give a finite number"):
         aligned.main(["classify", str(tiny_run), str(photos), "--classes", "red circle", "--calibrate", "inf"])
+
+
+def test_the_benchmarks_gamma_is_chosen_on_training_pairs_of_seen_prime_classes_alone(finished_run, cache_dir):  # noqa: F811
+    """benchmarks/gzsl.py's choice of gamma with the test images out of reach (their features taken out: a read
+    would be a KeyError): a finite gamma, and each fold fits at most the pairs whose captions name its seen'
+    classes only (none novel, none of its pseudo-novel ones), less the held-out single-class images."""
+    import math
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import gzsl
+    F, train_set, _ = gzsl.features("shapes-cnn", "shapes-text", cache_dir)
+    F = {k: v for k, v in F.items() if k != ("cls", "image")}
+    labels = [gzsl.classes_of(c) for c in train_set.captions]
+    seen_classes = [k for k in range(24) if not gzsl.is_novel(k)]
+    fitted, logs = [], []
+    real = gzsl.fitted
+    def spy(name, img, txt, epochs, seed):
+        fitted.append(len(txt))
+        return real(name, img, txt, epochs, seed)
+    gzsl.fitted = spy
+    try:
+        gamma = gzsl.choose("linear", F, train_set.txt_to_img, labels, seen_classes, 1, 0, logs.append)
+    finally:
+        gzsl.fitted = real
+    only_seen = sum(bool(c) and all(not gzsl.is_novel(k) for k in c) for c in labels)
+    assert math.isfinite(gamma) and len(logs) == len(fitted) == gzsl.FOLDS and only_seen == 1794
+    for f, n in enumerate(fitted):      # at most the pairs of the fold's seen' classes, less a few held out
+        seen_prime = set(seen_classes) - set(seen_classes[f::gzsl.FOLDS])
+        most = sum(bool(c) and c <= seen_prime for c in labels)
+        assert 0.8 * most < n < most < only_seen, (f, n, most)
