@@ -7,9 +7,10 @@
 Writes into <out>: config.json (every setting as resolved, the run's identity, and "model": what rebuilds
 the method), checkpoint.pt (each epoch, for --resume; removed once the run is finished), model.safetensors
 (the method's state_dict; load it with aligned.load(<out>)), history.csv (per epoch), log.txt, figures,
-results.csv, and metrics.json last (every figure in percent): a folder with metrics.json holds a finished
-run, which no later run replaces (infra/folder.py). Every refusal comes before any long work. align.py knows
-a method only through methods/__init__.py.
+results.csv, vocabulary.json (the training captions' words: classify tells seen class names from novel
+ones), and metrics.json last (every figure in percent): a folder with metrics.json holds a finished run, which
+no later run replaces (infra/folder.py). Every refusal comes before any long work. align.py knows a method
+only through methods/__init__.py.
 """
 import argparse
 import json
@@ -416,13 +417,15 @@ def main(argv=None):
 
 def write_config(settings, method, run, img, txt):
     """config.json with every setting as resolved, the identity, and "model": what aligned.load rebuilds the
-    method from; its [config] line printed."""
+    method from; its [config] line printed; vocabulary.json, the training split's captions' words (all of the
+    split's, also under --num-pairs or --align-data weights: a superset of what the method read)."""
     config = settings.config(method, alignment_pairs=len(img))
     config["model"] = folder.model_config(settings.args, settings.identity, run.image_encoder, run.text_encoder,
                                            (img.pooled.shape[-1], txt.pooled.shape[-1]))
     print(config_line(config))                          # the whole of it: out/config.json
     if distributed.RANK == 0:
         storage.atomic_write_text(json.dumps(config, indent=2, default=str), settings.out / "config.json")
+        folder.write_vocabulary(run.sets["train"].captions, settings.out / "vocabulary.json")   # seen class names
     return config
 
 

@@ -37,6 +37,21 @@ Deviations / choices:
    without one (csa, asif, mlp, t2c) at 100, CLIP's logit scale, on their cosine-like scores.
 5. The index lives in the run folder by default (a run and the embeddings it made travel together); a
    classify or search reads it and never writes it: only `index` does.
+6. Seen and novel class names (generalized zero-shot): a name is seen when each of its words and each pair of
+   adjacent words occurs in the training captions (the run's vocabulary.json), so "purple circle" is novel
+   when no caption held it, though both its words were; a run without vocabulary.json (an older version)
+   classifies as before, saying it cannot tell seen from novel.
+7. --calibrate GAMMA is calibrated stacking (Chao, Changpinyo, Gong, Sha, "An empirical study and analysis of
+   generalized zero-shot learning for object recognition in the wild", ECCV 2016, §3.2): GAMMA is subtracted
+   from every seen name's score, and the printed scores and --top's probabilities are the calibrated ones.
+   GAMMA is the user's, not guessed here: choose_gamma picks it on held-out training pairs, names held out as
+   if novel (benchmarks/gzsl.py), never on a test set. The search is exact rather than a grid: a prediction
+   changes only where GAMMA crosses an image's margin (best seen score - best novel score), so every
+   midpoint between sorted margins (and one past either end) is tried; of equal best H, the median GAMMA
+   (the middle of the best range, not its edge).
+8. Seen / novel top-1 are per-class means over each side's classes (as Xian, Schiele, Akata, "Zero-shot
+   learning - the good, the bad and the ugly", CVPR 2017, which defines H, the harmonic mean of the two),
+   each image ranked among all the names, seen and novel.
 """
 import json
 import os
@@ -455,6 +470,72 @@ class Aligned:
 
 
 # ---------------------------------------------------------------------------
+# Generalized zero-shot: the class names the training captions never held (choices 6-8)
+# ---------------------------------------------------------------------------
+VOCABULARY = "vocabulary.json"      # infra/folder.write_vocabulary: {word or "word word": count}
+
+
+def read_vocabulary(folder):
+    """A run folder's vocabulary.json, or None when it has none (a run of an older version)."""
+    path = Path(folder) / VOCABULARY
+    if not path.is_file():
+        return None
+    with guard(f"{path}", "copy the run folder again from where it was made, or delete the file (then classify "
+               "cannot tell seen names from novel ones)"):
+        vocabulary = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(vocabulary, dict):
+            raise ValueError("it is not a {word: count} object")
+        return vocabulary
+
+
+def seen_names(names, vocabulary):
+    """(C,) bool: each name seen in the training captions: every word and every pair of adjacent words of
+    it (lower-cased, infra/folder.WORDS) in vocabulary (choice 6)."""
+    from infra.folder import WORDS
+    def seen(name):
+        w = WORDS.findall(name.lower())
+        return bool(w) and all(g in vocabulary for g in [*w, *map(" ".join, zip(w, w[1:]))])
+    return torch.tensor([seen(n) for n in names], dtype=torch.bool)
+
+
+def calibrated_stacking(scores, seen, gamma):
+    """(N, C) scores with gamma subtracted from every seen class's column: score(x, c) - gamma * [c is seen]
+    (Chao et al., ECCV 2016, §3.2); the prediction is still the argmax."""
+    return scores - gamma * seen.to(scores.dtype)
+
+
+def harmonic_mean(s, u):
+    """H = 2 S U / (S + U) of seen and novel top-1 (0 when both are 0)."""
+    return 2 * s * u / (s + u) if s + u > 0 else 0.0
+
+
+def gzsl_top1(scores, labels, seen):
+    """(seen top-1, novel top-1, H), percent, of (N, C) scores against labels (N,) in 0..C-1: each side's
+    per-class mean top-1 over the classes that have images, the argmax taken over all C classes (choice 8)."""
+    hit = (scores.argmax(1) == labels).float()
+    def side(on):
+        per_class = [hit[labels == c].mean() for c in range(scores.shape[1]) if seen[c] == on and (labels == c).any()]
+        return 100 * float(torch.stack(per_class).mean()) if per_class else float("nan")
+    s, u = side(True), side(False)
+    return s, u, harmonic_mean(s, u)
+
+
+def choose_gamma(scores, labels, seen):
+    """(gamma, H) of the calibrated stacking that maximises H on held-out scores (N, C) with labels (N,), seen
+    (C,) bool. Exact, no grid: a prediction flips only where gamma crosses an image's margin (its best seen
+    minus its best novel score), so every midpoint between consecutive distinct margins, and one past either
+    end, is tried; of equal best H, the median gamma (the middle of the best range; choice 7)."""
+    if seen.all() or not seen.any():
+        raise ValueError("choose_gamma needs seen and novel classes both")
+    margin = (scores[:, seen].max(1).values - scores[:, ~seen].max(1).values).unique()        # sorted
+    candidates = torch.cat([margin[:1] - 1, (margin[1:] + margin[:-1]) / 2, margin[-1:] + 1])
+    candidates = candidates.unique().tolist()
+    H = torch.tensor([gzsl_top1(calibrated_stacking(scores, seen, g), labels, seen)[2] for g in candidates])
+    best = [g for g, h in zip(candidates, H.tolist()) if h == H.max()]
+    return best[(len(best) - 1) // 2], float(H.max())
+
+
+# ---------------------------------------------------------------------------
 # The commands: python align.py classify | search | table
 # ---------------------------------------------------------------------------
 COMMANDS = ("index", "classify", "search", "table")
@@ -620,16 +701,48 @@ def index(a):
           f"were, {dropped} dropped (removed or changed)", flush=True)
 
 
+def check_calibrate(gamma, vocabulary, run):
+    """--calibrate GAMMA: a finite number, and a run that can tell seen names from novel ones."""
+    import math
+    if gamma is not None and not math.isfinite(gamma):
+        raise RunError(f"--calibrate {gamma}: give a finite number, the score subtracted from the seen names' "
+                       f"(e.g. --calibrate 0.1; benchmarks/gzsl.py chooses one on the training pairs)")
+    if gamma is not None and vocabulary is None and Path(run).is_dir():      # no folder: load() says so
+        raise RunError(f"--calibrate: {run} holds no {VOCABULARY} (a run of an older version), so its seen class "
+                       f"names cannot be told from novel ones; leave --calibrate out, or train the run again")
+
+
+def say_seen(names, vocabulary, run):
+    """The [classes] line on stderr: how many names the training captions held (seen) and the novel ones.
+    Returns seen (C,) bool, or None when the run has no vocabulary."""
+    if vocabulary is None:
+        print(f"[classes] {run} holds no {VOCABULARY} (a run of an older version): seen and novel class names "
+              f"cannot be told apart", file=sys.stderr, flush=True)
+        return None
+    seen = seen_names(names, vocabulary)
+    novel = [n for n, s in zip(names, seen.tolist()) if not s]
+    print(f"[classes] {int(seen.sum())} seen in the training captions, {len(novel)} novel"
+          f"{': ' + ', '.join(novel) if novel else ''}", file=sys.stderr, flush=True)
+    return seen
+
+
 def classify(a):
-    """Each image's best class (--top K: the K best, with their probabilities), as lines, CSV or JSON."""
+    """Each image's best class (--top K: the K best, with their probabilities), as lines, CSV or JSON; the
+    names seen in the training captions and the novel ones said on stderr; --calibrate GAMMA: calibrated
+    stacking, every score (and probability) the calibrated one."""
     names, templates = class_names(a), check_templates(a.template)          # every input read before work
     check_top(a.top)
+    vocabulary = read_vocabulary(a.run) if Path(a.run).is_dir() else None
+    check_calibrate(a.calibrate, vocabulary, a.run)
     files, index = image_files(a.paths), read_index(a)
     set_threads(a)
     model = load(a.run, a.device)
+    seen = say_seen(names, vocabulary, a.run)
     classes = model.classes(names, templates or None)                       # the prompts, encoded once
     S = model.class_scores(model.embed_files(files, index, batch_size=a.batch_size, workers=a.workers,
                                              tag="[classify]"), classes)   # (N, C)
+    if a.calibrate is not None:
+        S = calibrated_stacking(S, seen, a.calibrate)
     k = min(a.top or 1, len(names))
     P = model.probabilities(S)                                                # (N, C), rows sum to 1
     top = S.topk(k, dim=1, sorted=True).indices                               # (N, k): by score = by probability
@@ -761,6 +874,12 @@ def parse_args(argv=None):
                    help="a prompt with {} for the class name, repeatable (default: the run's data's templates)")
     c.add_argument("--top", type=int, default=None, help="the K best classes of each image with their "
                    "probabilities (softmax at the method's own logit scale) (default: the best class and its score)")
+    c.add_argument("--calibrate", type=float, default=None, metavar="GAMMA", help="calibrated stacking (Chao et "
+                   "al., ECCV 2016, §3.2): subtract GAMMA from the score of every class name the training captions "
+                   "held (seen; said on stderr), so that novel names are not crowded out; the scores and "
+                   "probabilities printed are the calibrated ones. Choose GAMMA on the training pairs, names held "
+                   "out as if novel (benchmarks/gzsl.py prints it); needs the run's vocabulary.json "
+                   "(default: none, the plain scores)")
     s = sub.add_parser("search", help="rank images for text queries: one line per image and query")
     s.add_argument("run", help="a finished run folder")
     s.add_argument("folder", help="a folder of images (walked recursively), or one image file")

@@ -19,7 +19,8 @@ The files (aligned.load reads a finished run back): config.json (every setting, 
 what rebuilds the method), checkpoint.pt (train.py, each epoch; removed once metrics.json is written, unless
 --keep-checkpoint: 3x the model's size, and nothing is left to resume), model.safetensors (the method's state_dict),
 history.csv (per epoch), results.csv (a flat view in percent, rounded), log.txt, metrics.json (every
-evaluation figure in percent).
+evaluation figure in percent), vocabulary.json (the training captions' words and adjacent word pairs with their
+counts: classify tells the class names the captions held from novel ones; a run without it still loads).
 
 log.txt: everything the run prints (stdout and stderr, the progress lines of long loops too) also goes
 there (LogFile: written whole through the write gate). Nothing is written before config.json exists (begin
@@ -32,14 +33,17 @@ import csv
 import io
 import json
 import os
+import re
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from infra import distributed, storage
 from infra.errors import RunError
 
 FINISHED = "metrics.json"   # written last: its presence marks a finished run
+WORDS = re.compile(r"\w+")    # a caption's words (lower-cased first): vocabulary.json's and classify's one rule
 
 
 # ---------------------------------------------------------------------------
@@ -171,6 +175,14 @@ def write_history(history, path):
     for row in history:
         w.writerow({k: f"{v:.6g}" if isinstance(v, float) else v for k, v in row.items()})
     storage.atomic_write_text(text.getvalue(), path)
+
+
+def write_vocabulary(captions, path):
+    """vocabulary.json: each word and each pair of adjacent words ("red circle") of the training captions,
+    lower-cased, -> how many times it occurs, sorted; aligned.seen_names reads it (a class name the captions
+    never held, e.g. a colour-shape pair never captioned though both its words were, is novel)."""
+    grams = Counter(g for c in captions for w in [WORDS.findall(c.lower())] for g in w+ [*map(" ".join, zip(w, w[1:]))])
+    storage.atomic_write_text(json.dumps(dict(sorted(grams.items()))), path)
 
 
 PERCENT_GROUPS = ("retrieval", "classification", "segmentation", "binding")   # evaluate.py: percent or fractions
