@@ -36,26 +36,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from novel_classes import classes_of, is_novel, train  # noqa: E402
+from novel_classes import classes_of, is_novel  # noqa: E402
 
 import align  # noqa: E402
 import aligned  # noqa: E402
-import evaluate  # noqa: E402
+import calibration  # noqa: E402
 import shapes  # noqa: E402
-from features import Features  # noqa: E402
 from infra import folder  # noqa: E402
 from methods import METHODS  # noqa: E402
 
-FOLDS = 3          # pseudo-novel folds of the seen classes (4 classes each)
-HELD_OUT = 0.25    # share of the single-class seen training images kept out of every fit
+FOLDS = calibration.FOLDS          # pseudo-novel folds of the seen classes (4 classes each)
+HELD_OUT = calibration.HELD_OUT    # share of the single-class seen training images kept out of every fit
 
 
-def class_scores(method, img, prompts, n_templates):
-    """(N, C) zero-shot scores of image features against class-major prompt features (evaluate.py's path)."""
-    with evaluate.inference(method):
-        e_img = evaluate.embed(method.embed_image, img)
-        cls = evaluate.template_average(evaluate.embed(method.embed_text, prompts), n_templates)
-        return evaluate.class_logits(method, e_img, cls, n_templates)
+class_scores = calibration.class_scores    # (N, C) zero-shot scores (evaluate.py's path)
 
 
 def prompt_rows(classes, n_templates):
@@ -64,15 +58,8 @@ def prompt_rows(classes, n_templates):
 
 
 def fitted(name, img, txt, epochs, seed):
-    """The method aligned on (img, txt) at align.py's loop, seeded."""
-    torch.manual_seed(seed)
-    method = METHODS[name](img.pooled.shape[-1], txt.pooled.shape[-1])
-    if method.fit is not None:                      # a closed form: on pooled vectors, as train.fit_or_train
-        vectors = lambda f: Features.from_vectors(f.pooled)
-        method.fit(vectors(img), vectors(txt))
-        return method.eval()
-    train(method, img, txt, epochs or method.defaults["epochs"], min(method.defaults["batch_size"], len(img)), seed)
-    return method.eval()
+    """The method aligned on (img, txt) at align.py's loop, seeded, its own keywords and loop settings."""
+    return calibration.fitted(METHODS[name], {}, img, txt, seed, epochs)
 
 
 def ridge(method):
@@ -81,29 +68,18 @@ def ridge(method):
 
 
 def choose(name, F, rows, labels, seen_classes, epochs, seed, log):
-    """Gamma on the training pairs (the docstring's steps 1-4): the mean over the folds of each fold's choice."""
+    """Gamma on the training pairs (the docstring's steps 1-4; calibration.choose, as `align.py calibrate`): the
+    mean over the folds of each fold's choice. labels: each pair's classes; the pairs any fit may hold are those
+    naming seen classes only."""
+    seen = set(seen_classes)
+    named = [{seen_classes.index(k) for k in c if k in seen} for c in labels]
+    usable = torch.tensor([bool(c) and c <= seen for c in labels])
     n_t = len(shapes.TEMPLATES)
-    single = torch.tensor([len(c) == 1 and next(iter(c)) in seen_classes for c in labels])   # (N_train,) one seen class
-    g = torch.Generator().manual_seed(seed)
-    held = single & (torch.rand(len(labels), generator=g) < HELD_OUT)
-    gammas = []
-    for f in range(FOLDS):
-        pseudo = set(seen_classes[f::FOLDS])
-        seen_prime = set(seen_classes) - pseudo
-        fit = torch.tensor([not h and bool(c) and c <= seen_prime for c, h in zip(labels, held.tolist())])
-        val = single & (held | torch.tensor([bool(c & pseudo) for c in labels]))
-        method = fitted(name, F["train", "image"][rows[fit]], F["train", "text"][fit.nonzero().squeeze(1)],
-                        epochs, seed)
-        S = class_scores(method, F["train", "image"][rows[val]], F["cls", "text"][prompt_rows(seen_classes, n_t)],
-                         n_t)
-        y = torch.tensor([seen_classes.index(next(iter(labels[j]))) for j in val.nonzero().squeeze(1).tolist()])
-        is_seen = torch.tensor([c not in pseudo for c in seen_classes])
-        gamma, h = aligned.choose_gamma(S, y, is_seen)
-        log(f"  [gamma] {name}{ridge(method)} fold {f + 1}/{FOLDS}: {int(fit.sum())} pairs fitted, {len(y)} "
-            f"held-out images, pseudo-novel {', '.join(shapes.CLASS_NAMES[c] for c in sorted(pseudo))}: "
-            f"gamma {gamma:.4f} (H {h:.1f})")
-        gammas.append(gamma)
-    return sum(gammas) / len(gammas)
+    gamma, _ = calibration.choose(lambda img, txt: fitted(name, img, txt, epochs, seed), F["train", "image"],
+                                  F["train", "text"], rows, named, F["cls", "text"][prompt_rows(seen_classes, n_t)],
+                                  n_t, [shapes.CLASS_NAMES[k] for k in seen_classes], usable, FOLDS, HELD_OUT, seed,
+                                  log, tag=lambda method: f"{name}{ridge(method)} ")
+    return gamma
 
 
 def seen_by_vocabulary(captions):

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import align  # noqa: E402
 import evaluate  # noqa: E402
 import shapes  # noqa: E402
+from calibration import train  # noqa: E402,F401  (align.py's loop, shared with calibrate)
 from features import Features  # noqa: E402
 from methods import METHODS  # noqa: E402
 
@@ -59,25 +60,6 @@ def retrieval_subset(method, img, txt, test, which):
     m = evaluate.retrieval(method, img[keep.nonzero().squeeze(1)], txt[caps.nonzero().squeeze(1)],
                            new_index[test.txt_to_img[caps]])
     return m["rsum"], int(keep.sum())
-
-
-def train(method, img, txt, epochs, batch_size, seed):
-    """align.py's loop on global vectors: AdamW, cosine schedule, (seed, epoch)-seeded order. Returns steps."""
-    d = method.defaults
-    steps = len(img) // batch_size
-    opt = torch.optim.AdamW(method.parameters(), lr=d["lr"], weight_decay=d["weight_decay"])
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, epochs * steps))
-    method.train()
-    for epoch in range(epochs):
-        order = torch.randperm(len(img), generator=torch.Generator().manual_seed(seed * 100003 + epoch))
-        for s in range(steps):
-            idx = order[s * batch_size:(s + 1) * batch_size]
-            loss, _ = method.loss(img[idx], txt[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-    return epochs * steps
 
 
 def main():
