@@ -48,6 +48,7 @@ use a finished run (aligned.py; `python align.py classify -h`):
   python align.py index RUN FOLDER                                         its embeddings kept in RUN/index/
   python align.py classify RUN FOLDER --classes "red circle,blue square"   zero-shot, one line per image
   python align.py search RUN FOLDER "a red circle" "a blue cross"          the folder ranked for each query
+  python align.py calibrate RUN --classes-file names.txt   choose classify's --calibrate on the training pairs
   python align.py table results/                                           finished runs in one table"""
 
 
@@ -306,9 +307,8 @@ def alignment_data(args, run, device="cpu"):
     img, txt = run.features["train", "image"], run.features["train", "text"]
     negs = run.features.get(("train", "negatives"))
     rows = run.sets["train"].txt_to_img                   # pair j = (image rows[j], caption j): the set's own links
-    n = len(txt) if args.num_pairs is None else min(args.num_pairs, len(txt))
-    if n < len(txt):  # a fixed random subset, the same for every method and seed
-        idx = torch.randperm(len(txt), generator=torch.Generator().manual_seed(1234))[:n]
+    n, idx = pair_subset(args, len(txt))
+    if idx is not None:
         rows, txt = rows[idx], txt[idx]
         negs = None if negs is None else (negs[0], negs[1][idx])    # the swaps follow their captions
     img = img if torch.equal(rows, torch.arange(len(img))) else img[rows]
@@ -317,6 +317,15 @@ def alignment_data(args, run, device="cpu"):
     if n == 0:
         return (*weight_pairs(args, run, device), None)
     return (*recycling.augment(img, txt, *weight_pairs(args, run, device)), None)
+
+
+def pair_subset(args, n_captions):
+    """(n, idx): how many of the training captions the run aligns on, and which (None: all of them in order);
+    --num-pairs: a fixed random subset, the same for every method and seed (calibrate reads the same pairs)."""
+    n = n_captions if args.num_pairs is None else min(args.num_pairs, n_captions)
+    if n < n_captions:
+        return n, torch.randperm(n_captions, generator=torch.Generator().manual_seed(1234))[:n]
+    return n, None
 
 
 def weight_pairs(args, run, device="cpu"):
@@ -477,7 +486,7 @@ def cli():
     """python align.py: main(); a fault of the input ends in its one `error:` line (RunError, a
     SystemExit), a Ctrl-C in one line saying what was kept, and any other exception (a bug) keeps its
     traceback."""
-    if sys.argv[1:2] and sys.argv[1] in ("index", "classify", "search", "table"):   # use runs (aligned.py)
+    if sys.argv[1:2] and sys.argv[1] in ("index", "classify", "search", "table", "calibrate"):   # use runs (aligned.py)
         import aligned
         return aligned.main(sys.argv[1:])
     args = parse_args()

@@ -117,16 +117,20 @@ def model_of(folder):
 
 def rebuild(folder, model=None, state=None):
     """The method of a run folder, built on its dims and keywords, its weights loaded, in eval mode."""
-    from infra.run import hp_names
     from methods import METHODS
     model = model or model_of(folder)
-    cls = METHODS[model["method"]]
-    allowed = set(hp_names(cls))
-    hp = {k: tuple(v) if isinstance(v, list) else v for k, v in model["hp"].items() if k in allowed}
-    method = cls(*model["dims"], **hp)
+    method = METHODS[model["method"]](*model["dims"], **hp_of(model))
     state = read_weights(folder) if state is None else state
     shaped_like(method, state).load_state_dict(state)
     return method.eval()
+
+
+def hp_of(model):
+    """The __init__ keywords of a run's method from config.json's "model" (lists as the tuples they were)."""
+    from infra.run import hp_names
+    from methods import METHODS
+    allowed = set(hp_names(METHODS[model["method"]]))
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in model["hp"].items() if k in allowed}
 
 
 def legacy_model(config):
@@ -536,9 +540,9 @@ def choose_gamma(scores, labels, seen):
 
 
 # ---------------------------------------------------------------------------
-# The commands: python align.py classify | search | table
+# The commands: python align.py index | classify | search | table | calibrate
 # ---------------------------------------------------------------------------
-COMMANDS = ("index", "classify", "search", "table")
+COMMANDS = ("index", "classify", "search", "table", "calibrate")
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 KEY_METRICS = ("retrieval/i2t_r1", "retrieval/t2i_r1", "retrieval/rsum", "top1", "miou_fg", "binding/binding_acc")
 
@@ -701,15 +705,45 @@ def index(a):
           f"were, {dropped} dropped (removed or changed)", flush=True)
 
 
-def check_calibrate(gamma, vocabulary, run):
-    """--calibrate GAMMA: a finite number, and a run that can tell seen names from novel ones."""
+def gamma_or_auto(text):
+    """--calibrate's value: "auto" (RUN/calibration.json's gamma) or a number."""
+    return text if text == "auto" else float(text)
+
+
+def read_calibration(run):
+    """RUN/calibration.json (python align.py calibrate), its gamma a finite number; one line when it is missing."""
     import math
-    if gamma is not None and not math.isfinite(gamma):
-        raise RunError(f"--calibrate {gamma}: give a finite number, the score subtracted from the seen names' "
-                       f"(e.g. --calibrate 0.1; benchmarks/gzsl.py chooses one on the training pairs)")
+
+    from calibration import CALIBRATION
+    path = Path(run) / CALIBRATION
+    if not path.is_file():
+        raise RunError(f"--calibrate auto: {run} holds no {CALIBRATION}; choose gamma on the run's training pairs "
+                       f"first (python align.py calibrate {run} --classes ...), or give --calibrate GAMMA")
+    with guard(f"{path}", f"run python align.py calibrate {run} again, or give --calibrate GAMMA"):
+        record = json.loads(path.read_text(encoding="utf-8"))
+        gamma = record.get("gamma") if isinstance(record, dict) else None
+        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not math.isfinite(gamma):
+            raise ValueError("it holds no finite gamma")
+    return record
+
+
+def check_calibrate(gamma, vocabulary, run):
+    """--calibrate GAMMA: a finite number, and a run that can tell seen names from novel ones. Returns the gamma
+    (--calibrate auto: RUN/calibration.json's, said on stderr) or None."""
+    import math
     if gamma is not None and vocabulary is None and Path(run).is_dir():      # no folder: load() says so
         raise RunError(f"--calibrate: {run} holds no {VOCABULARY} (a run of an older version), so its seen class "
                        f"names cannot be told from novel ones; leave --calibrate out, or train the run again")
+    if gamma == "auto" and Path(run).is_dir():
+        record = read_calibration(run)
+        print(f"[calibrate] gamma {record['gamma']:.4f} from {Path(run) / 'calibration.json'} (chosen by python "
+              f"align.py calibrate on the run's training pairs, {len(record.get('seen') or [])} seen names)",
+              file=sys.stderr, flush=True)
+        return float(record["gamma"])
+    if gamma is not None and not math.isfinite(gamma):
+        raise RunError(f"--calibrate {gamma}: give a finite number, the score subtracted from the seen names' "
+                       f"(e.g. --calibrate 0.1; python align.py calibrate chooses one on the training pairs)")
+    return gamma
 
 
 def say_seen(names, vocabulary, run):
@@ -733,7 +767,7 @@ def classify(a):
     names, templates = class_names(a), check_templates(a.template)          # every input read before work
     check_top(a.top)
     vocabulary = read_vocabulary(a.run) if Path(a.run).is_dir() else None
-    check_calibrate(a.calibrate, vocabulary, a.run)
+    gamma = check_calibrate(a.calibrate, vocabulary, a.run)
     files, index = image_files(a.paths), read_index(a)
     set_threads(a)
     model = load(a.run, a.device)
@@ -741,8 +775,8 @@ def classify(a):
     classes = model.classes(names, templates or None)                       # the prompts, encoded once
     S = model.class_scores(model.embed_files(files, index, batch_size=a.batch_size, workers=a.workers,
                                              tag="[classify]"), classes)   # (N, C)
-    if a.calibrate is not None:
-        S = calibrated_stacking(S, seen, a.calibrate)
+    if gamma is not None:
+        S = calibrated_stacking(S, seen, gamma)
     k = min(a.top or 1, len(names))
     P = model.probabilities(S)                                                # (N, C), rows sum to 1
     top = S.topk(k, dim=1, sorted=True).indices                               # (N, k): by score = by probability
@@ -761,6 +795,69 @@ def classify(a):
     else:                                                        # CSV: every class's score besides the best
         emit(["image", "class", "score", *names], [r + [float(v) for v in s] for r, s in zip(best, S)] if a.csv
              else best, a.csv)
+
+
+def too_few(fn, *args, **kwargs):
+    """fn(...), its refusal for too few seen names or labelled images (calibration.TooFew) one line."""
+    from calibration import TooFew
+    try:
+        return fn(*args, **kwargs)
+    except TooFew as e:
+        raise RunError(f"calibrate: {e}; give more class names the training captions hold (--classes, "
+                       f"--classes-file)") from None
+
+
+def calibrate(a):
+    """python align.py calibrate RUN --classes ...: calibrated stacking's gamma chosen on the run's own training
+    pairs, its seen names held out as if novel, the run's method refitted on each fold (calibration.py, choice
+    9); written to RUN/calibration.json, which classify --calibrate auto reads."""
+    import shlex
+
+    import align
+    import calibration
+    from infra.storage import atomic_write_text, check_target
+    names, templates = class_names(a), check_templates(a.template)
+    if a.folds < 2:
+        raise RunError(f"--folds {a.folds}: give at least 2 (each fold holds some seen names out as if novel)")
+    set_threads(a)
+    config, model, _ = read_run(a.run)
+    calibration.check_pairs_run(config, a.run)
+    vocabulary = read_vocabulary(a.run)
+    if vocabulary is None:
+        raise RunError(f"calibrate: {a.run} holds no {VOCABULARY} (a run of an older version), so its seen class "
+                       f"names cannot be told from novel ones; train the run again")
+    seen = [n for n, s in zip(names, say_seen(names, vocabulary, a.run).tolist()) if s]
+    too_few(calibration.check_names, seen, a.folds)
+    cache = Path(a.cache_dir or model.get("cache_dir") or ".cache")
+    if not cache.is_dir():
+        raise RunError(f"calibrate: the run's feature cache {cache} is not a folder (moved or removed); pass "
+                       f"--cache-dir the folder its align.py --cache-dir named (or another, with --extract)")
+    check_target(Path(a.run) / calibration.CALIBRATION)
+    args = calibration.run_args(config, model, cache, a.threads)
+    templates = templates or model.get("templates") or ["a photo of a {}."]
+    with notices_to_stderr():                                                # stdout: the result alone
+        inputs = align.load_inputs(args, "cpu")
+        for kind, enc in (("image", inputs.image_encoder), ("text", inputs.text_encoder)):
+            check_same_encoder(kind, enc, config)
+        F = calibration.training_features(args, inputs, a.extract)
+        prompts = calibration.prompt_features(args, inputs, seen, templates)
+    img, txt, rows, captions = calibration.pairs_of(args, inputs.sets["train"], F)
+    from methods import METHODS
+    cls, hp, seed = METHODS[model["method"]], hp_of(model), config.get("seed", 0) if a.seed is None else a.seed
+    loop = {k: config.get(k) for k in ("epochs", "batch_size", "lr", "weight_decay")}
+    print(f"[calibrate] {model['method']} refitted on {len(captions)} training pairs in {a.folds} folds "
+          f"(epochs {loop['epochs']}, batch {loop['batch_size']}, lr {loop['lr']}, seed {seed})",
+          file=sys.stderr, flush=True)
+    gamma, folds = too_few(calibration.choose, lambda i, t: calibration.fitted(cls, hp, i, t, seed, **loop), img,
+                           txt, rows, calibration.named_in(captions, seen), prompts, len(templates), seen,
+                           folds=a.folds, seed=seed, log=lambda m: print(m, file=sys.stderr, flush=True))
+    record = dict(gamma=gamma, folds=folds, held_out=calibration.HELD_OUT, seed=seed, method=model["method"],
+                  classes=names, seen=seen, templates=templates,
+                  command=shlex.join(["python", "align.py", *getattr(a, "argv", [])]))
+    atomic_write_text(json.dumps(record, indent=2) + "\n", Path(a.run) / calibration.CALIBRATION)
+    each = ", ".join(f"{f['gamma']:.4f} at H {f['H']:.1f}" for f in folds)
+    print(f"gamma {gamma:.4f} (the mean of {a.folds} folds: {each}) -> {Path(a.run) / calibration.CALIBRATION}; "
+          f"classify --calibrate auto uses it", flush=True)
 
 
 def search(a):
@@ -874,12 +971,12 @@ def parse_args(argv=None):
                    help="a prompt with {} for the class name, repeatable (default: the run's data's templates)")
     c.add_argument("--top", type=int, default=None, help="the K best classes of each image with their "
                    "probabilities (softmax at the method's own logit scale) (default: the best class and its score)")
-    c.add_argument("--calibrate", type=float, default=None, metavar="GAMMA", help="calibrated stacking (Chao et "
-                   "al., ECCV 2016, §3.2): subtract GAMMA from the score of every class name the training captions "
-                   "held (seen; said on stderr), so that novel names are not crowded out; the scores and "
-                   "probabilities printed are the calibrated ones. Choose GAMMA on the training pairs, names held "
-                   "out as if novel (benchmarks/gzsl.py prints it); needs the run's vocabulary.json "
-                   "(default: none, the plain scores)")
+    c.add_argument("--calibrate", type=gamma_or_auto, nargs="?", const="auto", default=None, metavar="GAMMA",
+                   help="calibrated stacking (Chao et al., ECCV 2016, §3.2): subtract GAMMA from the score of every "
+                   "class name the training captions held (seen; said on stderr), so that novel names are not "
+                   "crowded out; the scores and probabilities printed are the calibrated ones. Without a value (or "
+                   "auto): the GAMMA that python align.py calibrate RUN chose on the run's training pairs "
+                   "(RUN/calibration.json); needs the run's vocabulary.json (default: none, the plain scores)")
     s = sub.add_parser("search", help="rank images for text queries: one line per image and query")
     s.add_argument("run", help="a finished run folder")
     s.add_argument("folder", help="a folder of images (walked recursively), or one image file")
@@ -902,6 +999,29 @@ def parse_args(argv=None):
         q.add_argument("--json", default=None, metavar="FILE",
                        help="write JSON to FILE, a new file (- for stdout): one record per image (search: per "
                             "image and query) (default: lines)")
+    k = sub.add_parser("calibrate", help="choose classify's --calibrate GAMMA on the run's own training pairs",
+                       description="Choose calibrated stacking's GAMMA (Chao et al., ECCV 2016) on the run's own "
+                       "training pairs: the given class names the training captions held (seen) are dealt into "
+                       "folds; each fold holds its names out as if novel, refits the run's method (its class, "
+                       "keywords, epochs, batch, lr and seed) on the pairs whose captions name none of them, less a "
+                       "quarter of the images labelled by one name, and picks the GAMMA of the best harmonic mean H "
+                       "of seen and novel top-1 on those held-out images; GAMMA is the folds' mean, written to "
+                       "RUN/calibration.json for classify --calibrate auto. An image is labelled when its captions "
+                       "name exactly one of the seen names (calibration.py).")
+    k.add_argument("run", help="a finished run folder (results/<method>-<data>-seed<seed>), with its vocabulary.json")
+    k.add_argument("--classes", default=None, help="class names, comma-separated: \"red circle,blue square,...\" "
+                   "(at least 4 of them seen in the training captions)")
+    k.add_argument("--classes-file", default=None, help="a text file of class names, one per line (default: none)")
+    k.add_argument("--template", action="append", default=[],
+                   help="a prompt with {} for the class name, repeatable (default: the run's data's templates)")
+    k.add_argument("--folds", type=int, default=3, help="folds of pseudo-novel names (default: 3)")
+    k.add_argument("--seed", type=int, default=None, help="seed of the refits and of the held-out images "
+                   "(default: the run's)")
+    k.add_argument("--cache-dir", default=None, help="the feature cache holding the run's training features "
+                   "(default: the run's align.py --cache-dir)")
+    k.add_argument("--extract", action="store_true", help="encode the training pairs into the cache when their "
+                   "features are not there (default: refuse, saying so)")
+    k.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: 0, torch's own: all cores)")
     t = sub.add_parser("table", help="gather finished run folders into one markdown (or CSV) table")
     t.add_argument("paths", nargs="+", help="run folders, or folders holding them (results/)")
     t.add_argument("--metrics", default="key", choices=["key", "all"],
@@ -915,6 +1035,7 @@ def main(argv=None):
     """python align.py index | classify | search | table ... (the console script posthoc-align takes the same):
     every input read and checked first (the read gate), then the work; a fault is one error line (RunError)."""
     a = parse_args(argv)
+    a.argv = list(sys.argv[1:] if argv is None else argv)
     check_csv(getattr(a, "csv", None))
     check_new("--json", getattr(a, "json", None))
     if getattr(a, "csv", None) == "-" and getattr(a, "json", None) == "-":
@@ -926,6 +1047,6 @@ def main(argv=None):
         if getattr(a, flag, 1) < 1:
             raise RunError(f"--{flag.replace('_', '-')} {getattr(a, flag)}: give a count of at least 1")
     try:
-        {"index": index, "classify": classify, "search": search, "table": table}[a.command](a)
+        {"index": index, "classify": classify, "search": search, "table": table, "calibrate": calibrate}[a.command](a)
     except KeyboardInterrupt:
         raise SystemExit("interrupted: nothing was written") from None

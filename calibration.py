@@ -41,6 +41,10 @@ HELD_OUT = 0.25    # share of the labelled training images kept out of every fit
 MIN_NAMES = 4      # seen names below which no fold has both seen' and pseudo-novel names to weigh
 
 
+class TooFew(ValueError):
+    """Too few seen names, or labelled images, for the folds: one line (a command's refusal)."""
+
+
 def words(text):
     return tuple(WORDS.findall(text.lower()))
 
@@ -115,17 +119,17 @@ def image_labels(rows, named, usable):
 
 
 def check_names(names, folds):
-    """One line (ValueError) when the seen names are too few for the folds."""
+    """One line (TooFew) when the seen names are too few for the folds."""
     least = max(MIN_NAMES, folds + 1)
     if len(names) < least:
-        raise ValueError(f"{len(names)} seen name(s){': ' + ', '.join(names) if names else ''}; calibrating needs "
+        raise TooFew(f"{len(names)} seen name(s){': ' + ', '.join(names) if names else ''}; calibrating needs "
                          f"at least {least}, so that each of the {folds} folds holds some out as if novel and keeps "
                          f"others seen")
 
 
 def plan(rows, named, usable, names, folds, held_out, seed):
     """Each fold's (pseudo-novel names, pairs fitted, (pair, name) of the images scored): the docstring's steps
-    1-3 before any fit; one line (ValueError) when a fold would score no image of its seen' or of its
+    1-3 before any fit; one line (TooFew) when a fold would score no image of its seen' or of its
     pseudo-novel names."""
     check_names(names, folds)
     labels, single, is_first = image_labels(rows, named, usable)
@@ -143,7 +147,7 @@ def plan(rows, named, usable, names, folds, held_out, seed):
         y = torch.tensor([next(iter(labels[j])) for j in val.tolist()], dtype=torch.long)
         sides = {k in pseudo for k in y.tolist()}
         if sides != {True, False} or not len(fit_pairs):
-            raise ValueError(f"fold {f + 1}/{folds} (pseudo-novel {', '.join(names[k] for k in sorted(pseudo))}) "
+            raise TooFew(f"fold {f + 1}/{folds} (pseudo-novel {', '.join(names[k] for k in sorted(pseudo))}) "
                              f"has {int((~torch.tensor([k in pseudo for k in y.tolist()], dtype=torch.bool)).sum())} "
                              f"held-out image(s) of its seen names, {sum(k in pseudo for k in y.tolist())} of its "
                              f"pseudo-novel ones and {len(fit_pairs)} pairs to fit: too few training images whose "
@@ -173,3 +177,67 @@ def choose(fit, img, txt, rows, named, prompts, n_templates, names, usable=None,
         log(f"  [gamma] {tag(method)}fold {f + 1}/{folds}: {len(fit_pairs)} pairs fitted, {len(y)} held-out images, "
             f"pseudo-novel {', '.join(records[-1]['pseudo_novel'])}: gamma {gamma:.4f} (H {h:.1f})")
     return sum(r["gamma"] for r in records) / folds, records
+
+
+# ---------------------------------------------------------------------------
+# python align.py calibrate RUN --classes ...: the choice on a finished run's own training pairs
+# ---------------------------------------------------------------------------
+CALIBRATION = "calibration.json"    # written into the run folder (the run's own files are never touched)
+
+
+def run_args(config, model, cache_dir, threads):
+    """align.py's arguments that rebuild a finished run's training data and its features' cache keys."""
+    import align
+    argv = ["--data", str(config.get("data", "shapes")), "--data-root", str(config.get("data_root") or "data"),
+            "--image-encoder", model["image_encoder"], "--text-encoder", model["text_encoder"],
+            "--image-layer", str(model["image_layer"]), "--text-layer", str(model["text_layer"]),
+            "--cache-dir", str(cache_dir), "--threads", str(threads), "--seed", str(config.get("seed", 0))]
+    if config.get("num_pairs") is not None:
+        argv += ["--num-pairs", str(config["num_pairs"])]
+    return align.parse_args(argv)
+
+
+def check_pairs_run(config, run):
+    """A run aligned on image-text pairs (not on a classifier head's rows): the pairs a fold refits on."""
+    from infra.errors import RunError
+    if config.get("align_data", "pairs") != "pairs":
+        raise RunError(f"calibrate: {run} aligned on --align-data {config['align_data']} (a classifier head's rows), "
+                       f"not on image-text pairs alone; calibrate needs a run of --align-data pairs")
+
+
+def training_features(args, inputs, extract):
+    """{(train, kind): fp32 Features} of the run's training pairs, from the cache (as align.py reads them); a
+    feature set not cached is one line unless extract (then encoded into the cache)."""
+    import align
+    from infra import cache
+    from infra.errors import RunError
+    sets = {"train": inputs.sets["train"]}
+    jobs = align.feature_jobs(args, inputs, sets)
+    missing = [f"{kind}s" for (_, kind), job in jobs.items()
+               if cache.planned_bytes(*job[:2], args.cache_dir, "cpu", dataset=args.data, split=job[2],
+                                      modality=job[3])]
+    if missing and not extract:
+        raise RunError(f"calibrate: the run's training {' and '.join(missing)} ({len(inputs.sets['train'].captions)} "
+                       f"pairs) have no features in the cache {args.cache_dir} (another cache, another device's "
+                       f"precision, or removed); pass --cache-dir the run's align.py --cache-dir, or add --extract to "
+                       f"encode them into it (as align.py would: minutes on a real encoder)")
+    align.extract_features(args, inputs, "cpu", sets)
+    return {k: v.to("cpu") for k, v in inputs.features.items() if k[0] == "train"}
+
+
+def prompt_features(args, inputs, names, templates):
+    """Class-major prompt features of names (each name's templates in order), through the feature cache."""
+    from infra import cache
+    prompts = [t.format(n) for n in names for t in templates]
+    return cache.extract(inputs.text_encoder, prompts, args.cache_dir, device="cpu", dataset=args.data,
+                         split="train", modality="prompts").to("cpu")
+
+
+def pairs_of(args, s, F):
+    """(image features, caption features, rows, captions) of the pairs the run aligned on (align.pair_subset)."""
+    import align
+    rows, txt, captions = s.txt_to_img, F["train", "text"], list(s.captions)
+    _, idx = align.pair_subset(args, len(captions))
+    if idx is not None:
+        rows, txt, captions = rows[idx], txt[idx], [captions[i] for i in idx.tolist()]
+    return F["train", "image"], txt, rows, captions
