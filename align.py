@@ -19,6 +19,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -482,13 +483,168 @@ def write_metrics(metrics, config, run, args, work, device):
         print(evaluate.results_table({k: v for k, v in metrics.items() if k != "recycling"}))
 
 
+# ---------------------------------------------------------------------------
+# python align.py calibrate RUN --classes ...: calibrated stacking's gamma on a finished run's training pairs
+# ---------------------------------------------------------------------------
+def calibration_args(config, model, cache_dir, threads):
+    """This file's arguments that rebuild a finished run's training data and its features' cache keys."""
+    argv = ["--data", str(config.get("data", "shapes")), "--data-root", str(config.get("data_root") or "data"),
+            "--image-encoder", model["image_encoder"], "--text-encoder", model["text_encoder"],
+            "--image-layer", str(model["image_layer"]), "--text-layer", str(model["text_layer"]),
+            "--cache-dir", str(cache_dir), "--threads", str(threads), "--seed", str(config.get("seed", 0))]
+    if config.get("num_pairs") is not None:
+        argv += ["--num-pairs", str(config["num_pairs"])]
+    return parse_args(argv)
+
+
+def training_features(args, inputs, extract):
+    """{(train, kind): fp32 Features} of the run's training pairs, from the cache (as a run reads them); a
+    feature set not cached is one line unless extract (then encoded into the cache)."""
+    sets = {"train": inputs.sets["train"]}
+    missing = [f"{kind}s" for (_, kind), job in feature_jobs(args, inputs, sets).items()
+               if cache.planned_bytes(*job[:2], args.cache_dir, "cpu", dataset=args.data, split=job[2],
+                                      modality=job[3])]
+    if missing and not extract:
+        raise RunError(f"calibrate: the run's training {' and '.join(missing)} ({len(sets['train'].captions)} "
+                       f"pairs) have no features in the cache {args.cache_dir} (another cache, another device's "
+                       f"precision, or removed); pass --cache-dir the run's align.py --cache-dir, or add --extract to "
+                       f"encode them into it (as align.py would: minutes on a real encoder)")
+    extract_features(args, inputs, "cpu", sets)
+    return {k: v.to("cpu") for k, v in inputs.features.items() if k[0] == "train"}
+
+
+def prompt_features(args, inputs, names, templates):
+    """Class-major prompt features of names (each name's templates in order), through the feature cache."""
+    prompts = [t.format(n) for n in names for t in templates]
+    return cache.extract(inputs.text_encoder, prompts, args.cache_dir, device="cpu", dataset=args.data,
+                         split="train", modality="prompts").to("cpu")
+
+
+def calibration_pairs(args, s, F):
+    """(image features, caption features, rows, captions) of the pairs the run aligned on (pair_subset)."""
+    rows, txt, captions = s.txt_to_img, F["train", "text"], list(s.captions)
+    _, idx = pair_subset(args, len(captions))
+    if idx is not None:
+        rows, txt, captions = rows[idx], txt[idx], [captions[i] for i in idx.tolist()]
+    return F["train", "image"], txt, rows, captions
+
+
+def too_few(fn, *args, **kwargs):
+    """fn(...), its refusal for too few seen names or labelled images (calibration.TooFew) one line."""
+    import calibration
+    try:
+        return fn(*args, **kwargs)
+    except calibration.TooFew as e:
+        raise RunError(f"calibrate: {e}; give more class names the training captions hold (--classes, "
+                       f"--classes-file)") from None
+
+
+def calibration_inputs(a):
+    """Every input of calibrate read and checked before any work: (names, templates, config, model, seen
+    names, cache folder). aligned.py's readers (the run's read gate, the vocabulary, the class names)."""
+    import aligned
+    import calibration
+    names, templates = aligned.class_names(a), aligned.check_templates(a.template)
+    if a.folds < 2:
+        raise RunError(f"--folds {a.folds}: give at least 2 (each fold holds some seen names out as if novel)")
+    aligned.set_threads(a)
+    config, model, _ = aligned.read_run(a.run)
+    if config.get("align_data", "pairs") != "pairs":
+        raise RunError(f"calibrate: {a.run} aligned on --align-data {config['align_data']} (a classifier head's "
+                       f"rows), not on image-text pairs alone; calibrate needs a run of --align-data pairs")
+    vocabulary = aligned.read_vocabulary(a.run)
+    if vocabulary is None:
+        raise RunError(f"calibrate: {a.run} holds no {aligned.VOCABULARY} (a run of an older version), so its seen "
+                       f"class names cannot be told from novel ones; train the run again")
+    seen = [n for n, s in zip(names, aligned.say_seen(names, vocabulary, a.run).tolist()) if s]
+    too_few(calibration.check_names, seen, a.folds)
+    cache_dir = Path(a.cache_dir or model.get("cache_dir") or ".cache")
+    if not cache_dir.is_dir():
+        raise RunError(f"calibrate: the run's feature cache {cache_dir} is not a folder (moved or removed); pass "
+                       f"--cache-dir the folder its align.py --cache-dir named (or another, with --extract)")
+    storage.check_target(Path(a.run) / aligned.CALIBRATION)
+    return names, templates or model.get("templates") or ["a photo of a {}."], config, model, seen, cache_dir
+
+
+def calibrate(argv=None):
+    """python align.py calibrate RUN --classes ...: calibrated stacking's gamma chosen on the run's own training
+    pairs, its seen names held out as if novel, the run's method refitted on each fold (calibration.py;
+    aligned.py choice 9); written to RUN/calibration.json, which classify --calibrate auto reads."""
+    import shlex
+
+    import aligned
+    import calibration
+    argv = sys.argv[2:] if argv is None else list(argv)         # python align.py calibrate ARGS
+    a = calibrate_args(argv)
+    names, templates, config, model, seen, cache_dir = calibration_inputs(a)
+    args = calibration_args(config, model, cache_dir, a.threads)
+    with aligned.notices_to_stderr():                                        # stdout: the result alone
+        inputs = load_inputs(args, "cpu")
+        for kind, enc in (("image", inputs.image_encoder), ("text", inputs.text_encoder)):
+            aligned.check_same_encoder(kind, enc, config)
+        F = training_features(args, inputs, a.extract)
+        prompts = prompt_features(args, inputs, seen, templates)
+    img, txt, rows, captions = calibration_pairs(args, inputs.sets["train"], F)
+    cls, hp, seed = METHODS[model["method"]], aligned.hp_of(model), config.get("seed", 0) if a.seed is None else a.seed
+    loop = {k: config.get(k) for k in ("epochs", "batch_size", "lr", "weight_decay")}
+    log = lambda line: print(line, file=sys.stderr, flush=True)
+    log(f"[calibrate] {model['method']} refitted on {len(captions)} training pairs in {a.folds} folds (epochs "
+        f"{loop['epochs']}, batch {loop['batch_size']}, lr {loop['lr']}, seed {seed})")
+    gamma, folds = too_few(calibration.choose, lambda i, t: calibration.fitted(cls, hp, i, t, seed, **loop), img,
+                           txt, rows, calibration.named_in(captions, seen), prompts, len(templates), seen,
+                           folds=a.folds, seed=seed, log=log)
+    record = dict(gamma=gamma, folds=folds, held_out=calibration.HELD_OUT, seed=seed, method=model["method"],
+                  classes=names, seen=seen, templates=templates,
+                  command=shlex.join(["python", "align.py", "calibrate", *argv]))
+    target = Path(a.run) / aligned.CALIBRATION
+    storage.atomic_write_text(json.dumps(record, indent=2) + "\n", target)
+    each = ", ".join(f"{f['gamma']:.4f} at H {f['H']:.1f}" for f in folds)
+    print(f"gamma {gamma:.4f} (the mean of {a.folds} folds: {each}) -> {target}; classify --calibrate auto uses it",
+          flush=True)
+    return record
+
+
+def calibrate_args(argv=None):
+    k = argparse.ArgumentParser(
+        prog="align.py calibrate", formatter_class=HelpFormatter,
+        description="Choose calibrated stacking's GAMMA (Chao et al., ECCV 2016) on the run's own training pairs: "
+        "the given class names the training captions held (seen, at least 4) are dealt into folds; each fold "
+        "holds its names out as if novel, refits the run's method (its class, keywords, epochs, batch, lr and "
+        "seed) on the pairs whose captions name none of them, less a quarter of the images labelled by one name, "
+        "and picks the GAMMA of the best harmonic mean H of seen and novel top-1 on those held-out images; GAMMA "
+        "is the folds' mean, written to RUN/calibration.json for classify --calibrate auto. An image is labelled "
+        "when its captions name exactly one of the seen names (calibration.py).",
+        epilog="example:\n  python align.py calibrate results/pal-shapes-seed0 --classes-file names.txt\n"
+        "  python align.py classify results/pal-shapes-seed0 photos/ --classes-file names.txt --calibrate auto")
+    k.add_argument("run", help="a finished run folder (results/<method>-<data>-seed<seed>), with its vocabulary.json")
+    k.add_argument("--classes", default=None, help="class names, comma-separated: \"red circle,blue square,...\" "
+                   "(default: none)")
+    k.add_argument("--classes-file", default=None, help="a text file of class names, one per line (default: none)")
+    k.add_argument("--template", action="append", default=[],
+                   help="a prompt with {} for the class name, repeatable (default: the run's data's templates)")
+    k.add_argument("--folds", type=int, default=3, help="folds of pseudo-novel names")
+    k.add_argument("--seed", type=int, default=None, help="seed of the refits and of the held-out images "
+                   "(default: the run's)")
+    k.add_argument("--cache-dir", default=None, help="the feature cache holding the run's training features "
+                   "(default: the run's align.py --cache-dir)")
+    k.add_argument("--extract", action="store_true", help="encode the training pairs into the cache when their "
+                   "features are not there (default: refuse, saying so)")
+    k.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: 0, torch's own: all cores)")
+    return k.parse_args(argv)
+
+
 def cli():
     """python align.py: main(); a fault of the input ends in its one `error:` line (RunError, a
     SystemExit), a Ctrl-C in one line saying what was kept, and any other exception (a bug) keeps its
     traceback."""
-    if sys.argv[1:2] and sys.argv[1] in ("index", "classify", "search", "table", "calibrate"):   # use runs (aligned.py)
+    if sys.argv[1:2] and sys.argv[1] in ("index", "classify", "search", "table"):   # use runs (aligned.py)
         import aligned
         return aligned.main(sys.argv[1:])
+    if sys.argv[1:2] == ["calibrate"]:                 # classify's --calibrate, chosen on the run's training pairs
+        try:
+            return calibrate()
+        except KeyboardInterrupt:
+            raise SystemExit("interrupted: nothing was written (calibration.json is written last)") from None
     args = parse_args()
     try:
         main(args)

@@ -45,13 +45,21 @@ Deviations / choices:
    generalized zero-shot learning for object recognition in the wild", ECCV 2016, §3.2): GAMMA is subtracted
    from every seen name's score, and the printed scores and --top's probabilities are the calibrated ones.
    GAMMA is the user's, not guessed here: choose_gamma picks it on held-out training pairs, names held out as
-   if novel (benchmarks/gzsl.py), never on a test set. The search is exact rather than a grid: a prediction
-   changes only where GAMMA crosses an image's margin (best seen score - best novel score), so every
-   midpoint between sorted margins (and one past either end) is tried; of equal best H, the median GAMMA
-   (the middle of the best range, not its edge).
+   if novel (choice 9: python align.py calibrate; benchmarks/gzsl.py), never on a test set. The search is
+   exact rather than a grid: a prediction changes only where GAMMA crosses an image's margin (best seen
+   score - best novel score), so every midpoint between sorted margins (and one past either end) is tried;
+   of equal best H, the median GAMMA (the middle of the best range, not its edge).
 8. Seen / novel top-1 are per-class means over each side's classes (as Xian, Schiele, Akata, "Zero-shot
    learning - the good, the bad and the ugly", CVPR 2017, which defines H, the harmonic mean of the two),
    each image ranked among all the names, seen and novel.
+9. `python align.py calibrate RUN --classes ...` chooses GAMMA on the run's own training pairs (calibration.py,
+   benchmarks/gzsl.py's procedure, one implementation): the given names the captions held are dealt into 3
+   folds, each refits the run's method (its class, keywords, epochs, batch, lr, seed; on the cached features
+   of the pairs it aligned on) without its pseudo-novel names' pairs and a held-out quarter of the images that
+   one name labels; GAMMA is the folds' mean, written to RUN/calibration.json (the run's own files untouched),
+   which classify --calibrate auto (or --calibrate alone) reads and names on stderr. Refused in one line: fewer
+   than 4 seen names, a fold with no held-out image of its seen' or pseudo-novel names, no vocabulary.json, a
+   run aligned on head rows, training features not in the cache (--extract encodes them).
 """
 import json
 import os
@@ -477,6 +485,7 @@ class Aligned:
 # Generalized zero-shot: the class names the training captions never held (choices 6-8)
 # ---------------------------------------------------------------------------
 VOCABULARY = "vocabulary.json"      # infra/folder.write_vocabulary: {word or "word word": count}
+CALIBRATION = "calibration.json"    # python align.py calibrate: {gamma, folds, seen, ...} (choice 9)
 
 
 def read_vocabulary(folder):
@@ -540,9 +549,9 @@ def choose_gamma(scores, labels, seen):
 
 
 # ---------------------------------------------------------------------------
-# The commands: python align.py index | classify | search | table | calibrate
+# The commands: python align.py index | classify | search | table
 # ---------------------------------------------------------------------------
-COMMANDS = ("index", "classify", "search", "table", "calibrate")
+COMMANDS = ("index", "classify", "search", "table")
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 KEY_METRICS = ("retrieval/i2t_r1", "retrieval/t2i_r1", "retrieval/rsum", "top1", "miou_fg", "binding/binding_acc")
 
@@ -713,8 +722,6 @@ def gamma_or_auto(text):
 def read_calibration(run):
     """RUN/calibration.json (python align.py calibrate), its gamma a finite number; one line when it is missing."""
     import math
-
-    from calibration import CALIBRATION
     path = Path(run) / CALIBRATION
     if not path.is_file():
         raise RunError(f"--calibrate auto: {run} holds no {CALIBRATION}; choose gamma on the run's training pairs "
@@ -731,6 +738,9 @@ def check_calibrate(gamma, vocabulary, run):
     """--calibrate GAMMA: a finite number, and a run that can tell seen names from novel ones. Returns the gamma
     (--calibrate auto: RUN/calibration.json's, said on stderr) or None."""
     import math
+    if isinstance(gamma, float) and not math.isfinite(gamma):
+        raise RunError(f"--calibrate {gamma}: give a finite number, the score subtracted from the seen names' "
+                       f"(e.g. --calibrate 0.1; python align.py calibrate chooses one on the training pairs)")
     if gamma is not None and vocabulary is None and Path(run).is_dir():      # no folder: load() says so
         raise RunError(f"--calibrate: {run} holds no {VOCABULARY} (a run of an older version), so its seen class "
                        f"names cannot be told from novel ones; leave --calibrate out, or train the run again")
@@ -740,9 +750,6 @@ def check_calibrate(gamma, vocabulary, run):
               f"align.py calibrate on the run's training pairs, {len(record.get('seen') or [])} seen names)",
               file=sys.stderr, flush=True)
         return float(record["gamma"])
-    if gamma is not None and not math.isfinite(gamma):
-        raise RunError(f"--calibrate {gamma}: give a finite number, the score subtracted from the seen names' "
-                       f"(e.g. --calibrate 0.1; python align.py calibrate chooses one on the training pairs)")
     return gamma
 
 
@@ -795,69 +802,6 @@ def classify(a):
     else:                                                        # CSV: every class's score besides the best
         emit(["image", "class", "score", *names], [r + [float(v) for v in s] for r, s in zip(best, S)] if a.csv
              else best, a.csv)
-
-
-def too_few(fn, *args, **kwargs):
-    """fn(...), its refusal for too few seen names or labelled images (calibration.TooFew) one line."""
-    from calibration import TooFew
-    try:
-        return fn(*args, **kwargs)
-    except TooFew as e:
-        raise RunError(f"calibrate: {e}; give more class names the training captions hold (--classes, "
-                       f"--classes-file)") from None
-
-
-def calibrate(a):
-    """python align.py calibrate RUN --classes ...: calibrated stacking's gamma chosen on the run's own training
-    pairs, its seen names held out as if novel, the run's method refitted on each fold (calibration.py, choice
-    9); written to RUN/calibration.json, which classify --calibrate auto reads."""
-    import shlex
-
-    import align
-    import calibration
-    from infra.storage import atomic_write_text, check_target
-    names, templates = class_names(a), check_templates(a.template)
-    if a.folds < 2:
-        raise RunError(f"--folds {a.folds}: give at least 2 (each fold holds some seen names out as if novel)")
-    set_threads(a)
-    config, model, _ = read_run(a.run)
-    calibration.check_pairs_run(config, a.run)
-    vocabulary = read_vocabulary(a.run)
-    if vocabulary is None:
-        raise RunError(f"calibrate: {a.run} holds no {VOCABULARY} (a run of an older version), so its seen class "
-                       f"names cannot be told from novel ones; train the run again")
-    seen = [n for n, s in zip(names, say_seen(names, vocabulary, a.run).tolist()) if s]
-    too_few(calibration.check_names, seen, a.folds)
-    cache = Path(a.cache_dir or model.get("cache_dir") or ".cache")
-    if not cache.is_dir():
-        raise RunError(f"calibrate: the run's feature cache {cache} is not a folder (moved or removed); pass "
-                       f"--cache-dir the folder its align.py --cache-dir named (or another, with --extract)")
-    check_target(Path(a.run) / calibration.CALIBRATION)
-    args = calibration.run_args(config, model, cache, a.threads)
-    templates = templates or model.get("templates") or ["a photo of a {}."]
-    with notices_to_stderr():                                                # stdout: the result alone
-        inputs = align.load_inputs(args, "cpu")
-        for kind, enc in (("image", inputs.image_encoder), ("text", inputs.text_encoder)):
-            check_same_encoder(kind, enc, config)
-        F = calibration.training_features(args, inputs, a.extract)
-        prompts = calibration.prompt_features(args, inputs, seen, templates)
-    img, txt, rows, captions = calibration.pairs_of(args, inputs.sets["train"], F)
-    from methods import METHODS
-    cls, hp, seed = METHODS[model["method"]], hp_of(model), config.get("seed", 0) if a.seed is None else a.seed
-    loop = {k: config.get(k) for k in ("epochs", "batch_size", "lr", "weight_decay")}
-    print(f"[calibrate] {model['method']} refitted on {len(captions)} training pairs in {a.folds} folds "
-          f"(epochs {loop['epochs']}, batch {loop['batch_size']}, lr {loop['lr']}, seed {seed})",
-          file=sys.stderr, flush=True)
-    gamma, folds = too_few(calibration.choose, lambda i, t: calibration.fitted(cls, hp, i, t, seed, **loop), img,
-                           txt, rows, calibration.named_in(captions, seen), prompts, len(templates), seen,
-                           folds=a.folds, seed=seed, log=lambda m: print(m, file=sys.stderr, flush=True))
-    record = dict(gamma=gamma, folds=folds, held_out=calibration.HELD_OUT, seed=seed, method=model["method"],
-                  classes=names, seen=seen, templates=templates,
-                  command=shlex.join(["python", "align.py", *getattr(a, "argv", [])]))
-    atomic_write_text(json.dumps(record, indent=2) + "\n", Path(a.run) / calibration.CALIBRATION)
-    each = ", ".join(f"{f['gamma']:.4f} at H {f['H']:.1f}" for f in folds)
-    print(f"gamma {gamma:.4f} (the mean of {a.folds} folds: {each}) -> {Path(a.run) / calibration.CALIBRATION}; "
-          f"classify --calibrate auto uses it", flush=True)
 
 
 def search(a):
@@ -999,29 +943,6 @@ def parse_args(argv=None):
         q.add_argument("--json", default=None, metavar="FILE",
                        help="write JSON to FILE, a new file (- for stdout): one record per image (search: per "
                             "image and query) (default: lines)")
-    k = sub.add_parser("calibrate", help="choose classify's --calibrate GAMMA on the run's own training pairs",
-                       description="Choose calibrated stacking's GAMMA (Chao et al., ECCV 2016) on the run's own "
-                       "training pairs: the given class names the training captions held (seen) are dealt into "
-                       "folds; each fold holds its names out as if novel, refits the run's method (its class, "
-                       "keywords, epochs, batch, lr and seed) on the pairs whose captions name none of them, less a "
-                       "quarter of the images labelled by one name, and picks the GAMMA of the best harmonic mean H "
-                       "of seen and novel top-1 on those held-out images; GAMMA is the folds' mean, written to "
-                       "RUN/calibration.json for classify --calibrate auto. An image is labelled when its captions "
-                       "name exactly one of the seen names (calibration.py).")
-    k.add_argument("run", help="a finished run folder (results/<method>-<data>-seed<seed>), with its vocabulary.json")
-    k.add_argument("--classes", default=None, help="class names, comma-separated: \"red circle,blue square,...\" "
-                   "(at least 4 of them seen in the training captions)")
-    k.add_argument("--classes-file", default=None, help="a text file of class names, one per line (default: none)")
-    k.add_argument("--template", action="append", default=[],
-                   help="a prompt with {} for the class name, repeatable (default: the run's data's templates)")
-    k.add_argument("--folds", type=int, default=3, help="folds of pseudo-novel names (default: 3)")
-    k.add_argument("--seed", type=int, default=None, help="seed of the refits and of the held-out images "
-                   "(default: the run's)")
-    k.add_argument("--cache-dir", default=None, help="the feature cache holding the run's training features "
-                   "(default: the run's align.py --cache-dir)")
-    k.add_argument("--extract", action="store_true", help="encode the training pairs into the cache when their "
-                   "features are not there (default: refuse, saying so)")
-    k.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: 0, torch's own: all cores)")
     t = sub.add_parser("table", help="gather finished run folders into one markdown (or CSV) table")
     t.add_argument("paths", nargs="+", help="run folders, or folders holding them (results/)")
     t.add_argument("--metrics", default="key", choices=["key", "all"],
@@ -1035,7 +956,6 @@ def main(argv=None):
     """python align.py index | classify | search | table ... (the console script posthoc-align takes the same):
     every input read and checked first (the read gate), then the work; a fault is one error line (RunError)."""
     a = parse_args(argv)
-    a.argv = list(sys.argv[1:] if argv is None else argv)
     check_csv(getattr(a, "csv", None))
     check_new("--json", getattr(a, "json", None))
     if getattr(a, "csv", None) == "-" and getattr(a, "json", None) == "-":
@@ -1047,6 +967,6 @@ def main(argv=None):
         if getattr(a, flag, 1) < 1:
             raise RunError(f"--{flag.replace('_', '-')} {getattr(a, flag)}: give a count of at least 1")
     try:
-        {"index": index, "classify": classify, "search": search, "table": table, "calibrate": calibrate}[a.command](a)
+        {"index": index, "classify": classify, "search": search, "table": table}[a.command](a)
     except KeyboardInterrupt:
         raise SystemExit("interrupted: nothing was written") from None

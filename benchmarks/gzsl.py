@@ -21,7 +21,9 @@ Gamma is chosen on the training pairs alone (aligned.choose_gamma), never on the
   4. the gamma used is the mean over the folds, applied to the method aligned on every seen training pair.
 
 Deviations / choices: gamma is chosen per method in this benchmark, not at train time in align.py (FOLDS + 1
-fits of every run would be the cost); classify takes it as --calibrate GAMMA. The fold models see fewer
+fits of every run would be the cost); classify takes it as --calibrate GAMMA. Steps 1-4 are calibration.choose,
+which `python align.py calibrate RUN --classes ...` runs on a finished run's own training pairs (there every
+pair the run aligned on may enter a fold's fit; here those naming seen classes only). The fold models see fewer
 classes than the final one, so their scores' scale only approximates its; the gamma is carried over as is.
 The loop is benchmarks/novel_classes.py's (align.py's: AdamW, cosine, seeded batch order) without checkpoints.
 """

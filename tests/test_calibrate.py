@@ -5,6 +5,7 @@ for the same method, seed and folds (one implementation); written to RUN/calibra
 import csv
 import io
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 from test_aligned import finished_run  # noqa: F401  (a fixture: a finished PAL run, --num-pairs 512, one epoch)
 from test_index import photos, tiny_run  # noqa: F401  (fixtures: a hand-written run folder, 9 Shapes PNGs)
 
+import align
 import aligned
 import calibration
 import shapes
@@ -27,7 +29,6 @@ NAMES = list(shapes.CLASS_NAMES)
 @pytest.fixture(scope="module")
 def linear_run(cache_dir, tmp_path_factory):
     """A finished linear run on every Shapes training pair, one epoch (every one of the 24 names is seen)."""
-    import align
     out = tmp_path_factory.mktemp("run") / "linear-shapes-seed0"
     align.main(["--method", "linear", "--epochs", "1", "--eval-images", "20", "--cache-dir", str(cache_dir),
                 "--out", str(out), "--no-figures", "--threads", "1", "--quiet"])
@@ -44,7 +45,7 @@ def calibrated(linear_run, tmp_path_factory):
     real = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = out, err
     try:
-        aligned.main(["calibrate", str(run), "--classes", ",".join(NAMES), "--threads", "1"])
+        align.calibrate([str(run), "--classes", ",".join(NAMES), "--threads", "1"])
     finally:
         sys.stdout, sys.stderr = real
     return run, out.getvalue(), err.getvalue(), before
@@ -153,24 +154,24 @@ def test_the_refusals_are_one_line_each_and_write_nothing(linear_run, tiny_run, 
     run = tmp_path / "run"
     shutil.copytree(linear_run, run)
     (run / "calibration.json").unlink(missing_ok=True)
-    base = ["calibrate", str(run), "--threads", "1"]
+    base = [str(run), "--threads", "1"]
     with pytest.raises(SystemExit) as e:
-        aligned.main([*base, "--classes", "pink hexagon,teal star"])
+        align.calibrate([*base, "--classes", "pink hexagon,teal star"])
     assert "calibrate: 0 seen name(s); calibrating needs at least 4" in one_line(e)
     with pytest.raises(SystemExit) as e:
-        aligned.main([*base, "--classes", "red circle,blue square,green cross,pink hexagon"])
+        align.calibrate([*base, "--classes", "red circle,blue square,green cross,pink hexagon"])
     assert "3 seen name(s): red circle, blue square, green cross; calibrating needs at least 4" in one_line(e)
     with pytest.raises(SystemExit) as e:
-        aligned.main(["calibrate", str(tiny_run), "--classes", ",".join(NAMES)])
+        align.calibrate([str(tiny_run), "--classes", ",".join(NAMES)])
     assert f"calibrate: {tiny_run} holds no vocabulary.json" in one_line(e)
     empty = tmp_path / "cache"                                 # the world, no features: another cache
     shutil.copytree(cache_dir / "world", empty / "world")
     with pytest.raises(SystemExit) as e:
-        aligned.main([*base, "--classes", ",".join(NAMES), "--cache-dir", str(empty)])
+        align.calibrate([*base, "--classes", ",".join(NAMES), "--cache-dir", str(empty)])
     assert f"the run's training images and texts (6000 pairs) have no features in the cache {empty}" in one_line(e)
     assert "--extract" in str(e.value) and not (empty / "features").exists()
     with pytest.raises(SystemExit) as e:
-        aligned.main([*base, "--classes", ",".join(NAMES), "--cache-dir", str(tmp_path / "gone")])
+        align.calibrate([*base, "--classes", ",".join(NAMES), "--cache-dir", str(tmp_path / "gone")])
     assert f"the run's feature cache {tmp_path / 'gone'} is not a folder" in one_line(e)
     with pytest.raises(SystemExit) as e:
         aligned.main(["classify", str(run), str(photos), "--classes", "red circle", "--calibrate"])
@@ -184,16 +185,30 @@ def test_the_refusals_are_one_line_each_and_write_nothing(linear_run, tiny_run, 
 
 
 def test_the_pairs_calibrate_refits_on_are_the_pairs_the_run_aligned_on(finished_run, cache_dir):  # noqa: F811
-    """A run of --num-pairs 512: calibration.pairs_of's (image rows, captions) are align.alignment_data's pairs."""
-    import align
+    """A run of --num-pairs 512: align.calibration_pairs's (image rows, captions) are align.alignment_data's pairs."""
     config, model, _ = aligned.read_run(finished_run)
-    args = calibration.run_args(config, model, cache_dir, 1)
+    args = align.calibration_args(config, model, cache_dir, 1)
     inputs = align.load_inputs(args, "cpu")
-    F = calibration.training_features(args, inputs, extract=False)
-    img, txt, rows, captions = calibration.pairs_of(args, inputs.sets["train"], F)
+    F = align.training_features(args, inputs, extract=False)
+    img, txt, rows, captions = align.calibration_pairs(args, inputs.sets["train"], F)
     want_img, want_txt, _ = align.alignment_data(args, inputs)
     assert len(captions) == len(rows) == 512 == config["alignment_pairs"]
     torch.testing.assert_close(img[rows].pooled, want_img.pooled.float(), rtol=0, atol=0)
     torch.testing.assert_close(txt.pooled, want_txt.pooled.float(), rtol=0, atol=0)
     train = inputs.sets["train"]
     assert [train.captions[int(i)] for i in align.pair_subset(args, len(train.captions))[1]] == captions
+
+
+def test_the_command_line_runs_calibrate_and_a_fault_is_one_error_line(tmp_path):
+    """python align.py calibrate ARGS (its own arguments after the command's name): -h says what it writes; a
+    run folder that is not there is one line, exit status 1."""
+    import subprocess
+    root = Path(__file__).resolve().parents[1]
+    run = lambda *args: subprocess.run([sys.executable, str(root / "align.py"), "calibrate", *args], cwd=tmp_path,
+                                       capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    help_ = run("-h")
+    assert help_.returncode == 0 and "RUN/calibration.json" in help_.stdout and "--classes-file" in help_.stdout
+    gone = run(str(tmp_path / "gone"), "--classes", "red circle")
+    assert gone.returncode == 1 and gone.stdout == ""
+    assert gone.stderr.strip().splitlines() == [f"error: {tmp_path / 'gone'} is not a folder; pass a run folder of "
+                                                f"align.py (results/<method>-<data>-seed<N>)"]
