@@ -106,6 +106,21 @@ def test_a_fold_fits_none_of_its_pseudo_novel_names_nor_a_held_out_image():
     assert 0.15 * 180 < len(held) < 0.35 * 180                     # about a quarter of the labelled images
 
 
+def test_an_image_of_several_captions_leaves_the_fit_with_all_of_them_and_is_scored_once():
+    """choice 3: 120 images of 2 captions each (pairs 2i, 2i + 1), the first naming i % 6, the second nothing:
+    no fitted pair belongs to an image of a pseudo-novel name or a held-out image, though its own caption names
+    none; each scored image is scored once, at its first pair."""
+    names = [f"n{k}" for k in range(6)]
+    rows = torch.arange(120).repeat_interleave(2)
+    named = [{i // 2 % 6} if i % 2 == 0 else set() for i in range(240)]
+    for pseudo, fit, val, y in calibration.plan(rows, named, torch.ones(240, dtype=torch.bool), names, 3, 0.25, 0):
+        scored = rows[val].tolist()
+        assert len(scored) == len(set(scored)) and all(j % 2 == 0 for j in val.tolist())
+        assert not set(rows[fit].tolist()) & set(scored)
+        assert not any(r % 6 in pseudo for r in rows[fit].tolist())
+        assert y.tolist() == [r % 6 for r in scored] and {r % 6 for r in scored} - pseudo
+
+
 def test_a_fold_without_held_out_images_of_its_pseudo_novel_names_is_one_line():
     names = [f"n{k}" for k in range(4)]
     named = [{0} if i % 2 else {1} for i in range(100)]      # n2 and n3 label no image
