@@ -49,7 +49,7 @@ use a finished run (aligned.py; `python align.py classify -h`):
   python align.py index RUN FOLDER                                         its embeddings kept in RUN/index/
   python align.py classify RUN FOLDER --classes "red circle,blue square"   zero-shot, one line per image
   python align.py search RUN FOLDER "a red circle" "a blue cross"          the folder ranked for each query
-  python align.py calibrate RUN --classes-file names.txt   choose classify's --calibrate on the training pairs
+  python align.py calibrate RUN --classes-file names.txt                   --calibrate auto's gamma, from RUN's pairs
   python align.py table results/                                           finished runs in one table"""
 
 

@@ -746,7 +746,7 @@ def check_calibrate(gamma, vocabulary, run):
                        f"names cannot be told from novel ones; leave --calibrate out, or train the run again")
     if gamma == "auto" and Path(run).is_dir():
         record = read_calibration(run)
-        print(f"[calibrate] gamma {record['gamma']:.4f} from {Path(run) / 'calibration.json'} (chosen by python "
+        print(f"[calibrate] gamma {record['gamma']:.4f} from {Path(run) / CALIBRATION} (chosen by python "
               f"align.py calibrate on the run's training pairs, {len(record.get('seen') or [])} seen names)",
               file=sys.stderr, flush=True)
         return float(record["gamma"])
