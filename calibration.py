@@ -23,11 +23,11 @@ Deviations / choices:
 1. A caption names a name when the name's words (lower-cased, infra/folder.WORDS) occur in it one after the
    other: vocabulary.json's rule (aligned.seen_names), so a name the captions never held labels no image. On
    the Shapes world this is benchmarks/novel_classes.classes_of's colour-shape phrase (tests/test_calibrate.py).
-2. The loop of a trained method is align.py's on its features (AdamW, a cosine schedule over all steps, the
-   batch order seeded by (seed, epoch), the last partial batch dropped), at the run's epochs, batch, lr and
-   weight decay, without checkpoints or hard negatives; a closed-form method fits on pooled vectors
-   (train.fit_or_train's rule). The fold models see fewer names than the run's, so their scores' scale only
-   approximates the run's; the gamma is carried over as is.
+2. The loop of a trained method is align.py's on its features (the method's optimizer, betas and grad_clip, a
+   cosine schedule over all steps, the batch order seeded by (seed, epoch), the last partial batch dropped), at
+   the run's epochs, batch, lr and weight decay, without checkpoints, hard negatives or a stop on validation; a
+   closed-form method fits on pooled vectors (train.fit_or_train's rule). The fold models see fewer names than
+   the run's, so their scores' scale only approximates the run's; the gamma is carried over as is.
 3. Pairs and images: held-out images and pseudo-novel images leave the fit with every one of their captions;
    an image is scored once (its first pair), so several captions of one image weigh as one.
 """
@@ -60,12 +60,15 @@ def named_in(captions, names):
 
 
 def train(method, img, txt, epochs, batch_size, seed, lr=None, weight_decay=None):
-    """align.py's loop on features: AdamW, cosine schedule, (seed, epoch)-seeded order (choice 2); lr and
-    weight_decay default to the method's own. Returns the steps taken."""
+    """align.py's loop on features (train.fit_or_train's, choice 2): the method's optimizer (AdamW or Adam, its
+    betas, its grad_clip), a cosine schedule, the (seed, epoch)-seeded order; lr and weight_decay default to the
+    method's own. Returns the steps taken."""
     d = method.defaults
     steps = len(img) // batch_size
-    opt = torch.optim.AdamW(method.parameters(), lr=d["lr"] if lr is None else lr,
-                            weight_decay=d["weight_decay"] if weight_decay is None else weight_decay)
+    params = [p for p in method.parameters() if p.requires_grad]
+    opt = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[d.get("optimizer", "adamw")](
+        params, lr=d["lr"] if lr is None else lr, weight_decay=d["weight_decay"] if weight_decay is None else
+        weight_decay, betas=d.get("betas", (0.9, 0.999)))
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, epochs * steps))
     method.train()
     for epoch in range(epochs):
@@ -75,6 +78,8 @@ def train(method, img, txt, epochs, batch_size, seed, lr=None, weight_decay=None
             loss, _ = method.loss(img[idx], txt[idx])
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            if d.get("grad_clip"):
+                torch.nn.utils.clip_grad_norm_(params, d["grad_clip"])
             opt.step()
             sched.step()
     return epochs * steps

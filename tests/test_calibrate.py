@@ -227,3 +227,22 @@ def test_the_command_line_runs_calibrate_and_a_fault_is_one_error_line(tmp_path)
     assert gone.returncode == 1 and gone.stdout == ""
     assert gone.stderr.strip().splitlines() == [f"error: {tmp_path / 'gone'} is not a folder; pass a run folder of "
                                                 f"align.py (results/<method>-<data>-seed<N>)"]
+
+
+def test_the_refit_on_every_pair_the_run_aligned_on_is_the_run_bit_for_bit(cache_dir, tmp_path):
+    """calibration.fitted at the run's config.json (class, keywords, epochs, batch, lr, weight decay, seed) on the
+    pairs it aligned on (align.calibration_pairs, --num-pairs 1000) gives model.safetensors exactly: the folds
+    refit with the run's own loop (linear_rs: its betas (0.9, 0.95) and grad_clip 1.0 included)."""
+    from methods import METHODS
+    out = tmp_path / "linear_rs"
+    align.main(["--method", "linear_rs", "--epochs", "1", "--num-pairs", "1000", "--eval-images", "20", "--cache-dir",
+                str(cache_dir), "--out", str(out), "--no-figures", "--threads", "1", "--quiet"])
+    config, model, state = aligned.read_run(out)
+    args = align.calibration_args(config, model, cache_dir, 1)
+    inputs = align.load_inputs(args, "cpu")
+    img, txt, rows, _ = align.calibration_pairs(args, inputs.sets["train"], align.training_features(args, inputs,
+                                                                                                    False))
+    loop = {k: config[k] for k in ("epochs", "batch_size", "lr", "weight_decay")}
+    refit = calibration.fitted(METHODS["linear_rs"], aligned.hp_of(model), img[rows], txt, config["seed"], **loop)
+    mine = refit.state_dict()
+    assert set(mine) == set(state) and all(torch.equal(mine[k], state[k]) for k in state)
