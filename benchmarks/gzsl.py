@@ -25,7 +25,8 @@ fits of every run would be the cost); classify takes it as --calibrate GAMMA. St
 which `python align.py calibrate RUN --classes ...` runs on a finished run's own training pairs (there every
 pair the run aligned on may enter a fold's fit; here those naming seen classes only). The fold models see fewer
 classes than the final one, so their scores' scale only approximates its; the gamma is carried over as is.
-The loop is benchmarks/novel_classes.py's (align.py's: AdamW, cosine, seeded batch order) without checkpoints.
+The loop is calibration.train (align.py's: the method's optimizer, cosine, seeded batch order) without
+checkpoints.
 """
 import argparse
 import json

@@ -11,9 +11,9 @@ shape is in both halves and only the combinations are new. A caption's classes a
 phrases it names (every caption names all objects of its scene). The methods align on the training
 pairs whose objects are all of seen classes; retrieval is scored on the test images (5 captions each)
 whose objects are all seen, and on those whose objects are all novel. The features are align.py's
-(read from --cache-dir, extracted there when missing); the loop below is align.py's (AdamW, a cosine
-schedule over all steps, the batch order seeded by (seed, epoch), the last partial batch dropped),
-without its checkpoints. Prints one row per setting: the chosen ridge or the steps, seen and novel RSum.
+(read from --cache-dir, extracted there when missing); the loop is align.py's (calibration.train: the
+method's optimizer, a cosine schedule over all steps, the batch order seeded by (seed, epoch), the last
+partial batch dropped), without its checkpoints. Prints one row per setting: the chosen ridge or the steps, seen and novel RSum.
 """
 import argparse
 import inspect
