@@ -72,7 +72,8 @@ def same_flags(out, flags):
     config = json.loads((out / "config.json").read_text())
     hp = dict(h.split("=", 1) for h in want.pop("hp") or [])
     diff = [k for k, v in want.items() if k in config and k not in ("out", "cache_dir", "epochs", "batch_size",
-                                                                     "lr", "weight_decay") and config[k] != v]
+                                                                     "lr", "weight_decay") and config[k] != v
+            and not (k == "device" and v == "auto")]        # the run holds the device auto resolved to
     diff += [k for k in ("epochs", "batch_size", "lr", "weight_decay") if want[k] is not None and config[k] != want[k]]
     diff += [f"hp.{k}" for k, v in hp.items() if config["hp"].get(k) != literal(v)]
     if diff:
