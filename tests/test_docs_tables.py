@@ -96,7 +96,7 @@ RERUN = {"cov-readings": [0], "cov-mask-validation": [0], "linear-5-epochs": [0,
 # the tables not rerun, and why (docs/results.md says so beside each)
 NOT_RERUN = {name: "EfficientNet-Lite2's features of the 6,000-image world take about 20 minutes of one core to "
                    "encode before any row runs"
-             for name in ("real-encoders", "csa-ridges-lite2", "pal-linear-cpu-defaults-lite2")}
+             for name in ("real-encoders", "real-encoders-sail", "csa-ridges-lite2", "pal-linear-cpu-defaults-lite2")}
 # |rerun - JSON| allowed on every figure (percent, or RSum points), wall times excepted. A rerun on the machine
 # and thread count that measured a table repeats it to the last digit; another CPU's kernels moved one binding
 # decision of the default run (binding_templates 52.22 / 52.11, docs/benchmarks.md), and cov-mask-validation
