@@ -35,6 +35,7 @@ import torch
 
 from features import Features
 from infra.folder import WORDS
+from train import epoch_order, optimiser, update
 
 FOLDS = 3          # pseudo-novel folds of the seen names
 HELD_OUT = 0.25    # share of the labelled training images kept out of every fit
@@ -60,28 +61,18 @@ def named_in(captions, names):
 
 
 def train(method, img, txt, epochs, batch_size, seed, lr=None, weight_decay=None):
-    """align.py's loop on features (train.fit_or_train's, choice 2): the method's optimizer (AdamW or Adam, its
-    betas, its grad_clip), a cosine schedule, the (seed, epoch)-seeded order; lr and weight_decay default to the
-    method's own. Returns the steps taken."""
+    """align.py's loop on features (choice 2; train.py's optimiser, epoch_order and update); lr and weight_decay
+    default to the method's own. Returns the steps taken."""
     d = method.defaults
     steps = len(img) // batch_size
-    params = [p for p in method.parameters() if p.requires_grad]
-    opt = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[d.get("optimizer", "adamw")](
-        params, lr=d["lr"] if lr is None else lr, weight_decay=d["weight_decay"] if weight_decay is None else
-        weight_decay, betas=d.get("betas", (0.9, 0.999)))
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, epochs * steps))
+    params, opt, sched = optimiser(method, d["lr"] if lr is None else lr,
+                                   d["weight_decay"] if weight_decay is None else weight_decay, epochs * steps)
     method.train()
     for epoch in range(epochs):
-        order = torch.randperm(len(img), generator=torch.Generator().manual_seed(seed * 100003 + epoch))
+        order = epoch_order(len(img), seed, epoch)
         for s in range(steps):
             idx = order[s * batch_size:(s + 1) * batch_size]
-            loss, _ = method.loss(img[idx], txt[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if d.get("grad_clip"):
-                torch.nn.utils.clip_grad_norm_(params, d["grad_clip"])
-            opt.step()
-            sched.step()
+            update(method, method.loss(img[idx], txt[idx])[0], params, opt, sched)
     return epochs * steps
 
 

@@ -318,6 +318,31 @@ def stop_if_not_finite(losses, epoch, first, ckpt, saved, lr, params=()):
             f"Try a lower --lr (now {lr:g}) or --hp values further from their limits, {again}.")
 
 
+def optimiser(method, lr, weight_decay, total_steps):
+    """(params, opt, sched): the method's trained parameters, its optimizer (Adam or AdamW, its betas) and a
+    cosine schedule over total_steps: the one setup of every loop (train below, calibration.train)."""
+    d = method.defaults
+    params = [p for p in method.parameters() if p.requires_grad]
+    opt = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[d.get("optimizer", "adamw")](
+        params, lr=lr, weight_decay=weight_decay, betas=d.get("betas", (0.9, 0.999)))
+    return params, opt, torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, total_steps))
+
+
+def epoch_order(n, seed, epoch):
+    """An epoch's order of the n pairs: a permutation seeded by (seed, epoch) alone."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
+
+
+def update(method, loss, params, opt, sched):
+    """One step: the gradient of loss, clipped to the method's grad_clip, then the optimizer's and schedule's."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if method.defaults.get("grad_clip"):
+        torch.nn.utils.clip_grad_norm_(params, method.defaults["grad_clip"])
+    opt.step()
+    sched.step()
+
+
 def train(method, img, txt, loop, out, device, resume=False, settings=None, negatives=None, val=None):
     """Mini-batch training of method.loss with the method's optimiser, a cosine schedule,
     a checkpoint each epoch, --resume, and a clear stop on a non-finite loss.
@@ -332,16 +357,12 @@ def train(method, img, txt, loop, out, device, resume=False, settings=None, nega
     val: (images, captions, txt_to_img) of held-out pairs: validation figures each epoch into the history,
     and the epoch of the best val_score is the one kept (a stop on validation: the later epochs run, the
     schedule is the full --epochs', and the weights of the best epoch are restored at the end)."""
-    d = method.defaults
     loop = {k: loop[k] for k in ("epochs", "batch_size", "lr", "weight_decay", "seed")}   # not the threads
     epochs, batch_size, lr, wd = loop["epochs"], loop["batch_size"], loop["lr"], loop["weight_decay"]
     steps_per_epoch = len(img) // batch_size      # the last partial batch is dropped: InfoNCE wants full ones
     shapes = {f"shape.{k}": list(v.shape) for k, v in method.state_dict().items()}
     settings = {**(settings or {}), **loop, **shapes}
-    opt_cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[d.get("optimizer", "adamw")]
-    params = [p for p in method.parameters() if p.requires_grad]
-    opt = opt_cls(params, lr=lr, weight_decay=wd, betas=d.get("betas", (0.9, 0.999)))
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, epochs * steps_per_epoch))
+    params, opt, sched = optimiser(method, lr, wd, epochs * steps_per_epoch)
     start, ckpt, last = 0, Path(out) / "checkpoint.pt", None   # written each epoch
     history, best = [], None          # per-epoch figures; best: (epoch, val_score, state) of a stop on validation
     if resume is True and ckpt.exists():
@@ -365,14 +386,13 @@ def train(method, img, txt, loop, out, device, resume=False, settings=None, nega
         if not dd.active:
             return {"seconds": 0.0, "final_loss": None, "history": []}  # rank 0 trains alone
         step_loss, rows = dd.loss, dd.rows
-    print(f"[train] {epochs} epochs x {steps_per_epoch} steps, batch {batch_size}, {opt_cls.__name__} "
+    print(f"[train] {epochs} epochs x {steps_per_epoch} steps, batch {batch_size}, {type(opt).__name__} "
           f"lr {lr:g} wd {wd:g}")
     feed = Feed(img, txt, device)                   # on the device once, or streamed: said in one line
     t0, loss = time.time(), torch.tensor(float("nan"))
     for epoch in range(start, epochs):
         method.train()
-        g = torch.Generator().manual_seed(loop["seed"] * 100003 + epoch)  # the order: (seed, epoch) only
-        order = torch.randperm(len(img), generator=g)
+        order = epoch_order(len(img), loop["seed"], epoch)
         t_epoch = time.time()
         total = torch.zeros((), dtype=torch.float64, device=device)  # the epoch's loss, summed on the device
         sums, pending, first = {}, [], 0                             # logs' sums; losses not yet checked
@@ -387,12 +407,7 @@ def train(method, img, txt, loop, out, device, resume=False, settings=None, nega
                 neg = batch_to(negatives[0][j.clamp(min=0).flatten()], device)
                 loss = loss + hard_negative_loss(method, img_b, txt_b, neg, (j >= 0).to(device),
                                                  contrastive_scale(method))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if d.get("grad_clip"):
-                torch.nn.utils.clip_grad_norm_(params, d["grad_clip"])
-            opt.step()
-            sched.step()
+            update(method, loss, params, opt, sched)
             total += loss.detach()                        # queued on the device: no host sync a step
             pending.append(loss.detach())
             for k, v in logs.items():
