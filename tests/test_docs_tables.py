@@ -100,8 +100,8 @@ RERUN = {"cov-readings": [0], "cov-mask-validation": [0], "linear-5-epochs": [0,
 # 5 epochs of CoV magnify that to 4 RSum (a rerun on such features fails on CoV's row; linear's holds)
 ROWS = {"real-encoders": ["cov", "linear"]}
 # the tables not rerun, and why (docs/results.md says so beside each)
-NOT_RERUN = {"real-encoders-sail": "its one row trains SAIL for 14 minutes (5 epochs) and 100 minutes (40 epochs) of "
-                                   "one core on EfficientNet-Lite2's features"}
+NOT_RERUN = {"real-encoders-sail": "its rows train SAIL for 14 minutes (5 epochs) and 92 minutes (at most 40 epochs) "
+                                   "of one core on EfficientNet-Lite2's features"}
 # |rerun - JSON| allowed on every figure (percent, or RSum points), wall times excepted. A rerun on the machine
 # and thread count that measured a table repeats it to the last digit; another CPU's kernels moved one binding
 # decision of the default run (binding_templates 52.22 / 52.11, docs/benchmarks.md), and cov-mask-validation
