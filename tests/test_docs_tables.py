@@ -116,10 +116,15 @@ TOLERANCE = 0.5
 KEEP_FREED = {"MALLOC_TRIM_THRESHOLD_": str(2**30), "MALLOC_MMAP_THRESHOLD_": str(2**30)}
 
 
+ENCODED = set()   # the cache folders encode_in_two_processes has filled this session
+
+
 def encode_in_two_processes(cache_dir):
     """The EfficientNet-Lite2 + MiniLM features of the Shapes world into cache_dir, two processes at once at the
     tables' one thread each (bit for bit what their runs would encode): the training set in one, every other set
-    in the other. The tables' runs then find them cached."""
+    in the other. The tables' runs then find them cached. Once a session: later tables skip it."""
+    if str(cache_dir) in ENCODED:
+        return
     code = ("import sys, torch; import align; torch.set_num_threads(1); "
             "args = align.parse_args(['--image-encoder', 'efficientnet-lite2', '--text-encoder', 'minilm', "
             "'--cache-dir', sys.argv[1], '--threads', '1']); run = align.load_inputs(args, 'cpu'); "
@@ -131,6 +136,7 @@ def encode_in_two_processes(cache_dir):
     for p in procs:
         _, err = p.communicate()
         assert p.returncode == 0, f"encoding the world with Lite2 failed:\n{err[-2000:]}"
+    ENCODED.add(str(cache_dir))
 
 
 def off(old, new, what):
@@ -188,7 +194,7 @@ def test_each_docs_table_is_what_its_command_prints_now(path, cache_dir, tmp_pat
     if path.stem in NOT_RERUN:
         pytest.skip(NOT_RERUN[path.stem])
     if "efficientnet-lite2" in json.loads(path.read_text())["command"]:
-        encode_in_two_processes(cache_dir)                 # once: later calls find every set cached
+        encode_in_two_processes(cache_dir)
     assert path.stem in RERUN, f"{path.name}: no rerun size in RERUN (add one that finishes, and say it in docs)"
     table, seeds = json.loads(path.read_text()), RERUN[path.stem]
     rerun = rerun_table(path, seeds, cache_dir, tmp_path / "rerun")
