@@ -204,10 +204,7 @@ def load_inputs(args, device):
     if users_data:       # the image-text sets, then every evaluation set found under --data-root
         with guard(f"--data {args.data} in {args.data_root}", "fix the file it names, or unpack the data again"):
             sets = data.DATASETS[args.data](root=args.data_root)
-        sets |= eval_sets.evaluation_sets(args.data_root)
-        for split, s in sets.items():
-            if isinstance(s, (data.PairSet, data.BindingSet)):
-                data.check_texts(s.captions, f"{args.data}/{split}")
+        sets |= eval_sets.evaluation_sets(args.data_root)   # captions checked as read (data.karpathy_pairs)
     else:
         sets = shapes.cached_world(args.cache_dir)
     image_enc, text_enc = encoders.load_encoders(args.image_encoder, args.text_encoder,   # one guard per folder
@@ -477,8 +474,8 @@ def write_metrics(metrics, config, run, args, work, device):
         metrics["recycling"] = recycling.recycling_analyses(run, args, device)
     folder.write_flat(metrics, work / "results.csv")            # one unit, rounded: beside metrics.json
     storage.atomic_write_text(json.dumps(folder.in_percent(metrics), indent=2), work / "metrics.json")  # percent
-    if not getattr(args, "keep_checkpoint", False):
-        folder.drop_checkpoint(work)                            # finished: --resume has nothing left to continue
+    if not getattr(args, "keep_checkpoint", False):             # finished: --resume has nothing left to continue
+        (work / "checkpoint.pt").unlink(missing_ok=True)
     with folder.shown():                                        # even under --quiet
         print(evaluate.results_table({k: v for k, v in metrics.items() if k != "recycling"}))
 

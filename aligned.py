@@ -551,7 +551,6 @@ def choose_gamma(scores, labels, seen):
 # ---------------------------------------------------------------------------
 # The commands: python align.py index | classify | search | table
 # ---------------------------------------------------------------------------
-COMMANDS = ("index", "classify", "search", "table")
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 KEY_METRICS = ("retrieval/i2t_r1", "retrieval/t2i_r1", "retrieval/rsum", "top1", "miou_fg", "binding/binding_acc")
 

@@ -466,12 +466,3 @@ def flickr(root="data"):
 
 
 DATASETS = {"coco": coco, "flickr": flickr}   # real sets on disk; "shapes" is shapes.py
-
-
-def check_texts(texts, where):
-    """An empty caption (no visible character) has no tokens to align, one that is not valid Unicode
-    cannot be tokenized (text_fault): stop with where it is, before any encoder runs."""
-    bad = [(i, text_fault(t or "")) for i, t in enumerate(texts) if text_fault(t or "")]
-    if bad:
-        raise RunError(f"{len(bad)} caption(s) in {where} with no text to align (the first, at index "
-                       f"{bad[0][0]}, {bad[0][1]}); give them text or remove them from the annotation file")

@@ -219,7 +219,6 @@ def keep_choice(choice, out, result):
     table = {"setting": choice["setting"], "chosen": choice["chosen"],
              "table": [{choice["setting"]: v, **row} for v, row in choice["table"].items()]}
     if distributed.RANK == 0:
-        Path(out).mkdir(parents=True, exist_ok=True)
         storage.atomic_write_text(json.dumps(table, indent=1), Path(out) / "validation.json")
     result["chosen"] = {choice["setting"]: choice["chosen"]}
 
@@ -435,7 +434,6 @@ def train(method, img, txt, loop, out, device, resume=False, settings=None, nega
                 best = (epoch + 1, row["val_score"], {k: v.detach().clone() for k, v in method.state_dict().items()})
         history.append(row)
         if distributed.RANK == 0:
-            ckpt.parent.mkdir(parents=True, exist_ok=True)
             storage.atomic_save({"method": method.state_dict(), "opt": opt.state_dict(),
                                "sched": sched.state_dict(), "epoch": epoch,
                                "rng": torch.get_rng_state(), "loss": last, "settings": settings,

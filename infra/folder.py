@@ -155,11 +155,6 @@ def templates_of(data_name):
     return ["a photo of a {}."]
 
 
-def drop_checkpoint(out):
-    """A finished run's checkpoint.pt removed (metrics.json is written: --resume has nothing to continue)."""
-    (Path(out) / "checkpoint.pt").unlink(missing_ok=True)
-
-
 def save_weights(method, path):
     """method.state_dict() as safetensors (tied tensors are stored twice)."""
     storage.save_tensors(method.state_dict(), path)

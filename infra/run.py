@@ -18,7 +18,6 @@ import ast
 import contextlib
 import inspect
 import json
-import os
 import re
 import shutil
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 import torch
 
 import data
+import model_files
 from infra import folder, storage
 from infra.errors import RunError, first_line
 from infra.storage import code_hash
@@ -150,10 +150,8 @@ def before_any_work(args, method_cls):
     refuse_blank_exercises(args)
     check_flags(args, method_cls)
     device = check_device(args.device)
-    for flag in ("--image-encoder", "--text-encoder"):
-        name = getattr(args, flag[2:].replace("-", "_"))
-        if looks_like_path(name) and not Path(name).expanduser().is_dir():
-            raise RunError(f"{flag} {name}: no such directory")
+    model_files.check_path(args.image_encoder, "--image-encoder")
+    model_files.check_path(args.text_encoder, "--text-encoder")
     data.check_root(args.data, args.data_root)      # a wrong --data-root, before the encoders load or pretrain
     check_shapes_encoders(args)
     storage.check_folder(args.cache_dir, "--cache-dir", tag=("CACHEDIR.TAG", CACHEDIR_TAG))   # written: a probe
@@ -171,11 +169,6 @@ def check_device(device):
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         raise RunError(f"--device {device}, but torch sees no CUDA GPU here; use --device cpu (or auto)")
     return device
-
-
-def looks_like_path(name):
-    """A name written as a filesystem path (absolute, ~, ./ or ../), never a hub name."""
-    return os.path.isabs(name) or name in (".", "..") or name.startswith(("./", "../", "~", ".\\", "..\\"))
 
 
 def refuse_blank_exercises(args):

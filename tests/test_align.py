@@ -15,7 +15,6 @@ import torch
 from conftest import random_features, train_with
 
 import align
-import data
 import train
 from infra import cache, run
 from methods.linear import Linear
@@ -163,14 +162,6 @@ def test_feature_cache_is_reused_keyed_and_rebuilt_when_broken(tmp_path, capsys)
     path.write_bytes(path.read_bytes()[:100])                 # a half-written file
     c = cache.extract(enc, ["x"] * 10, tmp_path, batch_size=4, dataset="d", split="s", modality="text")
     assert enc.calls == 9 and torch.equal(a.tokens, c.tokens) and "unreadable" in capsys.readouterr().out
-
-
-def test_empty_captions_stop_with_where_they_are():
-    data.check_texts(["a red circle", "a cross"], "shapes/train")
-    with pytest.raises(SystemExit, match=r"^error: 2 caption\(s\) in coco/test with no text to align \(the first, at "
-                                         r"index 1, is empty\); give them text or remove them from the annotation "
-                                         r"file$"):
-        data.check_texts(["a red circle", "", "  "], "coco/test")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
