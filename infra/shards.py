@@ -20,13 +20,7 @@ from infra.errors import RunError, first_line
 from infra.folder import Progress
 from infra.storage import atomic_save, atomic_write_text, file_crc, load_plain, safe_load, save_npy
 
-# A set larger than MEMMAP_BYTES is written as shards of SHARD_BYTES, read back through a
-#   memory map as StoredFeatures. Tokens are stored RAGGED: row after row, no
-#   padding (captions), so a batch is padded only to its own longest row. An
-#   interrupted extraction resumes at the first unfinished shard.
 MEMMAP_BYTES = 2 * 2**30      # larger token caches go to shards (benchmarks/align_sharded.py sets it for a run)
-
-
 SHARD_BYTES = 256 * 2**20     # tokens per shard (whole batches, >= 1)
 
 
