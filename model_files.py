@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from infra.errors import RunError, first_line
+from infra.run import check_path
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -237,11 +238,6 @@ def not_available(name, flag):
         f"(huggingface_hub < 1.0: huggingface-cli download ...), copy {local} here and pass {flag} {local}.")
 
 
-def looks_like_path(name):
-    """A name written as a filesystem path (absolute, ~, ./ or ../), never a hub name."""
-    return os.path.isabs(name) or name in (".", "..") or name.startswith(("./", "../", "~", ".\\", "..\\"))
-
-
 def hub_unreachable(timeout=3.0):
     """True when the hub must not or cannot be contacted: HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE set,
     or its host name does not resolve (a machine without network). Only a DNS lookup, no connection;
@@ -264,12 +260,6 @@ def hub_unreachable(timeout=3.0):
     lookup.start()
     lookup.join(timeout)
     return not found
-
-
-def check_path(name, flag):
-    """A name written as a path must be an existing directory: say so at once, before any long work."""
-    if looks_like_path(name) and not Path(name).expanduser().is_dir():
-        raise RunError(f"{flag} {name}: no such directory")
 
 
 def hf_source(name, flag):

@@ -18,6 +18,7 @@ import ast
 import contextlib
 import inspect
 import json
+import os
 import re
 import shutil
 import sys
@@ -27,7 +28,6 @@ from pathlib import Path
 import torch
 
 import data
-import model_files
 from infra import folder, storage
 from infra.errors import RunError, first_line
 from infra.storage import code_hash
@@ -150,8 +150,8 @@ def before_any_work(args, method_cls):
     refuse_blank_exercises(args)
     check_flags(args, method_cls)
     device = check_device(args.device)
-    model_files.check_path(args.image_encoder, "--image-encoder")
-    model_files.check_path(args.text_encoder, "--text-encoder")
+    check_path(args.image_encoder, "--image-encoder")
+    check_path(args.text_encoder, "--text-encoder")
     data.check_root(args.data, args.data_root)      # a wrong --data-root, before the encoders load or pretrain
     check_shapes_encoders(args)
     storage.check_folder(args.cache_dir, "--cache-dir", tag=("CACHEDIR.TAG", CACHEDIR_TAG))   # written: a probe
@@ -159,6 +159,17 @@ def before_any_work(args, method_cls):
     storage.check_folder(out, "--out")          # its lock (folder.held) and config.json (begin) probe it
     folder.check_out(out, args)
     return Settings(args, method_cls, hp, device, out)
+
+
+def looks_like_path(name):
+    """A name written as a filesystem path (absolute, ~, ./ or ../), never a hub name."""
+    return os.path.isabs(name) or name in (".", "..") or name.startswith(("./", "../", "~", ".\\", "..\\"))
+
+
+def check_path(name, flag):
+    """A name written as a path must be an existing directory: said at once, before any long work."""
+    if looks_like_path(name) and not Path(name).expanduser().is_dir():
+        raise RunError(f"{flag} {name}: no such directory")
 
 
 def check_device(device):
