@@ -411,7 +411,7 @@ def main(argv=None):
                                                settings.identity, negs)}
         if distributed.JOINED and not distributed.finish():   # torchrun: the group ends; rank 0 goes on alone
             return {}
-        save_method(method, metrics["train"].pop("history", []), out)   # model.safetensors, history.csv
+        save_method(method, metrics["train"].pop("history", []), out, settings.identity)   # model.safetensors...
         # -> the method frozen -> the test sets -> evaluation -> results (metrics.json last: the run finished)
         method.eval().requires_grad_(False)
         run.sets |= tests
@@ -436,10 +436,10 @@ def write_config(settings, method, run, img, txt):
     return config
 
 
-def save_method(method, history, out):
-    """The trained method: model.safetensors (aligned.load reads it with config.json's "model") and its
-    per-epoch history.csv (not metrics.json)."""
-    folder.save_weights(method, out / "model.safetensors")
+def save_method(method, history, out, identity):
+    """The trained method: model.safetensors (aligned.load reads it with config.json's "model"; sealed with
+    the run's identity) and its per-epoch history.csv (not metrics.json)."""
+    folder.save_weights(method, out / "model.safetensors", identity)
     folder.write_history(history, out / "history.csv")
 
 

@@ -90,11 +90,19 @@ from infra.errors import RunError, first_line  # noqa: E402  (after the check: i
 from infra.run import guard  # noqa: E402
 
 
-def read_weights(folder):
-    """The method's state_dict from model.safetensors, else an older run's method.pt (tensors only)."""
+def read_weights(folder, identity=None):
+    """The method's state_dict from model.safetensors, else an older run's method.pt (tensors only); a file
+    sealed with identity's hash where the file carries one (weights copied from another run are refused)."""
     folder = Path(folder)
     if (folder / "model.safetensors").is_file():
+        from safetensors import safe_open
         from safetensors.torch import load_file
+
+        from infra.folder import identity_hash
+        with safe_open(str(folder / "model.safetensors"), "pt") as f:
+            sealed = (f.metadata() or {}).get("identity")
+        if identity is not None and sealed is not None and sealed != identity_hash(identity):
+            raise ValueError("these weights were trained by another run (their identity is not config.json's)")
         return load_file(str(folder / "model.safetensors"))
     if (folder / "method.pt").is_file():
         return torch.load(folder / "method.pt", map_location="cpu", weights_only=True)
@@ -106,6 +114,8 @@ def shaped_like(method, state):
     fit() sizes, e.g. ASIF's anchors (N_a, D) created as (0, D)), so load_state_dict(strict=True) fits."""
     own = method.state_dict(keep_vars=True)
     for key, saved in state.items():
+        if key in own and own[key].is_floating_point() and not saved.is_floating_point():
+            raise ValueError(f"its {key} is {saved.dtype}, not floating point: changed since the run?")
         if key in own and own[key].shape != saved.shape:
             *path, name = key.split(".")
             module = method.get_submodule(".".join(path))
@@ -177,13 +187,20 @@ def read_run(folder):
         if model["method"] not in METHODS:
             raise ValueError(f"its method {model['method']!r} is not one of this code's ({', '.join(sorted(METHODS))}"
                              f"): renamed since?")
+        ident = config["identity"]
+        changed = [k for k, v in (model.get("hp") or {}).items() if f"hp.{k}" in ident and ident[f"hp.{k}"] != v]
+        if changed:
+            raise ValueError(f"its model.hp {changed[0]} is {model['hp'][changed[0]]!r}, its identity's "
+                             f"{ident['hp.' + changed[0]]!r}: edited since the run?")
+        if not all(type(model.get(k)) is int for k in ("image_layer", "text_layer")):
+            raise ValueError("its model.image_layer and model.text_layer are not whole numbers")
         templates = model.get("templates") or []
         if not isinstance(templates, list) or not all(isinstance(t, str) and one_slot(t) for t in templates):
             raise ValueError(f"its templates {templates!r} are not a list of prompts that each hold {{}} once and "
                              f"no other brace")
     name = "model.safetensors" if (folder / "model.safetensors").exists() else "method.pt"
     with guard(f"{folder / name}", "copy the run folder again from where it was made, or rerun the run"):
-        state = read_weights(folder)
+        state = read_weights(folder, config["identity"])
     return config, model, state
 
 
@@ -226,7 +243,12 @@ def load(run_folder, device="cpu", cache_dir=None):
                                                      model["image_layer"], model["text_layer"])
     for kind, enc in (("image", image_enc), ("text", text_enc)):
         check_same_encoder(kind, enc, config)
-    model["dims"] = model.get("dims") or [image_enc.dim, text_enc.dim]     # an older run: its encoders' dims
+    dims = [image_enc.dim, text_enc.dim]
+    if model.get("dims") and list(model["dims"]) != dims:
+        raise RunError(f"{Path(run_folder) / 'config.json'}: its encoders at its model's layers give {dims}-d "
+                       f"features, its weights were trained on {model['dims']}: config.json was edited since the run; "
+                       f"copy the run folder again, or rerun the run")
+    model["dims"] = model.get("dims") or dims      # an older run: its encoders' dims
     with guard(f"{Path(run_folder) / 'model.safetensors'}", "its weights do not fit the method config.json names; "
                "copy the run folder again, or rerun the run"):
         method = rebuild(run_folder, model, state)
@@ -301,10 +323,16 @@ class Index:
         from safetensors import safe_open
         with guard(f"{path}", f"delete it (rm {path}) and run python align.py index again"):
             with safe_open(str(path), "pt") as f:
-                meta, emb = f.metadata(), f.get_tensor("emb")
+                meta = f.metadata() or {}
+                if "keys" not in meta or "run_key" not in meta or "emb" not in f.keys():
+                    raise RunError(f"{path} is no image index of this project (it has no keys, run_key or emb), "
+                                   f"left as it is; pass --index a folder of its own")
+                emb = f.get_tensor("emb")
             keys = json.loads(meta["keys"])
             if len(keys) != len(emb):
                 raise ValueError(f"{len(keys)} keys for {len(emb)} embeddings")
+            if not torch.isfinite(emb).all():
+                raise ValueError("it holds NaN or inf embeddings")
             index = cls(keys, emb, json.loads(meta["run_key"]))
             index.path = path
             return index
@@ -555,22 +583,45 @@ IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".ti
 KEY_METRICS = ("retrieval/i2t_r1", "retrieval/t2i_r1", "retrieval/rsum", "top1", "miou_fg", "binding/binding_acc")
 
 
+def walk_images(folder):
+    """The image files under folder: linked folders followed (each real folder once, so a link loop ends),
+    hidden files and folders (.DS_Store, macOS's ._x.jpg) left out; a folder that cannot be read is one line."""
+    def refuse(e):
+        raise RunError(f"{e.filename} cannot be read ({e.strerror}), so its images would be left out; give it "
+                       f"read permission (chmod -R u+rX) or pass the other folders")
+    files, walked = [], set()
+    for root, dirs, names in os.walk(folder, onerror=refuse, followlinks=True):
+        if os.path.realpath(root) in walked:
+            dirs[:] = []
+            continue
+        walked.add(os.path.realpath(root))
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        files += [Path(root, n) for n in names if not n.startswith(".") and Path(n).suffix.lower() in IMAGE_SUFFIXES
+                  and os.path.isfile(os.path.join(root, n))]
+    return sorted(files)
+
+
 def image_files(paths):
     """The image files of paths (folders, walked recursively, and files), read gate: every file's header is
-    read (data.file_scan: no pixel decoded) and a file that is no image is one line naming it; hidden
-    files and folders (.DS_Store, macOS's ._x.jpg) are left out of a folder's walk."""
+    read (data.file_scan: no pixel decoded) and a file that is no image is one line naming it, as is a
+    name that is not UTF-8 (it could not be printed, nor written to a CSV)."""
     import data
     files = []
     for p in map(Path, paths):
         if p.is_dir():
-            files += sorted(f for f in p.rglob("*") if f.suffix.lower() in IMAGE_SUFFIXES and f.is_file()
-                            and not any(part.startswith(".") for part in f.relative_to(p).parts))
+            files += walk_images(p)
         elif p.is_file():
             files.append(p)
         else:
             raise RunError(f"{p}: no such file or folder; pass image files or folders of them")
     if not files:
         raise RunError(f"{' '.join(paths)} holds no image file ({', '.join(sorted(IMAGE_SUFFIXES))})")
+    for f in files:
+        try:
+            str(f).encode("utf-8")
+        except UnicodeEncodeError:                  # a byte that is no UTF-8, kept by Python as a lone surrogate
+            raise RunError(f"{ascii(str(f))}: its name is not valid UTF-8, so it cannot be printed or written to a "
+                           f"CSV; rename it (e.g. with convmv) or move it out") from None
     _, faults = data.file_scan(files)
     for fault, found in faults.items():
         path, e = found[0]
@@ -651,6 +702,9 @@ def check_new(flag, path):
             raise RunError(f"{flag} {path} exists; pass a new file name (nothing is ever written over), or delete it")
         if not Path(path).parent.is_dir():
             raise RunError(f"{flag} {path}: its folder {Path(path).parent} does not exist; create it or pass another")
+        if not os.access(Path(path).parent, os.W_OK | os.X_OK):
+            raise RunError(f"{flag} {path}: its folder {Path(path).parent} cannot be written (permissions); pass a "
+                           f"file in a folder you can write")
 
 
 def check_csv(path):
@@ -702,8 +756,12 @@ def index(a):
     with file_lock(folder / ".images.lock", log=wait):  # two calls at once: the second adds to the first's index
         old = read_index(a)                              # as it is now, under the lock
         if old is not None and old.run_key != model.run_key:
-            print(f"[index] {folder / Index.FILE} was made for other weights (another run); encoding every image",
-                  file=sys.stderr, flush=True)
+            if os.path.realpath(folder) != os.path.realpath(Path(a.run) / "index"):     # not this run's own
+                raise RunError(f"{folder / Index.FILE} is the index of another run (or of this run's earlier "
+                               f"weights), not written over; pass --index a new folder for {a.run}, or delete it "
+                               f"(rm {folder / Index.FILE}) to index these images under {a.run}")
+            print(f"[index] {folder / Index.FILE} was made for other weights (the run was trained again); "
+                  f"encoding every image", file=sys.stderr, flush=True)
             old = None
         new = model.index(files, old, batch_size=a.batch_size, workers=a.workers, tag="[index]")
         new.write(folder)
@@ -711,6 +769,10 @@ def index(a):
     dropped = len(old.at.keys() - new.at.keys()) if old is not None else 0
     print(f"[index] {len(new)} images in {folder / Index.FILE}: {len(files) - kept} encoded now, {kept} kept as they "
           f"were, {dropped} dropped (removed or changed)", flush=True)
+
+
+GAMMA_MAX = 1e3    # the scores are cosines or logits (|s| <= the logit scale, <= 100): a larger |gamma| changes no
+                   # ranking between seen and novel names, and loses the float32 scores' digits (1e39: -inf, NaN)
 
 
 def gamma_or_auto(text):
@@ -728,8 +790,9 @@ def read_calibration(run):
     with guard(f"{path}", f"run python align.py calibrate {run} again, or give --calibrate GAMMA"):
         record = json.loads(path.read_text(encoding="utf-8"))
         gamma = record.get("gamma") if isinstance(record, dict) else None
-        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not math.isfinite(gamma):
-            raise ValueError("it holds no finite gamma")
+        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not math.isfinite(gamma) or \
+                abs(gamma) > GAMMA_MAX:
+            raise ValueError(f"it holds no finite gamma of at most {GAMMA_MAX:g} either way")
     return record
 
 
@@ -737,8 +800,9 @@ def check_calibrate(gamma, vocabulary, run):
     """--calibrate GAMMA: a finite number, and a run that can tell seen names from novel ones. Returns the gamma
     (--calibrate auto: RUN/calibration.json's, said on stderr) or None."""
     import math
-    if isinstance(gamma, float) and not math.isfinite(gamma):
-        raise RunError(f"--calibrate {gamma}: give a finite number, the score subtracted from the seen names' "
+    if isinstance(gamma, float) and not (math.isfinite(gamma) and abs(gamma) <= GAMMA_MAX):
+        raise RunError(f"--calibrate {gamma}: give a finite number, at most {GAMMA_MAX:g} either way, the score "
+                       f"subtracted from the seen names' "
                        f"(e.g. --calibrate 0.1; python align.py calibrate chooses one on the training pairs)")
     if gamma is not None and vocabulary is None and Path(run).is_dir():      # no folder: load() says so
         raise RunError(f"--calibrate: {run} holds no {VOCABULARY} (a run of an older version), so its seen class "
@@ -825,27 +889,23 @@ def search(a):
         emit(["query"] * many + ["rank", "score", "image"], rows, a.csv)
 
 
-def run_folders(root, depth=4):
-    """root when it holds metrics.json, else the folders under it that do, down to `depth` levels
+def run_folders(root):
+    """(runs, unreadable): root when it holds metrics.json, else the folders under it that do, at any depth
     (results/<group>/<run>): never below a run folder, never into a link's folder (a link to a run is read;
-    a link loop is not walked), nor a hidden folder (.git, .cache)."""
-    if (root / "metrics.json").exists():
-        return [root]
-    found, level = [], [root]
-    for _ in range(depth):
+    a link loop is not walked), nor a hidden folder (.git, .cache); and the folders that could not be read."""
+    found, unreadable, level = [], [], [root]
+    while level:
         below = []
-        for folder in level:
+        for q in level:
             try:
-                subs = sorted(q for q in folder.iterdir() if q.is_dir() and not q.name.startswith("."))
-            except OSError:
-                continue
-            for q in subs:
                 if (q / "metrics.json").exists():
                     found.append(q)
-                elif not q.is_symlink():
-                    below.append(q)
-        level = below
-    return sorted(found)
+                elif q == root or not q.is_symlink():
+                    below += [s for s in q.iterdir() if s.is_dir() and not s.name.startswith(".")]
+            except OSError:                                     # no read permission
+                unreadable.append(q)
+        level = sorted(below)
+    return sorted(found), unreadable
 
 
 def finished_runs(paths):
@@ -855,7 +915,9 @@ def finished_runs(paths):
     for p in map(Path, paths):
         if not p.exists():
             raise RunError(f"{p}: no such folder; pass run folders or folders holding them (results/)")
-        for folder in run_folders(p):
+        found, unreadable = run_folders(p)
+        other += unreadable
+        for folder in found:
             try:
                 if not all((folder / f).is_file() for f in ("config.json", "metrics.json")):   # a fifo, a folder
                     raise ValueError
@@ -878,20 +940,22 @@ def table(a):
               f"{', '.join(map(str, other[:3]))}{' ...' if len(other) > 3 else ''}", file=sys.stderr)
     if not runs:
         raise RunError(f"no finished run (a folder with metrics.json) in {' '.join(a.paths)}")
-    rows, columns = [], []
+    rows, columns, names = [], [], [run.name for run in runs]
     for run, (config, metrics) in runs.items():
         flat = {n: v for n, v, _ in flat_metrics(metrics)}
         keep = [n for n in flat if a.metrics == "all" or n.endswith(KEY_METRICS)]
         columns += [n for n in keep if n not in columns]
-        rows.append(({"run": run.name, "method": config.get("method"), "data": config.get("data"),
+        name = run.name if names.count(run.name) == 1 else str(run)     # two runs of one name: their paths
+        rows.append(({"run": name, "method": config.get("method"), "data": config.get("data"),
                       "seed": config.get("seed"), "epochs": config.get("epochs")}, flat))
     header = ["run", "method", "data", "seed", "epochs", *columns]
     cells = [[info[h] for h in header[:5]] + [flat.get(c, "") for c in columns] for info, flat in rows]
     if a.csv:
         return emit(header, cells, a.csv)
+    cell = lambda v: " ".join(str(v).split()).replace("|", "\\|")       # one markdown cell: no newline, no bar
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for row in cells:
-        print("| " + " | ".join(str(v) for v in row) + " |")
+        print("| " + " | ".join(map(cell, row)) + " |")
 
 
 def parse_args(argv=None):
@@ -960,7 +1024,7 @@ def main(argv=None):
     if getattr(a, "csv", None) == "-" and getattr(a, "json", None) == "-":
         raise RunError("--csv - and --json - would both write to stdout; give one of them a file")
     if getattr(a, "csv", None) and getattr(a, "json", None) and a.csv != "-" and \
-            os.path.abspath(a.csv) == os.path.abspath(a.json):
+            os.path.realpath(a.csv) == os.path.realpath(a.json):
         raise RunError(f"--csv and --json both name {a.csv}; give each its own file")
     for flag in ("batch_size", "workers"):
         if getattr(a, flag, 1) < 1:
@@ -969,3 +1033,6 @@ def main(argv=None):
         {"index": index, "classify": classify, "search": search, "table": table}[a.command](a)
     except KeyboardInterrupt:
         raise SystemExit("interrupted: nothing was written") from None
+    except BrokenPipeError:          # `| head`: the reader has what it wanted and closed the pipe: no traceback,
+        sys.stdout = None            # no flush of the closed pipe at exit either, exit status 0
+        raise SystemExit(0) from None

@@ -30,6 +30,7 @@ line. The console streams are line-flushed, so a redirected stdout is never minu
 """
 import contextlib
 import csv
+import hashlib
 import io
 import json
 import os
@@ -86,6 +87,13 @@ def check_out(out, args):
     if cache is not None and out.resolve() in (Path(cache).resolve(), *Path(cache).resolve().parents):
         raise RunError(f"--out {out} is or holds --cache-dir {cache}: a run folder is kept or moved as a whole, "
                        f"and the feature cache would go with it; pass --out a folder outside it")
+    if cache is not None and Path(cache).resolve() in out.resolve().parents:
+        raise RunError(f"--out {out} is inside --cache-dir {cache}, which backup tools skip (its CACHEDIR.TAG) "
+                       f"and which can be deleted as a whole; pass --out a folder outside it")
+    run = next((p for p in out.resolve().parents if is_ours(p)), None)
+    if run is not None:
+        raise RunError(f"--out {out} is inside the run folder {run}, whose files are that run's; pass --out a "
+                       f"folder beside it (e.g. --out {free_name(run)})")
     if not out.exists() or not any(out.iterdir()):
         if args.resume:
             print(f"[run] --resume: {out} holds no run yet; starting one")
@@ -155,9 +163,14 @@ def templates_of(data_name):
     return ["a photo of a {}."]
 
 
-def save_weights(method, path):
-    """method.state_dict() as safetensors (tied tensors are stored twice)."""
-    storage.save_tensors(method.state_dict(), path)
+def save_weights(method, path, identity=None):
+    """method.state_dict() as safetensors (tied tensors are stored twice); its metadata holds the run's
+    identity hash (identity_hash), so weights copied from another run are told apart at load."""
+    storage.save_tensors(method.state_dict(), path, metadata=identity and {"identity": identity_hash(identity)})
+
+
+def identity_hash(identity):
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def write_history(history, path):
