@@ -347,11 +347,23 @@ class Aligned:
         self.device, self.templates, self.run_key = device, list(templates), run_key
 
     def image_inputs(self, images):
-        """Paths, PIL images or uint8 (3, H, W) tensors -> what the image encoder's encode() reads."""
+        """Paths, PIL images or uint8 (3, H, W) tensors -> what the image encoder's encode() reads; a PIL image
+        read as a path's is (upright by its EXIF orientation, transparency onto white: data.rgb)."""
         from PIL import Image
+
+        import data
         if isinstance(images, (str, Path, Image.Image)) or torch.is_tensor(images) and images.dim() == 3:
             images = [images]
-        read = [decoded(x) if isinstance(x, (str, Path)) else x for x in images]
+        images = list(images)
+        if not images:
+            raise RunError("no image given; pass a path, a PIL image or a uint8 (3, H, W) tensor, or a list of them")
+        for x in images:
+            if torch.is_tensor(x) and (x.dtype != torch.uint8 or x.dim() != 3 or x.shape[0] != 3):
+                raise RunError(f"an image tensor of {x.dtype} {tuple(x.shape)}: pass uint8 pixels (3, H, W), e.g. "
+                               f"(x * 255).round().to(torch.uint8) of a [0, 1] float tensor, x.permute(2, 0, 1) of "
+                               f"an (H, W, 3) one")
+        read = [decoded(x) if isinstance(x, (str, Path)) else data.rgb(x) if isinstance(x, Image.Image) else x
+                for x in images]
         if hasattr(self.image_encoder, "transform"):          # Hugging Face / torchvision: the model's processor
             return read
         import numpy as np
@@ -378,6 +390,15 @@ class Aligned:
         """(N, K) text embeddings (token-level methods: (N, L, K), padded words 0) of a list of strings."""
         import evaluate
         texts = [texts] if isinstance(texts, str) else list(texts)
+        if not texts or not all(isinstance(t, str) and t.strip() for t in texts):
+            raise RunError("a text (a query, a prompt) is empty or missing; pass a string of words, or a list of "
+                           "them, e.g. [\"a red circle\"]")
+        import encoders
+        counted = encoders.word_counts(self.text_encoder)
+        none = [t for t, n in zip(texts, counted(texts).tolist()) if n == 0] if counted else []
+        if none:
+            raise RunError(f"the text {none[0]!r} holds no word {self.text_encoder.name}'s tokenizer reads, so "
+                           f"any score of it would be noise; give it words")
         with evaluate.inference(self.method), notices_to_stderr():
             return evaluate.pad_cat([self.method.embed_text(self.text_encoder.encode(texts[i:i + batch_size],
                                                                                       self.device).to(self.device))
@@ -478,9 +499,16 @@ class Aligned:
         if isinstance(class_names, str) or not len(class_names):
             raise RunError(f"class_names {class_names!r}: pass a list of at least one class name, e.g. "
                            f"[\"red circle\", \"blue square\"]")
-        templates = list(templates or self.templates)
+        templates = check_templates(list(templates or self.templates))
         prompts = [t.format(c) for c in class_names for t in templates]           # class-major, as align.py
-        return evaluate.template_average(self.encode_text(prompts), len(templates)), len(templates)
+        emb = self.encode_text(prompts)
+        _, same = torch.unique(emb.reshape(len(class_names), -1), dim=0, return_inverse=True)   # (C,) row ids
+        if len(set(same.tolist())) < len(class_names):
+            i, j = next((i, j) for j, s in enumerate(same.tolist()) for i in range(j) if same[i] == s)
+            raise RunError(f"the classes {class_names[i]!r} and {class_names[j]!r} read the same to the text "
+                           f"encoder (words it does not know, or case and spacing), so their scores would tie; "
+                           f"name them apart")
+        return evaluate.template_average(emb, len(templates)), len(templates)
 
     @torch.no_grad()
     def zero_shot(self, images, class_names, templates=None, classes=None):

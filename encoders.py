@@ -424,15 +424,22 @@ def load_encoders(image_name, text_name, cache_dir, image_layer=-1, text_layer=-
     return image_enc, text_enc
 
 
+def word_counts(text_enc):
+    """texts -> (N,) the words text_enc's tokenizer reads in each (None: an encoder without a tokenizer): a
+    Hugging Face encoder counts its words; shapes-text's tokenizer gives [CLS] + the words."""
+    if not hasattr(text_enc, "word_counts") and not hasattr(text_enc, "tokenizer"):
+        return None
+    return getattr(text_enc, "word_counts", None) or (lambda t: text_enc.tokenizer(t)[1].sum(1) - 1)
+
+
 def check_caption_tokens(text_enc, sets, name, chunk=4096):
     """A caption whose tokenizer reads no word in it ("\\ufffd\\ufffd" with BERT, "..." with shapes-text)
     would train on [CLS] / [SEP] alone: refused as an empty caption is, naming the first few, once the
     text encoder has loaded and before any feature is extracted; so are training captions that a Hugging
     Face tokenizer's cut leaves all the same (model_files.check_cut)."""
-    if not hasattr(text_enc, "word_counts") and not hasattr(text_enc, "tokenizer"):
+    counted = word_counts(text_enc)
+    if counted is None:
         return
-    # a Hugging Face encoder counts its words; shapes-text's tokenizer gives [CLS] + the words
-    counted = getattr(text_enc, "word_counts", None) or (lambda t: text_enc.tokenizer(t)[1].sum(1) - 1)
     for split, s in sets.items():
         if not isinstance(s, (PairSet, BindingSet)):
             continue

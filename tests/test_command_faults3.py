@@ -3,8 +3,9 @@ UTF-8, linked and unreadable folders in an image walk, a closed pipe (`| head`),
 float32, --csv / --json into a folder that cannot be written or onto one file through a link, another run's
 index or a user's own file where an index goes, an index holding NaN, runs deep in a results folder or of
 one name, a '|' in a run's name, --out inside a finished run or the cache, and a run folder edited by hand
-(model.hp, its layers, integer weights, weights of another run). Each: a correct result, or one `error:` line
-before the work, nothing lost."""
+(model.hp, its layers, integer weights, weights of another run); and the load API's images and texts (a PIL
+image read unlike its file, float or (H, W, 3) pixels, empty lists, a query of no word, a template without {},
+class names that read the same). Each: a correct result, or one `error:` line before the work, nothing lost."""
 import json
 import os
 import shutil
@@ -188,3 +189,46 @@ def test_weights_changed_by_hand_or_of_another_run_are_one_line(copy, fault):
     else:                                               # another run's weights: sealed with its own identity
         save_file(state, str(path), metadata={"format": "pt", "identity": "0" * 16})
         fails(["classify", str(r), str(imgs), *CLASSES], "model.safetensors", "trained by another run")
+
+
+@pytest.fixture(scope="module")
+def model(run):  # noqa: F811
+    return aligned.load(run[0])
+
+
+def test_a_pil_image_is_read_as_its_file_is(model, tmp_path):
+    from PIL import Image
+    rgba = Image.new("RGBA", (64, 64), (0, 0, 255, 0))
+    rgba.paste((255, 0, 0, 255), (16, 16, 48, 48))
+    rgba.save(tmp_path / "t.png")
+    exif = Image.Exif()
+    exif[0x0112] = 6                                            # rotated 90 degrees
+    tall = Image.new("RGB", (48, 64), "white")
+    tall.paste((0, 128, 0), (0, 0, 48, 20))
+    tall.save(tmp_path / "r.jpg", exif=exif.tobytes(), quality=95)
+    for name in ("t.png", "r.jpg"):
+        with Image.open(tmp_path / name) as im:
+            im.load()
+            assert torch.equal(model.encode_image(im), model.encode_image(tmp_path / name)), name
+
+
+@pytest.mark.parametrize("images, says", [
+    (torch.rand(3, 64, 64), "torch.float32 (3, 64, 64): pass uint8 pixels"),
+    (torch.zeros(64, 64, 3, dtype=torch.uint8), "x.permute(2, 0, 1)"),
+    ([], "no image given")])
+def test_an_image_the_api_cannot_read_as_pixels_is_one_line(model, images, says):
+    with pytest.raises(SystemExit, match=r"^error: .*" + __import__("re").escape(says)):
+        model.encode_image(images)
+
+
+@pytest.mark.parametrize("call, says", [
+    (lambda m: m.search(torch.zeros(1, 3, 64, 64, dtype=torch.uint8), ""), "is empty or missing"),
+    (lambda m: m.encode_text([]), "is empty or missing"),
+    (lambda m: m.search(torch.zeros(1, 3, 64, 64, dtype=torch.uint8), "..."), "holds no word"),
+    (lambda m: m.classes(["red circle"], ["a photo"]), "holds {} once"),
+    (lambda m: m.classes(["red circle"], ["{0} and {1}"]), "holds {} once"),
+    (lambda m: m.classes(["zebra", "giraffe"]), "read the same to the text encoder"),
+    (lambda m: m.classes(["Red circle", "red  circle"]), "read the same to the text encoder")])
+def test_a_text_the_api_cannot_score_is_one_line(model, call, says):
+    with pytest.raises(SystemExit, match=r"^error: .*" + __import__("re").escape(says)):
+        call(model)
