@@ -574,6 +574,11 @@ def calibrate(argv=None):
     argv = sys.argv[2:] if argv is None else list(argv)         # python align.py calibrate ARGS
     a = calibrate_args(argv)
     names, templates, config, model, seen, cache_dir = calibration_inputs(a)
+    target = Path(a.run) / aligned.CALIBRATION
+    storage.check_target(target)                                # a link or a folder there: said before the refits
+    if not os.access(a.run, os.W_OK | os.X_OK):
+        raise RunError(f"calibrate: {a.run} cannot be written (permissions), so {aligned.CALIBRATION} could not be "
+                       f"kept after the refits; make it writable (chmod u+w {a.run}), then rerun")
     args = calibration_args(config, model, cache_dir, a.threads)
     with aligned.notices_to_stderr():                                        # stdout: the result alone
         inputs = load_inputs(args, "cpu")
@@ -593,7 +598,6 @@ def calibrate(argv=None):
     record = dict(gamma=gamma, folds=folds, held_out=calibration.HELD_OUT, seed=seed, method=model["method"],
                   classes=names, seen=seen, templates=templates,
                   command=shlex.join(["python", "align.py", "calibrate", *argv]))
-    target = Path(a.run) / aligned.CALIBRATION
     storage.atomic_write_text(json.dumps(record, indent=2) + "\n", target)
     each = ", ".join(f"{f['gamma']:.4f} at H {f['H']:.1f}" for f in folds)
     print(f"gamma {gamma:.4f} (the mean of {a.folds} folds: {each}) -> {target}; classify --calibrate auto uses it",

@@ -232,3 +232,12 @@ def test_an_image_the_api_cannot_read_as_pixels_is_one_line(model, images, says)
 def test_a_text_the_api_cannot_score_is_one_line(model, call, says):
     with pytest.raises(SystemExit, match=r"^error: .*" + __import__("re").escape(says)):
         call(model)
+
+
+def test_calibrate_into_a_run_folder_that_cannot_be_written_is_refused_before_the_refits(copy, monkeypatch):
+    import align
+    r, imgs, t = copy
+    monkeypatch.setattr(align.os, "access", lambda p, mode: Path(p) != r)     # as root, every folder is writable
+    monkeypatch.setattr(align, "load_inputs", lambda *a, **k: pytest.fail("the refits began before the refusal"))
+    with pytest.raises(SystemExit, match=f"^error: calibrate: {r} cannot be written"):
+        align.calibrate([str(r), "--classes", "red circle,blue square,green circle,yellow square,purple triangle"])
