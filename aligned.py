@@ -243,12 +243,14 @@ def load(run_folder, device="cpu", cache_dir=None):
                                                      model["image_layer"], model["text_layer"])
     for kind, enc in (("image", image_enc), ("text", text_enc)):
         check_same_encoder(kind, enc, config)
-    dims = [image_enc.dim, text_enc.dim]
-    if model.get("dims") and list(model["dims"]) != dims:
-        raise RunError(f"{Path(run_folder) / 'config.json'}: its encoders at its model's layers give {dims}-d "
-                       f"features, its weights were trained on {model['dims']}: config.json was edited since the run; "
-                       f"copy the run folder again, or rerun the run")
-    model["dims"] = model.get("dims") or dims      # an older run: its encoders' dims
+    from infra.run import resolved_layer
+    for kind, enc in (("image", image_enc), ("text", text_enc)):
+        trained = config["identity"].get(f"{kind}_layer")
+        if trained is not None and resolved_layer(enc) != trained:
+            raise RunError(f"{Path(run_folder) / 'config.json'}: its model.{kind}_layer reads layer "
+                           f"{resolved_layer(enc)} of {enc.name}, the run was trained on layer {trained}: config.json "
+                           f"was edited since the run; copy the run folder again, or rerun the run")
+    model["dims"] = model.get("dims") or [image_enc.dim, text_enc.dim]     # an older run: its encoders' dims
     with guard(f"{Path(run_folder) / 'model.safetensors'}", "its weights do not fit the method config.json names; "
                "copy the run folder again, or rerun the run"):
         method = rebuild(run_folder, model, state)
@@ -395,7 +397,8 @@ class Aligned:
                            "them, e.g. [\"a red circle\"]")
         import encoders
         counted = encoders.word_counts(self.text_encoder)
-        none = [t for t, n in zip(texts, counted(texts).tolist()) if n == 0] if counted else []
+        with notices_to_stderr():                       # the tokenizer's notices (a cut) are not results
+            none = [t for t, n in zip(texts, counted(texts).tolist()) if n == 0] if counted else []
         if none:
             raise RunError(f"the text {none[0]!r} holds no word {self.text_encoder.name}'s tokenizer reads, so "
                            f"any score of it would be noise; give it words")

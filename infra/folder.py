@@ -90,7 +90,7 @@ def check_out(out, args):
     if cache is not None and Path(cache).resolve() in out.resolve().parents:
         raise RunError(f"--out {out} is inside --cache-dir {cache}, which backup tools skip (its CACHEDIR.TAG) "
                        f"and which can be deleted as a whole; pass --out a folder outside it")
-    run = next((p for p in out.resolve().parents if is_ours(p)), None)
+    run = next((p for p in out.resolve().parents if (p / "config.json").is_file() and is_ours(p)), None)
     if run is not None:
         raise RunError(f"--out {out} is inside the run folder {run}, whose files are that run's; pass --out a "
                        f"folder beside it (e.g. --out {free_name(run)})")

@@ -66,6 +66,17 @@ def edit_config(r, **change):
     (r / "config.json").write_text(json.dumps(c))
 
 
+def resealed(r):
+    """r's model.safetensors sealed with its config.json's identity as it is now (an encoder found with other
+    weights than the run's, as config.json's identity says, and not a config.json edited after the run)."""
+    from safetensors.torch import load_file, save_file
+
+    from infra.folder import identity_hash
+    identity = json.loads((r / "config.json").read_text())["identity"]
+    save_file(load_file(r / "model.safetensors"), r / "model.safetensors",
+              metadata={"format": "pt", "identity": identity_hash(identity)})
+
+
 def model_edit(key, value):
     def setup(r, imgs, t):
         c = json.loads((r / "config.json").read_text())
@@ -121,11 +132,12 @@ CASES = [
      "model.safetensors"),
     ("method renamed", model_edit("method", "pal_v2"), "'pal_v2' is not one of this code's"),
     ("dims wrong", model_edit("dims", [7, 9]), "ok"),          # the saved tensors' shapes rebuild it (shaped_like)
-    ("hp of the wrong type", model_edit("hp", {"K": "many"}), "model.safetensors"),
+    ("hp of the wrong type", model_edit("hp", {"K": "many"}), "config.json"),   # not its identity's hp
     ("image encoder unknown", model_edit("image_encoder", "no-such-encoder"), "not available offline"),
     ("text encoder a missing folder", model_edit("text_encoder", "/nonexistent/model"), "/nonexistent/model"),
-    ("encoder of other weights", then(lambda r, i, t: edit_config(r, identity__image_weights="0" * 16)),
+    ("encoder of other weights", then(lambda r, i, t: (edit_config(r, identity__image_weights="0" * 16), resealed(r))),
      "other weights than the run was trained with"),
+    ("weights of another identity", then(lambda r, i, t: edit_config(r, identity__seed=1)), "trained by another run"),
     ("run via a link", lambda r, i, t: (os.symlink(r, t / "link"), cls(t / "link", i))[1], "ok"),
     # the images
     ("images missing", lambda r, i, t: cls(r, t / "nowhere"), "no such file or folder"),

@@ -78,10 +78,10 @@ def test_classes_with_classes_file_is_refused(copy, monkeypatch):
 @pytest.mark.slow
 def test_a_classes_file_with_a_byte_order_mark_names_its_classes_without_it(copy, capsys):
     r, imgs, t = copy
-    (t / "c.txt").write_bytes("\ufeffcat\r\ndog\n".encode("utf-8"))
+    (t / "c.txt").write_bytes("\ufeffred circle\r\nblue square\n".encode("utf-8"))
     aligned.main(["classify", str(r), str(imgs), "--classes-file", str(t / "c.txt"), "--json", "-"])
     records = json.loads(capsys.readouterr().out)
-    assert set(records[0]["scores"]) == {"cat", "dog"}
+    assert set(records[0]["scores"]) == {"red circle", "blue square"}
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no fifos here")

@@ -168,7 +168,7 @@ def test_out_inside_a_finished_run_or_the_cache_is_refused_before_any_work(run, 
 @pytest.mark.parametrize("key, value, says", [
     (("hp", "tau_p"), 3.0, "model.hp tau_p is 3.0, its identity's 0.03"),
     (("image_layer",), "last", "not whole numbers"),
-    (("image_layer",), 2, "give [64, 96]-d features, its weights were trained on [96, 96]")])
+    (("image_layer",), 2, "model.image_layer reads layer 2 of shapes-cnn, the run was trained on layer 4")])
 def test_a_config_json_edited_by_hand_is_one_line_naming_it(copy, key, value, says):
     r, imgs, t = copy
     config = json.loads((r / "config.json").read_text())
