@@ -510,7 +510,7 @@ def _(c):
 
 @case("--classes a name with braces", "ok", check=lines(3))
 def _(c):
-    return c.cls(classes="{0},{},a {x}")
+    return c.cls(classes="red {0},blue {},green {x}")     # words the Shapes text encoder tells apart
 
 
 @case("--classes and --classes-file both", "--classes")
@@ -521,7 +521,7 @@ def _(c):
 
 @case("--classes-file with a BOM", "ok")
 def _(c):
-    c.write(c.t / "c.txt", "\ufeffcat\ndog\n".encode("utf-8"))
+    c.write(c.t / "c.txt", "\ufeffred circle\nblue square\n".encode("utf-8"))
     return ["classify", str(c.r), str(c.i), "--classes-file", str(c.t / "c.txt"), "--json", "-", "--threads", "1"]
 
 
@@ -531,7 +531,7 @@ def bom_check(res, c):
     except ValueError:
         return "stdout is not JSON"
     names = set(rec[0]["scores"])
-    return None if names == {"cat", "dog"} else f"class names {sorted(names)!r}"
+    return None if names == {"red circle", "blue square"} else f"class names {sorted(names)!r}"
 
 
 CASES[-1]["check"] = bom_check
@@ -539,7 +539,7 @@ CASES[-1]["check"] = bom_check
 
 @case("--classes-file CRLF lines", "ok", check=lines(3))
 def _(c):
-    c.write(c.t / "c.txt", b"cat\r\ndog\r\n")
+    c.write(c.t / "c.txt", b"red circle\r\nblue square\r\n")
     return ["classify", str(c.r), str(c.i), "--classes-file", str(c.t / "c.txt"), "--threads", "1"]
 
 
@@ -562,7 +562,10 @@ def _(c):
 
 @case("2,000 classes", "ok", check=lines(3), timeout=120)
 def _(c):
-    return c.cls(classes=",".join(f"class {n}" for n in range(2000)))
+    objects = [f"{c} {s}" for c in ("red", "green", "blue", "yellow", "purple", "orange")      # words the Shapes
+               for s in ("circle", "square", "triangle", "cross")]                           # text encoder knows
+    names = [f"{a} {rel} {b}" for a in objects for rel in ("left of", "right of", "above", "below") for b in objects]
+    return c.cls(classes=",".join(names[:2000]))
 
 
 @case("--csv /dev/stdout", "exists|--csv")
