@@ -506,11 +506,13 @@ class Aligned:
         prompts = [t.format(c) for c in class_names for t in templates]           # class-major, as align.py
         emb = self.encode_text(prompts)
         _, same = torch.unique(emb.reshape(len(class_names), -1), dim=0, return_inverse=True)   # (C,) row ids
-        if len(set(same.tolist())) < len(class_names):
-            i, j = next((i, j) for j, s in enumerate(same.tolist()) for i in range(j) if same[i] == s)
-            raise RunError(f"the classes {class_names[i]!r} and {class_names[j]!r} read the same to the text "
-                           f"encoder (words it does not know, or case and spacing), so their scores would tie; "
-                           f"name them apart")
+        first = {}
+        for j, row in enumerate(same.tolist()):
+            i = first.setdefault(row, j)
+            if i != j:
+                raise RunError(f"the classes {class_names[i]!r} and {class_names[j]!r} read the same to the text "
+                               f"encoder (words it does not know, or case and spacing), so their scores would "
+                               f"tie; name them apart")
         return evaluate.template_average(emb, len(templates)), len(templates)
 
     @torch.no_grad()
