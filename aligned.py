@@ -23,7 +23,7 @@ Image files are encoded by a pipeline (encode_files): batches of BATCH files dec
 DECODE_WORKERS threads ahead of the forward (features.read_ahead), progress with an ETA on stderr. The
 index (`python align.py index RUN IMAGES...`) keeps their embeddings in RUN/index/images.safetensors (or
 --index FOLDER): the tensor "emb" and, in the file's metadata, each row's key (absolute path, size,
-mtime_ns) and the run's key (its weights, its "model" and its image encoder's fingerprint), written through
+mtime_ns, ctime_ns) and the run's key (its weights, its "model" and its image encoder's fingerprint), written through
 the write gate; classify and search read the rows whose keys match and encode only the other files.
 
 Deviations / choices:
@@ -238,9 +238,16 @@ def load(run_folder, device="cpu", cache_dir=None):
     config, model, state = read_run(run_folder)
     cache = cache_dir or model.get("cache_dir")
     cache = Path(cache) if cache and Path(cache).is_dir() else ENV_CACHE
-    with notices_to_stderr():
-        image_enc, text_enc = encoders.load_encoders(model["image_encoder"], model["text_encoder"], cache,
-                                                     model["image_layer"], model["text_layer"])
+    try:
+        with notices_to_stderr():
+            image_enc, text_enc = encoders.load_encoders(model["image_encoder"], model["text_encoder"], cache,
+                                                         model["image_layer"], model["text_layer"])
+    except RunError as e:          # the names come from config.json here, not from the flags the message names
+        said = " ".join(line.strip() for line in str(e.code).removeprefix("error: ").splitlines())   # one line
+        for kind in ("image", "text"):
+            said = said.replace(f"pass --{kind}-encoder", f"set model.{kind}_encoder to").replace(
+                f"--{kind}-encoder", f"model.{kind}_encoder")
+        raise RunError(f"{Path(run_folder) / 'config.json'}: its encoders do not load here: {said}") from None
     for kind, enc in (("image", image_enc), ("text", text_enc)):
         check_same_encoder(kind, enc, config)
     from infra.run import resolved_layer
@@ -277,9 +284,11 @@ def decoded(path):
 
 
 def file_key(path):
-    """(absolute path, size, mtime_ns) of a file: what an index entry is keyed by."""
+    """(absolute path, size, mtime_ns, ctime_ns) of a file: what an index entry is keyed by. The ctime is the
+    inode's change time, which no program can set back: a file rewritten with its old size and mtime restored
+    (os.utime, cp --preserve) still gets a new one, and is encoded again."""
     st = os.stat(path)
-    return str(Path(path).absolute()), st.st_size, st.st_mtime_ns
+    return str(Path(path).absolute()), st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def file_key_or_none(path):
@@ -290,8 +299,8 @@ def file_key_or_none(path):
 
 
 class Index:
-    """Image files' embeddings under one run: keys [(absolute path, size, mtime_ns)], emb (N, K) (token-level
-    methods: (N, Q, K)), run_key (load's fingerprint of the method's weights, its config and the image
+    """Image files' embeddings under one run: keys [(absolute path, size, mtime_ns, ctime_ns)], emb (N, K)
+    (token-level methods: (N, Q, K)), run_key (load's fingerprint of the method's weights, its config and the image
     encoder's weights: another run's index is never read). One safetensors file: the tensor "emb", and in its
     metadata the keys and run_key as JSON (written through the write gate, storage.save_tensors)."""
     FILE = "images.safetensors"
@@ -451,8 +460,8 @@ class Aligned:
         return evaluate.pad_cat(parts)
 
     def embed_files(self, files, index=None, **pipeline):
-        """(N, K) embeddings of image files: each file an index holds (same absolute path, size and mtime, the
-        same run) read from it, the rest encoded (encode_files)."""
+        """(N, K) embeddings of image files: each file an index holds (same absolute path, size, mtime and ctime,
+        the same run) read from it, the rest encoded (encode_files)."""
         files = list(files)
         rows = index.rows(files) if index is not None and index.run_key == self.run_key else [None] * len(files)
         todo = [f for f, r in zip(files, rows) if r is None]
@@ -775,7 +784,7 @@ def set_threads(a):
 def index(a):
     """python align.py index RUN FOLDER_OR_FILES...: the images' embeddings under this run, kept in
     <RUN>/index/images.safetensors (or --index FOLDER) for classify and search. A second call encodes only
-    new or changed files (path, size, mtime); files removed drop out."""
+    new or changed files (path, size, mtime, ctime); files removed drop out."""
     files = image_files(a.paths)
     folder = index_folder(a)
     from infra.storage import check_folder, check_target, file_lock

@@ -134,7 +134,8 @@ def rgb(img, upright=True):
 
 
 def file_scan(paths, images=True):
-    """(identity, faults) of files: identity hashes every path, size and mtime (one stat each); faults maps
+    """(identity, faults) of files: identity hashes every path, size, mtime and ctime (one stat each;
+    the ctime, which no program sets back, tells a file rewritten with its old size and mtime); faults maps
     "missing" (or a folder), "empty (0 bytes)" and, of images, "unreadable" to [(path, exception or None)]."""
     from PIL import Image
     lines, faults = [], collections.defaultdict(list)
@@ -146,7 +147,7 @@ def file_scan(paths, images=True):
         if st is None or not stat.S_ISREG(st.st_mode):                  # or a folder where an image should be
             faults["missing"].append((Path(p), None))
             continue
-        lines.append(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\n")
+        lines.append(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\n")
         if st.st_size == 0:
             faults["empty (0 bytes)"].append((Path(p), None))
         elif images:        # the header only (format, size; PIL's decompression-bomb check), no pixel decoded:
@@ -158,7 +159,7 @@ def file_scan(paths, images=True):
 
 
 def tree_identity(folder):
-    """identity of every file under folder (a torchvision set's download), by path, size and mtime."""
+    """identity of every file under folder (a torchvision set's download), by path, size, mtime and ctime."""
     return file_scan(sorted(p for p in Path(folder).rglob("*") if p.is_file()), images=False)[0]
 
 

@@ -56,7 +56,7 @@ def select_layers(image_enc, text_enc, pairs, metric="mknn", n=5000, batch_size=
         h = hashlib.sha1(repr([(e.name, getattr(e, "fingerprint", None), e.preprocess) for e in (image_enc, text_enc)]
                               + [metric, len(pick), seed, captions]).encode())
         h.update(pairs.images[pick].numpy().tobytes() if isinstance(pairs.images, torch.Tensor)
-                 else data.identity(pairs.images).encode())       # files: every path, size and mtime (data.identity)
+                 else data.identity(pairs.images).encode())       # files: path, size, mtime, ctime (data.identity)
         path = Path(cache_dir) / "layers" / f"{metric}-{h.hexdigest()[:16]}.json"
     saved = None
     if path is not None and path.exists():

@@ -177,6 +177,16 @@ def test_a_config_json_edited_by_hand_is_one_line_naming_it(copy, key, value, sa
     fails(["classify", str(r), str(imgs), *CLASSES], "config.json", says)
 
 
+def test_an_encoder_name_edited_in_config_json_is_one_line_naming_config_json_not_a_flag(copy):
+    r, imgs, t = copy
+    config = json.loads((r / "config.json").read_text())
+    config["model"]["text_encoder"] = "shapes-cnn"                 # the image encoder's name: no text encoder
+    (r / "config.json").write_text(json.dumps(config))
+    said = fails(["classify", str(r), str(imgs), *CLASSES], "config.json: its encoders do not load here",
+                 "model.text_encoder")
+    assert "--text-encoder" not in said
+
+
 @pytest.mark.parametrize("fault", ["integer", "another run"])
 def test_weights_changed_by_hand_or_of_another_run_are_one_line(copy, fault):
     r, imgs, t = copy

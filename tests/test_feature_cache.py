@@ -67,6 +67,14 @@ def test_data_identity_follows_the_files_and_the_texts(tmp_path):
     os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))          # an image rewritten
     touched = ident()
     assert touched != first
+    st = f.stat()
+    b = bytearray(f.read_bytes())
+    b[-10] ^= 1
+    f.write_bytes(b)                                                              # other bytes, same size...
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))                              # ...and the old mtime set back
+    assert (f.stat().st_size, f.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    assert ident() != touched                                                     # the ctime tells it
+    touched = ident()
     split = entries_of(tmp_path / "a")
     split["images"][1]["sentences"][0]["raw"] += " edited"
     rewrite(tmp_path / "a", split)

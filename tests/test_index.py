@@ -1,5 +1,5 @@
 """The image index and the commands' pipeline (aligned.py): `align.py index` keeps a folder's embeddings keyed
-by path, size and mtime, a second call encodes only what changed, classify and search read it and agree with a
+by path, size, mtime and ctime, a second call encodes only what changed, classify and search read it and agree with a
 call without it; the threaded pipeline gives encode_image's values; --top's probabilities are the softmax at
 the method's own logit scale; --json writes one record per image through the write gate."""
 import csv
@@ -79,7 +79,7 @@ def test_the_pipeline_gives_encode_images_values_and_an_eta(tiny_run, cache_dir,
 
 
 def test_index_then_classify_and_search_read_it(tiny_run, photos, tmp_path, encoded, capsys):
-    """`index` writes RUN/index/images.safetensors keyed by each file's absolute path, size and mtime; classify
+    """`index` writes RUN/index/images.safetensors keyed by each file's absolute path, size, mtime and ctime; classify
     and search then encode no image and print what a call without the index prints."""
     no_index = ["--index", str(tmp_path / "none")]
     aligned.main(["classify", str(tiny_run), str(photos), "--classes", ",".join(CLASSES), "--top", "2", *no_index])
@@ -92,7 +92,8 @@ def test_index_then_classify_and_search_read_it(tiny_run, photos, tmp_path, enco
     index = aligned.Index.load(tiny_run / "index")
     files = aligned.image_files([photos])
     assert [k[0] for k in index.keys] == [str(f.absolute()) for f in files]
-    assert all(k[1:] == (os.stat(f).st_size, os.stat(f).st_mtime_ns) for k, f in zip(index.keys, files))
+    assert all(k[1:] == (os.stat(f).st_size, os.stat(f).st_mtime_ns, os.stat(f).st_ctime_ns)
+               for k, f in zip(index.keys, files))
     model = aligned.load(tiny_run)
     assert index.run_key == model.run_key and len(index.emb) == 9
     torch.testing.assert_close(index.emb, model.encode_image(files), rtol=0, atol=1e-5)
@@ -130,6 +131,23 @@ def test_a_second_index_encodes_only_new_or_changed_files_and_drops_removed_ones
     shutil.copy(photos / "0.png", other / "x.png")
     aligned.main(["index", str(tiny_run), str(other), *where])
     assert len(aligned.Index.load(tmp_path / "ix")) == len(second) + 1
+
+
+def test_a_file_rewritten_with_its_old_size_and_mtime_is_encoded_again(tiny_run, photos, tmp_path, encoded):
+    """Other pixels of the same byte count, with the old mtime set back (os.utime): the ctime tells it."""
+    where = ["--index", str(tmp_path / "ix")]
+    aligned.main(["index", str(tiny_run), str(photos), *where])
+    f, g = sorted(photos.glob("*.png"), key=lambda p: -p.stat().st_size)[:2]     # g no larger than f
+    st = f.stat()
+    f.write_bytes(g.read_bytes() + bytes(st.st_size - g.stat().st_size))   # g's picture (PNG ignores the tail)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (f.stat().st_size, f.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    encoded.clear()
+    aligned.main(["index", str(tiny_run), str(photos), *where])
+    assert encoded == [[str(f.absolute())]]
+    model = aligned.load(tiny_run)
+    index = aligned.Index.load(tmp_path / "ix")
+    torch.testing.assert_close(index.emb[index.rows([f])[0]], model.encode_image([f])[0], rtol=0, atol=1e-5)
 
 
 def test_an_index_of_other_weights_is_not_read(tiny_run, photos, tmp_path, encoded):
