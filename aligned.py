@@ -61,6 +61,7 @@ Deviations / choices:
    than 4 seen names, a fold with no held-out image of its seen' or pseudo-novel names, no vocabulary.json, a
    run aligned on head rows, training features not in the cache (--extract encodes them).
 """
+import errno
 import json
 import os
 import sys
@@ -231,6 +232,9 @@ def load(run_folder, device="cpu", cache_dir=None):
     """The trained aligner of a finished run folder, with its frozen encoders, on device ("cpu", "cuda")."""
     import encoders
     from infra.run import check_device
+    if not isinstance(run_folder, (str, os.PathLike)) or isinstance(run_folder, bytes):
+        raise RunError(f"run_folder {run_folder!r}: pass the path of a finished run folder (a str or a Path), e.g. "
+                       f"\"results/pal-shapes-seed0\"")
     device = check_device(device)
     if cache_dir is not None and not Path(cache_dir).is_dir():
         raise RunError(f"cache_dir {cache_dir} is not a folder; pass the folder the run's encoders are cached in "
@@ -358,17 +362,33 @@ class Aligned:
         self.device, self.templates, self.run_key = device, list(templates), run_key
 
     def image_inputs(self, images):
-        """Paths, PIL images or uint8 (3, H, W) tensors -> what the image encoder's encode() reads; a PIL image
-        read as a path's is (upright by its EXIF orientation, transparency onto white: data.rgb)."""
+        """Paths, PIL images, uint8 (3, H, W) tensors or uint8 (H, W, 3) numpy arrays -> what the image encoder's
+        encode() reads; a PIL image read as a path's is (upright by its EXIF orientation, transparency onto
+        white: data.rgb)."""
+        import numpy as np
         from PIL import Image
 
         import data
+        what = "pass a path, a PIL image or a uint8 (3, H, W) tensor, or a list of them"
+        def tensor(x):      # numpy: uint8 (H, W, 3) pixels (numpy's, PIL's layout) as a PIL image, else as torch's
+            if isinstance(x, np.ndarray) and x.dtype == np.uint8 and x.ndim == 3 and x.shape[-1] == 3:
+                return Image.fromarray(x)
+            return torch.from_numpy(x) if isinstance(x, np.ndarray) else x
+        if isinstance(images, np.ndarray) and images.ndim == 4 and images.shape[-1] == 3:
+            images = list(images)                             # (B, H, W, 3)
+        images = tensor(images)
         if isinstance(images, (str, Path, Image.Image)) or torch.is_tensor(images) and images.dim() == 3:
             images = [images]
-        images = list(images)
+        if images is None or isinstance(images, (bytes, int, float)):
+            raise RunError(f"images {images!r}: {what}")
+        images = [tensor(x) for x in images]
         if not images:
-            raise RunError("no image given; pass a path, a PIL image or a uint8 (3, H, W) tensor, or a list of them")
+            raise RunError(f"no image given; {what}")
         for x in images:
+            if not isinstance(x, (str, Path, Image.Image)) and not torch.is_tensor(x):
+                raise RunError(f"an image of type {type(x).__name__}: {what}")
+            if isinstance(x, (str, Path)) and Path(x).is_dir():
+                raise RunError(f"{x} is a folder; pass its image files (aligned.image_files([folder]) lists them)")
             if torch.is_tensor(x) and (x.dtype != torch.uint8 or x.dim() != 3 or x.shape[0] != 3):
                 raise RunError(f"an image tensor of {x.dtype} {tuple(x.shape)}: pass uint8 pixels (3, H, W), e.g. "
                                f"(x * 255).round().to(torch.uint8) of a [0, 1] float tensor, x.permute(2, 0, 1) of "
@@ -377,7 +397,6 @@ class Aligned:
                 for x in images]
         if hasattr(self.image_encoder, "transform"):          # Hugging Face / torchvision: the model's processor
             return read
-        import numpy as np
         S = 64                                                # shapes-cnn: uint8 (B, 3, 64, 64) pixels
         def pixels(x):
             if torch.is_tensor(x):
@@ -501,6 +520,9 @@ class Aligned:
 
     def search(self, images, query):
         """(N_img,) scores of images for one text query (rank them with .argsort(descending=True))."""
+        if not isinstance(query, str):
+            raise RunError(f"search takes one query (a string), not {type(query).__name__}; for several, "
+                           f"similarity(images, queries) gives (N_img, N_queries) scores")
         return self.similarity(images, [query])[:, 0]
 
     @torch.no_grad()
@@ -511,7 +533,7 @@ class Aligned:
         if isinstance(class_names, str) or not len(class_names):
             raise RunError(f"class_names {class_names!r}: pass a list of at least one class name, e.g. "
                            f"[\"red circle\", \"blue square\"]")
-        templates = check_templates(list(templates or self.templates))
+        templates = check_templates([templates] if isinstance(templates, str) else list(templates or self.templates))
         prompts = [t.format(c) for c in class_names for t in templates]           # class-major, as align.py
         emb = self.encode_text(prompts)
         _, same = torch.unique(emb.reshape(len(class_names), -1), dim=0, return_inverse=True)   # (C,) row ids
@@ -571,6 +593,9 @@ def read_vocabulary(folder):
         return vocabulary
 
 
+NAMES_SHOWN = 20    # novel class names listed on stderr; the rest counted
+
+
 def seen_names(names, vocabulary):
     """(C,) bool: each name seen in the training captions: every word and every pair of adjacent words of
     it (lower-cased, infra/folder.WORDS) in vocabulary (choice 6)."""
@@ -621,7 +646,8 @@ def choose_gamma(scores, labels, seen):
 # ---------------------------------------------------------------------------
 # The commands: python align.py index | classify | search | table
 # ---------------------------------------------------------------------------
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".jpe", ".jfif", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm",
+                  ".pbm", ".pnm"}
 KEY_METRICS = ("retrieval/i2t_r1", "retrieval/t2i_r1", "retrieval/rsum", "top1", "miou_fg", "binding/binding_acc")
 
 
@@ -631,15 +657,19 @@ def walk_images(folder):
     def refuse(e):
         raise RunError(f"{e.filename} cannot be read ({e.strerror}), so its images would be left out; give it "
                        f"read permission (chmod -R u+rX) or pass the other folders")
-    files, walked = [], set()
+    files, others, walked = [], [], set()
     for root, dirs, names in os.walk(folder, onerror=refuse, followlinks=True):
         if os.path.realpath(root) in walked:
             dirs[:] = []
             continue
         walked.add(os.path.realpath(root))
         dirs[:] = [d for d in dirs if not d.startswith(".")]
-        files += [Path(root, n) for n in names if not n.startswith(".") and Path(n).suffix.lower() in IMAGE_SUFFIXES
-                  and os.path.isfile(os.path.join(root, n))]
+        names = [n for n in names if not n.startswith(".") and os.path.isfile(os.path.join(root, n))]
+        files += [Path(root, n) for n in names if Path(n).suffix.lower() in IMAGE_SUFFIXES]
+        others += [Path(root, n) for n in names if Path(n).suffix.lower() not in IMAGE_SUFFIXES]
+    if others:                          # a .heic, a .txt: said, not left out without a word
+        print(f"[images] {len(others)} file(s) under {folder} left out, not of an image type read here "
+              f"({' '.join(sorted(IMAGE_SUFFIXES))}), e.g. {sorted(others)[0]}", file=sys.stderr, flush=True)
     return sorted(files)
 
 
@@ -656,6 +686,7 @@ def image_files(paths):
             files.append(p)
         else:
             raise RunError(f"{p}: no such file or folder; pass image files or folders of them")
+    files = list({os.path.abspath(f): f for f in reversed(files)}.values())[::-1]   # a file named twice: once
     if not files:
         raise RunError(f"{' '.join(paths)} holds no image file ({', '.join(sorted(IMAGE_SUFFIXES))})")
     for f in files:
@@ -720,8 +751,9 @@ def emit(header, rows, csv_path):
             from infra.storage import atomic_write_text
             atomic_write_text(text.getvalue(), csv_path, new=True)
         return
+    shown = lambda v: "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(v))   # a newline in a name: \n
     for row in rows:
-        print("  ".join(f"{v:.4f}" if isinstance(v, float) else str(v) for v in row), flush=True)
+        print("  ".join(f"{v:.4f}" if isinstance(v, float) else shown(v) for v in row), flush=True)
 
 
 def emit_json(records, json_path):
@@ -737,6 +769,8 @@ def emit_json(records, json_path):
 def check_new(flag, path):
     """--csv / --json FILE before any work: a new file in a folder that exists (never onto a file: the gate
     refuses too)."""
+    if path == "":
+        raise RunError(f"{flag} '' names no file (an unset shell variable?); pass a new file name, or - for stdout")
     if path and path != "-":
         if path.endswith(("/", os.sep)):
             raise RunError(f"{flag} {path} names a folder; pass a file name (a new file), e.g. {flag} out.csv")
@@ -867,8 +901,10 @@ def say_seen(names, vocabulary, run):
         return None
     seen = seen_names(names, vocabulary)
     novel = [n for n, s in zip(names, seen.tolist()) if not s]
+    shown = ", ".join(novel[:NAMES_SHOWN]) + (f", ... ({len(novel) - NAMES_SHOWN} more)" if len(novel) > NAMES_SHOWN
+                                             else "")
     print(f"[classes] {int(seen.sum())} seen in the training captions, {len(novel)} novel"
-          f"{': ' + ', '.join(novel) if novel else ''}", file=sys.stderr, flush=True)
+          f"{': ' + shown if novel else ''}", file=sys.stderr, flush=True)
     return seen
 
 
@@ -914,6 +950,10 @@ def search(a):
     the index)."""
     if any(not q.strip() for q in a.queries):
         raise RunError("a query is empty; give a text, e.g. \"a red circle\"")
+    named = [q for q in a.queries if os.path.lexists(q) and not q.isspace()]
+    if named:
+        raise RunError(f"the query {named[0]!r} is a file or folder: search reads one folder (or file) of images, "
+                       f"then queries; put the images in one folder, or quote a query that is no path")
     check_top(a.top)
     files, index = image_files([a.folder]), read_index(a)
     set_threads(a)
@@ -1061,6 +1101,12 @@ def main(argv=None):
     """python align.py index | classify | search | table ... (the console script posthoc-align takes the same):
     every input read and checked first (the read gate), then the work; a fault is one error line (RunError)."""
     a = parse_args(argv)
+    if sys.stdout is None and a.command != "index" and getattr(a, "csv", None) in (None, "-") and \
+            getattr(a, "json", None) in (None, "-"):
+        raise RunError("standard output is closed (>&-), so the results would go nowhere; pass --csv FILE or "
+                       "--json FILE, or leave stdout open")
+    if hasattr(sys.stdout, "reconfigure"):          # an ASCII-only terminal: an accented file name as \xe9
+        sys.stdout.reconfigure(errors="backslashreplace")
     check_csv(getattr(a, "csv", None))
     check_new("--json", getattr(a, "json", None))
     if getattr(a, "csv", None) == "-" and getattr(a, "json", None) == "-":
@@ -1073,8 +1119,16 @@ def main(argv=None):
             raise RunError(f"--{flag.replace('_', '-')} {getattr(a, flag)}: give a count of at least 1")
     try:
         {"index": index, "classify": classify, "search": search, "table": table}[a.command](a)
+        if sys.stdout is not None:
+            sys.stdout.flush()
     except KeyboardInterrupt:
         raise SystemExit("interrupted: nothing was written") from None
     except BrokenPipeError:          # `| head`: the reader has what it wanted and closed the pipe: no traceback,
         sys.stdout = None            # no flush of the closed pipe at exit either, exit status 0
         raise SystemExit(0) from None
+    except OSError as e:             # stdout on a full disk (files go through the write gate, which says its own)
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise
+        sys.stdout = None
+        raise RunError(f"cannot write the results to standard output ({e.strerror}); free space there, or pass "
+                       f"--csv FILE or --json FILE on a disk with room") from None

@@ -5,7 +5,10 @@ index or a user's own file where an index goes, an index holding NaN, runs deep 
 one name, a '|' in a run's name, --out inside a finished run or the cache, and a run folder edited by hand
 (model.hp, its layers, integer weights, weights of another run); and the load API's images and texts (a PIL
 image read unlike its file, float or (H, W, 3) pixels, empty lists, a query of no word, a template without {},
-class names that read the same). Each: a correct result, or one `error:` line before the work, nothing lost."""
+class names that read the same). A second sweep: image suffixes and other files in a folder, a file named twice, a
+newline in a name, a query naming a file, an empty --csv, stdout full, closed or ASCII-only, a long list of
+novel names, and the API given None, numpy pixels, a folder, a list for one query or one template string.
+Each: a correct result, or one `error:` line before the work, nothing lost."""
 import json
 import os
 import shutil
@@ -251,3 +254,81 @@ def test_calibrate_into_a_run_folder_that_cannot_be_written_is_refused_before_th
     monkeypatch.setattr(align, "load_inputs", lambda *a, **k: pytest.fail("the refits began before the refusal"))
     with pytest.raises(SystemExit, match=f"^error: calibrate: {r} cannot be written"):
         align.calibrate([str(r), "--classes", "red circle,blue square,green circle,yellow square,purple triangle"])
+
+
+# --------------------------------------------------------------- a second outside sweep (each failed before its fix)
+def test_images_of_other_suffixes_are_read_and_other_files_are_said(copy, capsys):
+    r, imgs, t = copy
+    from PIL import Image
+    Image.open(imgs / "a.png").convert("RGB").save(imgs / "a.jfif", format="JPEG")    # a browser's JPEG
+    Image.open(imgs / "b.png").convert("RGB").save(imgs / "b.ppm")
+    (imgs / "IMG_0001.heic").write_bytes(b"\0" * 64)                                 # a format not read here
+    aligned.main(["classify", str(r), str(imgs), *CLASSES])
+    out, err = capsys.readouterr()
+    assert sorted(Path(line.split()[0]).name for line in out.splitlines()) == \
+        ["a.jfif", "a.png", "b.png", "b.ppm", "c.png"]
+    assert "1 file(s) under" in err and "IMG_0001.heic" in err
+
+
+def test_a_file_named_twice_is_one_image_and_a_name_with_a_newline_is_one_line(copy, capsys):
+    r, imgs, t = copy
+    shutil.copy(imgs / "a.png", imgs / "new\nline.png")
+    aligned.main(["classify", str(r), str(imgs), str(imgs) + "/", str(imgs / "a.png"), *CLASSES])
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 4 and any(line.startswith(str(imgs / "new\\nline.png")) for line in out)
+
+
+def test_a_query_that_names_a_file_and_an_empty_csv_are_refused(copy):
+    r, imgs, t = copy
+    fails(["search", str(r), str(imgs / "a.png"), str(imgs / "b.png")], "is a file or folder", "one folder")
+    fails(["classify", str(r), str(imgs), *CLASSES, "--csv", ""], "--csv '' names no file")
+
+
+def test_a_long_list_of_novel_names_is_cut(copy, capsys):
+    r, imgs, t = copy
+    names = ",".join(f"zebra{i}" for i in range(100))
+    with pytest.raises(SystemExit):       # tied (unknown words to the tiny text encoder): the notice comes first
+        aligned.main(["classify", str(r), str(imgs), "--classes", names, "--threads", "1"])
+    notice = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("[classes]"))
+    assert "100 novel" in notice and "(80 more)" in notice and len(notice) < 400
+
+
+def test_stdout_full_closed_or_ascii_is_one_line_or_escaped(run):  # noqa: F811
+    argv = [sys.executable, "align.py", "classify", str(run[0]), str(run[1]), *CLASSES]
+    with open("/dev/full", "w") as full:
+        r = subprocess.run(argv, cwd=ROOT, stdout=full, stderr=subprocess.PIPE, text=True)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith("error: cannot write the results to "
+                                                                               "standard output")
+    r = subprocess.run(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                       preexec_fn=lambda: os.close(1))
+    assert r.returncode == 1 and "standard output is closed" in r.stderr
+    imgs = Path(run[1]).parent / "café"
+    imgs.mkdir(exist_ok=True)
+    shutil.copy(Path(run[1]) / "a.png", imgs / "é.png")
+    r = subprocess.run(argv[:4] + [str(imgs)] + argv[5:], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONIOENCODING": "ascii"})
+    assert r.returncode == 0 and "caf\\xe9/\\xe9.png" in r.stdout, r.stderr
+
+
+@pytest.mark.parametrize("call, says", [
+    (lambda m: m.encode_image(None), "images None: pass a path"),
+    (lambda m: m.encode_image(["x.png", None]), "an image of type NoneType"),
+    (lambda m: m.encode_image(Path(__file__).parent), "is a folder; pass its image files"),
+    (lambda m: m.search(torch.zeros(1, 3, 64, 64, dtype=torch.uint8), ["a", "b"]), "one query (a string)"),
+    (lambda m: aligned.load(None), "run_folder None"),
+    (lambda m: aligned.load(b"results"), "run_folder b'results'")])
+def test_an_api_call_of_the_wrong_type_is_one_line(model, call, says):
+    with pytest.raises(SystemExit, match=r"^error: .*" + __import__("re").escape(says)):
+        call(model)
+
+
+def test_numpy_pixels_and_one_template_string_read_as_a_user_means(model, run):  # noqa: F811
+    import numpy as np
+    from PIL import Image
+    png = Path(run[1]) / "a.png"
+    hwc = np.asarray(Image.open(png).convert("RGB"))
+    want = model.encode_image(png)
+    assert torch.equal(model.encode_image(hwc), want) and torch.equal(model.encode_image(hwc[None])[0], want[0])
+    names = ["red circle", "blue square"]
+    assert torch.equal(model.zero_shot(png, names, templates="a photo of a {}."),
+                       model.zero_shot(png, names, templates=["a photo of a {}."]))
