@@ -1117,8 +1117,11 @@ def main(argv=None):
     for flag in ("batch_size", "workers"):
         if getattr(a, flag, 1) < 1:
             raise RunError(f"--{flag.replace('_', '-')} {getattr(a, flag)}: give a count of at least 1")
+    import warnings
     try:
-        {"index": index, "classify": classify, "search": search, "table": table}[a.command](a)
+        with warnings.catch_warnings():    # a library's warning (PIL: a 100-megapixel image, corrupt EXIF): one line
+            warnings.showwarning = lambda message, *_, **__: print(f"warning: {message}", file=sys.stderr, flush=True)
+            {"index": index, "classify": classify, "search": search, "table": table}[a.command](a)
         if sys.stdout is not None:
             sys.stdout.flush()
     except KeyboardInterrupt:

@@ -7,8 +7,8 @@ one name, a '|' in a run's name, --out inside a finished run or the cache, and a
 image read unlike its file, float or (H, W, 3) pixels, empty lists, a query of no word, a template without {},
 class names that read the same). A second sweep: image suffixes and other files in a folder, a file named twice, a
 newline in a name, a query naming a file, an empty --csv, stdout full, closed or ASCII-only, a long list of
-novel names, and the API given None, numpy pixels, a folder, a list for one query or one template string.
-Each: a correct result, or one `error:` line before the work, nothing lost."""
+novel names, a library's warning, and the API given None, numpy pixels, a folder, a list for one query or one
+template string. Each: a correct result, or one `error:` line before the work, nothing lost."""
 import json
 import os
 import shutil
@@ -332,3 +332,12 @@ def test_numpy_pixels_and_one_template_string_read_as_a_user_means(model, run): 
     names = ["red circle", "blue square"]
     assert torch.equal(model.zero_shot(png, names, templates="a photo of a {}."),
                        model.zero_shot(png, names, templates=["a photo of a {}."]))
+
+
+def test_a_librarys_warning_is_one_line(copy, capsys, monkeypatch):
+    from PIL import Image
+    r, imgs, t = copy
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 3000)      # 64 x 64 = 4,096 pixels: PIL's bomb warning, no error
+    aligned.main(["classify", str(r), str(imgs / "a.png"), *CLASSES])
+    err = capsys.readouterr().err
+    assert "warning: Image size (4096 pixels) exceeds limit" in err and "warnings.warn" not in err, err
