@@ -287,6 +287,13 @@ def decoded(path):
         return image
 
 
+def no_word(text):
+    """A text of ASCII punctuation and spaces alone ("???", "!!!"): no word in any language (an emoji or a CJK
+    character is one)."""
+    import string
+    return all(c in string.punctuation or c.isspace() for c in text)
+
+
 def file_key(path):
     """(absolute path, size, mtime_ns, ctime_ns) of a file: what an index entry is keyed by. The ctime is the
     inode's change time, which no program can set back: a file rewritten with its old size and mtime restored
@@ -427,6 +434,7 @@ class Aligned:
         counted = encoders.word_counts(self.text_encoder)
         with notices_to_stderr():                       # the tokenizer's notices (a cut) are not results
             none = [t for t, n in zip(texts, counted(texts).tolist()) if n == 0] if counted else []
+        none += [t for t in texts if no_word(t)]          # "???": an unknown word to some tokenizers, still none
         if none:
             raise RunError(f"the text {none[0]!r} holds no word {self.text_encoder.name}'s tokenizer reads, so "
                            f"any score of it would be noise; give it words")
@@ -533,6 +541,10 @@ class Aligned:
         if isinstance(class_names, str) or not len(class_names):
             raise RunError(f"class_names {class_names!r}: pass a list of at least one class name, e.g. "
                            f"[\"red circle\", \"blue square\"]")
+        if any(isinstance(c, str) and no_word(c) for c in class_names):
+            bare = next(c for c in class_names if no_word(c))
+            raise RunError(f"the class name {bare!r} holds no word, so its score would be the template's alone; "
+                           f"give it words")
         templates = check_templates([templates] if isinstance(templates, str) else list(templates or self.templates))
         prompts = [t.format(c) for c in class_names for t in templates]           # class-major, as align.py
         emb = self.encode_text(prompts)
@@ -717,9 +729,14 @@ def class_names(a):
     names = [n for n in names if n]
     if not names:
         raise RunError("--classes / --classes-file names no class; give e.g. --classes \"red circle,blue square\"")
-    twice = sorted({n for n in names if names.count(n) > 1})
+    import collections
+    twice = sorted(n for n, k in collections.Counter(names).items() if k > 1)
     if twice:
         raise RunError(f"--classes names {twice[0]!r} twice; give each class once")
+    bare = [n for n in names if no_word(n)]
+    if bare:
+        raise RunError(f"--classes names {bare[0]!r}, which holds no word (its score would be the template's "
+                       f"alone); give it words, or leave it out")
     return names
 
 

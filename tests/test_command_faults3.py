@@ -6,9 +6,10 @@ one name, a '|' in a run's name, --out inside a finished run or the cache, and a
 (model.hp, its layers, integer weights, weights of another run); and the load API's images and texts (a PIL
 image read unlike its file, float or (H, W, 3) pixels, empty lists, a query of no word, a template without {},
 class names that read the same). A second sweep: image suffixes and other files in a folder, a file named twice, a
-newline in a name, a query naming a file, an empty --csv, stdout full, closed or ASCII-only, a long list of
-novel names, a library's warning, and the API given None, numpy pixels, a folder, a list for one query or one
-template string. Each: a correct result, or one `error:` line before the work, nothing lost."""
+newline in a name, punctuation for a class or a query, a query naming a file, an empty --csv, stdout full, closed
+or ASCII-only, a long list of novel names, a library's warning, and the API given None, numpy pixels, a folder, a
+list for one query or one template string. Each: a correct result, or one `error:` line before the work, nothing
+lost."""
 import json
 import os
 import shutil
@@ -282,6 +283,8 @@ def test_a_query_that_names_a_file_and_an_empty_csv_are_refused(copy):
     r, imgs, t = copy
     fails(["search", str(r), str(imgs / "a.png"), str(imgs / "b.png")], "is a file or folder", "one folder")
     fails(["classify", str(r), str(imgs), *CLASSES, "--csv", ""], "--csv '' names no file")
+    fails(["classify", str(r), str(imgs), "--classes", "!!!,red circle"], "'!!!', which holds no word")
+    fails(["search", str(r), str(imgs), "???"], "'???' holds no word")
 
 
 def test_a_long_list_of_novel_names_is_cut(copy, capsys):
@@ -316,7 +319,8 @@ def test_stdout_full_closed_or_ascii_is_one_line_or_escaped(run):  # noqa: F811
     (lambda m: m.encode_image(Path(__file__).parent), "is a folder; pass its image files"),
     (lambda m: m.search(torch.zeros(1, 3, 64, 64, dtype=torch.uint8), ["a", "b"]), "one query (a string)"),
     (lambda m: aligned.load(None), "run_folder None"),
-    (lambda m: aligned.load(b"results"), "run_folder b'results'")])
+    (lambda m: aligned.load(b"results"), "run_folder b'results'"),
+    (lambda m: m.classes(["!!!", "red circle"]), "the class name '!!!' holds no word")])
 def test_an_api_call_of_the_wrong_type_is_one_line(model, call, says):
     with pytest.raises(SystemExit, match=r"^error: .*" + __import__("re").escape(says)):
         call(model)
