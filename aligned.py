@@ -541,8 +541,8 @@ class Aligned:
         if isinstance(class_names, str) or not len(class_names):
             raise RunError(f"class_names {class_names!r}: pass a list of at least one class name, e.g. "
                            f"[\"red circle\", \"blue square\"]")
-        if any(isinstance(c, str) and no_word(c) for c in class_names):
-            bare = next(c for c in class_names if no_word(c))
+        bare = next((c for c in class_names if isinstance(c, str) and no_word(c)), None)
+        if bare is not None:
             raise RunError(f"the class name {bare!r} holds no word, so its score would be the template's alone; "
                            f"give it words")
         templates = check_templates([templates] if isinstance(templates, str) else list(templates or self.templates))
@@ -698,7 +698,10 @@ def image_files(paths):
             files.append(p)
         else:
             raise RunError(f"{p}: no such file or folder; pass image files or folders of them")
-    files = list({os.path.abspath(f): f for f in reversed(files)}.values())[::-1]   # a file named twice: once
+    unique = {}
+    for f in files:
+        unique.setdefault(os.path.abspath(f), f)        # a file named twice (a folder and its file): once, in order
+    files = list(unique.values())
     if not files:
         raise RunError(f"{' '.join(paths)} holds no image file ({', '.join(sorted(IMAGE_SUFFIXES))})")
     for f in files:
@@ -967,7 +970,7 @@ def search(a):
     the index)."""
     if any(not q.strip() for q in a.queries):
         raise RunError("a query is empty; give a text, e.g. \"a red circle\"")
-    named = [q for q in a.queries if os.path.lexists(q) and not q.isspace()]
+    named = [q for q in a.queries if os.path.lexists(q)]
     if named:
         raise RunError(f"the query {named[0]!r} is a file or folder: search reads one folder (or file) of images, "
                        f"then queries; put the images in one folder, or quote a query that is no path")
